@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny checkpoints and a synthetic catalogue, made once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache" / "tests"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint() -> Path:
+    from workers.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(CACHE / "tiny-moe", arch="moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_checkpoint() -> Path:
+    from workers.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(CACHE / "tiny-dense", arch="dense", seed=0)
