@@ -1,0 +1,109 @@
+"""Rules that compare one value of a LoadGen detail log with what the round requires, declared as data:
+(rule id, which run's log, key, comparison, expected value for this round and scenario)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from audit.rules.base import Outcome, Rule, ScenarioContext, check_that, failed
+from audit.rules.rounds import LOADGEN_SCENARIO, SCENARIOS
+
+_OPS: dict[str, Callable[[Any, Any], bool]] = {
+    "==": operator.eq, ">=": operator.ge, "<=": operator.le, ">": operator.gt}
+
+
+@dataclass(frozen=True)
+class LogValueRule:
+    id: str
+    run: Literal["performance", "accuracy"]
+    key: str
+    op: Literal["==", ">=", "<=", ">"]
+    expected: Callable[[ScenarioContext], Any]
+    description: str
+    scenarios: tuple[str, ...] = SCENARIOS
+    # Value to assume when LoadGen did not log the key (it omits some keys when they are false/off).
+    default: Any = None
+    note: Callable[[ScenarioContext], str] | None = None
+
+    def check(self, ctx: ScenarioContext) -> Outcome:
+        log = ctx.detail_log(self.run)
+        expected = self.expected(ctx)
+        note = f" ({self.note(ctx)})" if self.note else ""
+        if self.key not in log and self.default is None:
+            return failed(f"{self.key} not logged; need {self.op} {expected}{note}", log.path)
+        value = log.get(self.key, self.default)
+        try:
+            ok = _OPS[self.op](value, expected)
+        except TypeError:
+            ok = False
+        shown = f"{self.key} = {value}" + ("" if self.key in log else " (not logged)")
+        verdict = f"{self.op} {expected}" if ok else f"need {self.op} {expected}"
+        return check_that(ok, f"{shown}, {verdict}{note}", log.path)
+
+    def as_rule(self) -> Rule:
+        return Rule(self.id, "scenario", self.description, self.check, self.scenarios)
+
+
+def _seed_note(ctx: ScenarioContext) -> str:
+    return (f"{ctx.round.version} seeds; this log is from LoadGen "
+            f"{ctx.detail_log('performance').get('loadgen_version', '?')}")
+
+
+def _latency_note(ctx: ScenarioContext) -> str:
+    if ctx.scenario == "Interactive":
+        return ("Interactive: 1.5 s applied here; the official checker only checks LoadGen-based "
+                "Interactive dirs against the Server 12 s")
+    return "Server p99 end-to-end latency constraint"
+
+
+_PERF_SERVER_LIKE = ("Server", "Interactive")
+
+SPECS: tuple[LogValueRule, ...] = (
+    LogValueRule("perf-scenario", "performance", "effective_scenario", "==",
+                 lambda c: LOADGEN_SCENARIO[c.scenario],
+                 "the performance run used the LoadGen scenario of its directory"),
+    LogValueRule("perf-qsl-rng-seed", "performance", "effective_qsl_rng_seed", "==",
+                 lambda c: c.round.seeds.qsl, "QSL RNG seed is the round's", note=_seed_note),
+    LogValueRule("perf-sample-index-rng-seed", "performance", "effective_sample_index_rng_seed", "==",
+                 lambda c: c.round.seeds.sample_index, "sample-index RNG seed is the round's", note=_seed_note),
+    LogValueRule("perf-schedule-rng-seed", "performance", "effective_schedule_rng_seed", "==",
+                 lambda c: c.round.seeds.schedule, "schedule RNG seed is the round's", note=_seed_note),
+    LogValueRule("perf-sample-count", "performance", "effective_performance_sample_count", ">=",
+                 lambda c: c.round.performance_sample_count, "performance sample count is at least the minimum"),
+    LogValueRule("perf-offline-samples-per-query", "performance", "effective_samples_per_query", ">=",
+                 lambda c: c.round.offline_min_samples_per_query,
+                 "closed Offline query holds at least the minimum samples", scenarios=("Offline",)),
+    LogValueRule("perf-min-duration", "performance", "effective_min_duration_ms", ">=",
+                 lambda c: c.round.min_duration_ms, "minimum run duration is at least 600 s"),
+    LogValueRule("perf-equal-issue", "performance", "effective_sample_concatenate_permutation", "==",
+                 lambda c: True, "equal-issue mode (mlperf.conf sample_concatenate_permutation = 1)"),
+    LogValueRule("perf-token-latencies-off", "performance", "requested_use_token_latencies", "==",
+                 lambda c: False, "end-to-end latency is tracked (mlperf.conf use_token_latencies = 0)",
+                 default=False),
+    LogValueRule("perf-result-valid", "performance", "result_validity", "==", lambda c: "VALID",
+                 "LoadGen judged the run VALID"),
+    LogValueRule("perf-result-metric", "performance", "result_samples_per_second", ">", lambda c: 0,
+                 "Offline result (samples/s) is logged", scenarios=("Offline",)),
+    LogValueRule("perf-result-metric", "performance", "result_completed_samples_per_sec", ">",
+                 lambda c: 0, "Server/Interactive result (completed queries/s) is logged",
+                 scenarios=_PERF_SERVER_LIKE),
+    LogValueRule("perf-early-stopping", "performance", "early_stopping_met", "==", lambda c: True,
+                 "early stopping criterion met", scenarios=_PERF_SERVER_LIKE),
+    LogValueRule("perf-latency-constraint", "performance", "effective_target_latency_ns", "<=",
+                 lambda c: c.round.latency_constraint_ns[c.scenario],
+                 "target latency within the scenario's constraint", scenarios=_PERF_SERVER_LIKE,
+                 note=_latency_note),
+    LogValueRule("accuracy-scenario", "accuracy", "effective_scenario", "==",
+                 lambda c: LOADGEN_SCENARIO[c.scenario],
+                 "the accuracy run used the LoadGen scenario of its directory"),
+    LogValueRule("accuracy-sample-count", "accuracy", "effective_accuracy_sample_count", "==",
+                 lambda c: c.round.accuracy_sample_count[c.scenario],
+                 "the accuracy run covered the whole dataset"),
+    LogValueRule("accuracy-total-count", "accuracy", "qsl_reported_total_count", "==",
+                 lambda c: c.round.accuracy_sample_count[c.scenario],
+                 "the QSL reported the whole dataset"),
+)
+
+RULES: tuple[Rule, ...] = tuple(spec.as_rule() for spec in SPECS)

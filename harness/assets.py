@@ -1,0 +1,43 @@
+"""Where a system's checkpoint and datasets are on disk: local paths as given, or the tiny checkpoint and
+synthetic catalogues the embedded default makes on first use in a cache directory (never downloaded)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from harness.system_config import ConfigError, DatasetKind, DatasetSection, ModelSection
+
+_SYNTHETIC_STAMP = ".synthetic-complete"
+
+
+def resolve_checkpoint(model: ModelSection, cache_dir: Path) -> Path:
+    """The checkpoint directory; a tiny:* checkpoint is written into cache_dir the first time."""
+    if model.tiny_arch is not None:
+        from workers.tiny_checkpoint import make_tiny_checkpoint
+
+        return make_tiny_checkpoint(cache_dir / f"tiny-{model.tiny_arch}", arch=model.tiny_arch, seed=0)
+    path = Path(model.checkpoint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.checkpoint: {path} has no config.json (copy the checkpoint there)")
+    return path
+
+
+def resolve_dataset(section: DatasetSection, kind: DatasetKind, cache_dir: Path) -> Path:
+    """The catalogue directory; a synthetic:N catalogue is written into cache_dir the first time."""
+    count = section.synthetic_count
+    if count is None:
+        path = Path(section.path)
+        if not path.is_dir():
+            raise ConfigError(f"datasets.{kind}.path: {path} is not a directory (copy the dataset there)")
+        return path
+    from harness.synthetic_catalogue import write_synthetic_catalogue
+
+    out = cache_dir / f"synthetic-{kind}-{count}-seed{section.synthetic_seed}"
+    stamp = out / _SYNTHETIC_STAMP
+    if not stamp.is_file():
+        shutil.rmtree(out, ignore_errors=True)  # a half-written catalogue from an interrupted run
+        write_synthetic_catalogue(out, count, seed=section.synthetic_seed, dataset=kind)
+        stamp.write_text(json.dumps({"n_samples": count, "seed": section.synthetic_seed}) + "\n")
+    return out

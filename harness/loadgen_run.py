@@ -1,0 +1,87 @@
+"""One LoadGen test in this process (`python -m harness run-test ...`): the QSL over the sample store, the
+router SUT and settings from user.conf; LoadGen's logs and the failed-samples record land in the test's log dir."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlperf_loadgen as lg
+
+from audit.rules.rounds import FAILED_SAMPLES_FILE
+from harness.assets import resolve_checkpoint, resolve_dataset
+from harness.dataset import load_catalogue
+from harness.progress import Progress
+from harness.prompt import PromptBuilder
+from harness.qsl import StoreQSL
+from harness.sample_store import SampleStore
+from harness.scenarios import LoadGenMode, Scenario, log_dir_for
+from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
+from harness.system_config import DATASET_FOR_SCENARIO, engine_config, load_system_config
+from harness.user_conf import load_test_settings
+from workers.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+TRACE_FILE = "mlperf_log_trace.json"
+
+
+@dataclass(frozen=True)
+class LoadGenTestSpec:
+    system: str  # a system name or a YAML path
+    scenario: Scenario
+    test: LoadGenMode
+    router_address: str
+    scenario_dir: Path  # holds user.conf; the test's logs go to log_dir_for(scenario_dir, test)
+    cache_dir: Path
+    show_progress: bool = True
+
+
+def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
+    """Runs the test to its end and returns the directory holding LoadGen's logs."""
+    config = load_system_config(spec.system)
+    section = config.scenario(spec.scenario.value)
+    kind = DATASET_FOR_SCENARIO[spec.scenario.value]
+    dataset = config.dataset(spec.scenario.value)
+    engine = engine_config(config, resolve_checkpoint(config.model, spec.cache_dir))
+    catalogue = load_catalogue(resolve_dataset(dataset, kind, spec.cache_dir), kind)
+    tokenizer = load_tokenizer()
+    store = SampleStore(catalogue, PromptBuilder(tokenizer, dataset.prompt_variant, engine.min_pixels, engine.max_pixels))
+    settings = load_test_settings(spec.scenario_dir / "user.conf", spec.scenario, spec.test)
+
+    log_dir = log_dir_for(spec.scenario_dir, spec.test)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(log_dir)
+    log_settings.enable_trace = spec.test is LoadGenMode.PERFORMANCE  # per-sample latencies for the plot
+
+    failed = FailedSamplesLog(log_dir / FAILED_SAMPLES_FILE)
+    progress = Progress(
+        f"{spec.scenario.result_dir_name} {spec.test.value}", enabled=spec.show_progress
+    )
+    qsl = StoreQSL(store, len(catalogue), section.performance_sample_count)
+    sut = RouterSUT(
+        store,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        SUTSettings(
+            router_address=spec.router_address,
+            max_tokens=config.requests.max_tokens,
+            timeout_s=config.requests.timeout_s,
+            token=config.router.get("token"),
+            report_first_token=settings.use_token_latencies,
+        ),
+        failed,
+        progress,
+    )
+    try:
+        # A missing audit.config path: compliance overrides must never be picked up from the CWD by accident.
+        lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, log_settings, str(log_dir / "audit.config"))
+    finally:
+        sut.close()
+        qsl.close()
+        progress.close()
+        failed.close()
+    if failed.count:
+        logger.warning("%d samples failed; see %s", failed.count, log_dir / FAILED_SAMPLES_FILE)
+    return log_dir

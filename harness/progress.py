@@ -1,0 +1,79 @@
+"""Live progress of one LoadGen test (tqdm: issued/completed queries, QPS, p50/p99 latency) and the
+summary table printed at the end from LoadGen's own logs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+_POSTFIX_INTERVAL_S = 1.0
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = min(len(sorted_values) - 1, max(0, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[rank]
+
+
+class Progress:
+    """Thread-safe counters the SUT feeds; renders a tqdm bar on stderr (disabled when not wanted)."""
+
+    def __init__(self, description: str, total: int | None = None, enabled: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._issued = 0
+        self._completed = 0
+        self._failed = 0
+        self._latencies: list[float] = []
+        self._start = time.monotonic()
+        self._last_postfix = 0.0
+        self._bar = tqdm(total=total, desc=description, unit="q", disable=not enabled, dynamic_ncols=True)
+
+    def issued(self, count: int) -> None:
+        with self._lock:
+            self._issued += count
+
+    def completed(self, latency_s: float, ok: bool) -> None:
+        with self._lock:
+            self._completed += 1
+            self._failed += 0 if ok else 1
+            self._latencies.append(latency_s)
+            now = time.monotonic()
+            refresh = now - self._last_postfix >= _POSTFIX_INTERVAL_S
+            if refresh:
+                self._last_postfix = now
+                self._bar.set_postfix_str(self._postfix(now), refresh=False)
+            self._bar.update(1)
+
+    def _postfix(self, now: float) -> str:
+        ordered = sorted(self._latencies)
+        qps = self._completed / max(now - self._start, 1e-9)
+        text = (
+            f"issued={self._issued} qps={qps:.2f} "
+            f"p50={percentile(ordered, 50):.2f}s p99={percentile(ordered, 99):.2f}s"
+        )
+        return text + (f" failed={self._failed}" if self._failed else "")
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(issued, completed, failed)."""
+        with self._lock:
+            return self._issued, self._completed, self._failed
+
+    def close(self) -> None:
+        with self._lock:
+            self._bar.set_postfix_str(self._postfix(time.monotonic()), refresh=False)
+            self._bar.close()
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Model workers as Ray actors: one actor per model instance on a STRICT_PACK placement group holding its
+GPUs/CPUs, restarted by Ray when it dies (it rebuilds its engine and re-registers with the router)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from harness.system_config import PoolSection, RaySection
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 1800.0  # a large cluster may take long to free GPUs
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one actor needs to serve: its identity, where the router is, how to build its engine."""
+
+    worker_id: str
+    role: str  # aggregated | prefill | decode
+    router_address: str
+    router_token: str | None
+    engine_factory: Callable[[], Any]  # returns the AsyncEngine this worker serves
+    listen_host: str = "127.0.0.1"
+
+
+def build_async_engine(engine_config) -> Any:
+    """The product engine: LLMEngine in its AsyncEngine step-loop wrapper."""
+    from workers.async_engine import AsyncEngine
+    from workers.engine import LLMEngine
+
+    return AsyncEngine(LLMEngine(engine_config))
+
+
+class ModelWorker:
+    """The actor body. Everything happens in __init__ so that a Ray restart brings the worker back."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from workers.server import WorkerServer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="worker-server", daemon=True)
+        self._thread.start()
+        self._engine = spec.engine_factory()
+        self._server = WorkerServer(
+            self._engine,
+            spec.worker_id,
+            spec.role,
+            router_address=spec.router_address,
+            listen=f"{spec.listen_host}:0",
+            token=spec.router_token,
+        )
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        logger.info("worker %s (%s) serving on %s", spec.worker_id, spec.role, self._server.address)
+
+    def address(self) -> str:
+        return self._server.address
+
+    def stop(self) -> None:
+        """Stops serving (deregisters by going silent) and shuts the engine down."""
+        asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop).result()
+        self._engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+@dataclass
+class _Instance:
+    worker_id: str
+    actor: Any
+    group: PlacementGroup
+
+
+def init_ray(settings: RaySection, address: str | None) -> bool:
+    """Joins `address`, or starts an embedded local Ray; returns whether this process started Ray."""
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return False
+    store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
+    ray.init(
+        num_cpus=settings.num_cpus,
+        num_gpus=settings.num_gpus,
+        object_store_memory=store,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    return True
+
+
+class WorkerFleet:
+    """Every worker of every pool, started as restartable actors; `stop()` releases actors and GPUs."""
+
+    def __init__(
+        self,
+        pools: list[PoolSection],
+        engine_factory: Callable[[], Any],
+        router_address: str,
+        router_token: str | None = None,
+    ) -> None:
+        self._pools = pools
+        self._engine_factory = engine_factory
+        self._router_address = router_address
+        self._router_token = router_token
+        self.instances: list[_Instance] = []
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [instance.worker_id for instance in self.instances]
+
+    def start(self) -> None:
+        actor_class = ray.remote(ModelWorker)
+        for pool in self._pools:
+            for i in range(pool.count):
+                worker_id = f"{pool.role}-{i}"
+                bundle = {"CPU": pool.cpus_per_worker}
+                if pool.gpus_per_worker:
+                    bundle["GPU"] = pool.gpus_per_worker
+                group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{worker_id}")
+                self.instances.append(_Instance(worker_id, None, group))
+                spec = WorkerSpec(
+                    worker_id, pool.role, self._router_address, self._router_token, self._engine_factory
+                )
+                self.instances[-1].actor = actor_class.options(
+                    name=f"q3vl-{worker_id}",
+                    num_cpus=pool.cpus_per_worker,
+                    num_gpus=pool.gpus_per_worker,
+                    max_restarts=-1,
+                    max_concurrency=4,  # address() must answer while another call waits
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+                ).remote(spec)
+        for instance in self.instances:
+            ray.get(instance.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+
+    def addresses(self, timeout_s: float) -> dict[str, str]:
+        """worker_id -> gRPC address, once every actor has finished building its engine."""
+        refs = {instance.worker_id: instance.actor.address.remote() for instance in self.instances}
+        return {worker_id: ray.get(ref, timeout=timeout_s) for worker_id, ref in refs.items()}
+
+    def kill(self, worker_id: str) -> None:
+        """Kills one actor's process; Ray restarts it (used to test recovery)."""
+        actor = next(i.actor for i in self.instances if i.worker_id == worker_id)
+        ray.kill(actor, no_restart=False)
+
+    def stop(self) -> None:
+        for instance in self.instances:
+            try:
+                ray.get(instance.actor.stop.remote(), timeout=30)
+            except Exception as exc:  # a dead or wedged actor is killed below either way
+                logger.warning("worker %s did not stop cleanly: %s", instance.worker_id, exc)
+            ray.kill(instance.actor, no_restart=True)
+            remove_placement_group(instance.group)
+        self.instances.clear()
+
+
+def engine_factory_for(engine_config) -> Callable[[], Any]:
+    return functools.partial(build_async_engine, engine_config)

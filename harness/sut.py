@@ -1,0 +1,208 @@
+"""The LoadGen SUT: each query becomes one RouterService.Generate stream, run on a dedicated asyncio
+event-loop thread so issue_queries never blocks LoadGen; every issued query is completed exactly once."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc.aio
+import mlperf_loadgen as lg
+
+from harness.progress import Progress
+from router.client import RouterClient
+from router.wire import pb
+from workers.types import PromptInput
+
+logger = logging.getLogger(__name__)
+
+
+class PreparedSampleLike(Protocol):
+    prompt: PromptInput | None
+    error: str | None
+
+
+class SampleSource(Protocol):
+    def get(self, index: int) -> PreparedSampleLike: ...
+
+
+class SampleFailed(Exception):
+    """A query that gets an empty response: its prompt could not be built or its request failed."""
+
+
+@dataclass(frozen=True)
+class SUTSettings:
+    router_address: str
+    max_tokens: int = 150
+    timeout_s: float = 7200.0
+    token: str | None = None
+    report_first_token: bool = False  # LoadGen's use_token_latencies (off for this benchmark)
+
+
+class FailedSamplesLog:
+    """The failed queries of one test ({sample_index, error} per query), written as one JSON list at
+    close (atomically) next to LoadGen's logs, where the submission tree builder files it for the audit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._records: list[dict[str, object]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return len(self._records)
+
+    def record(self, sample_index: int, error: str) -> None:
+        with self._lock:
+            self._records.append({"sample_index": sample_index, "error": error})
+
+    def close(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        with self._lock:
+            partial.write_text(json.dumps(self._records, indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, self.path)
+
+
+class RouterSUT:
+    """Sends queries to the router over gRPC; completes them with the detokenized UTF-8 text."""
+
+    def __init__(
+        self,
+        samples: SampleSource,
+        decode: Callable[[Sequence[int]], str],
+        settings: SUTSettings,
+        failed_samples: FailedSamplesLog,
+        progress: Progress | None = None,
+    ) -> None:
+        self._samples = samples
+        self._decode = decode
+        self._settings = settings
+        self._failed = failed_samples
+        self.progress = progress
+        self._outstanding: dict[int, int] = {}  # LoadGen query id -> qsl index, until completed
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
+        self._thread.start()
+        self._client: RouterClient = self._call(self._connect())
+        self.handle = lg.ConstructSUT(self.issue_queries, self.flush_queries)
+
+    async def _connect(self) -> RouterClient:
+        return RouterClient(self._settings.router_address, self._settings.token)  # its channel binds to this loop
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # LoadGen's thread ------------------------------------------------------------------------------
+
+    def issue_queries(self, query_samples: Sequence[lg.QuerySample]) -> None:
+        batch = [(q.id, q.index) for q in query_samples]
+        if self.progress is not None:
+            self.progress.issued(len(batch))
+        self._loop.call_soon_threadsafe(self._start_queries, batch, time.monotonic())
+
+    def flush_queries(self) -> None:
+        """Nothing to flush: every query is sent to the router as soon as it is issued."""
+
+    # The event loop's thread -----------------------------------------------------------------------
+
+    def _start_queries(self, batch: list[tuple[int, int]], issued_at: float) -> None:
+        for query_id, index in batch:
+            self._outstanding[query_id] = index
+            task = self._loop.create_task(self._serve(query_id, index, issued_at))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, query_id: int, index: int, issued_at: float) -> None:
+        text, n_tokens, error = "", 0, None
+        try:
+            prepared = self._samples.get(index)
+            if prepared.error is not None or prepared.prompt is None:
+                raise SampleFailed(f"prompt could not be built: {prepared.error}")
+            token_ids = await asyncio.wait_for(
+                self._generate(query_id, index, prepared.prompt), self._settings.timeout_s
+            )
+            text, n_tokens = self._decode(token_ids), len(token_ids)
+        except asyncio.TimeoutError:
+            error = f"no response within {self._settings.timeout_s:g} s"
+        except grpc.aio.AioRpcError as exc:
+            error = f"router call failed: {exc.code().name}: {exc.details()}"
+        except Exception as exc:  # any failure still completes the query, or LoadGen would hang
+            error = str(exc) or type(exc).__name__
+        if error is not None:
+            logger.error("sample %d (query %d) failed: %s", index, query_id, error)
+            self._failed.record(index, error)
+        self._complete(query_id, text.encode("utf-8"), n_tokens)
+        if self.progress is not None:
+            self.progress.completed(time.monotonic() - issued_at, ok=error is None)
+
+    async def _generate(self, query_id: int, index: int, prompt: PromptInput) -> list[int]:
+        request = pb.GenerateRequest(
+            request_id=f"q{query_id}-s{index}",
+            prompt_token_ids=prompt.token_ids,
+            images=prompt.images,
+            sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens),
+            deadline_s=self._settings.timeout_s,
+        )
+        tokens: list[int] = []
+        finished = False
+        async for chunk in self._client.generate(request):
+            if chunk.token_ids and not tokens and self._settings.report_first_token:
+                self._first_token(query_id, chunk.token_ids[0])
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason in (pb.ERROR, pb.ABORT):
+                raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
+            if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finished = True
+        if not finished:
+            raise SampleFailed("router stream ended without a finish reason")
+        return tokens
+
+    def _first_token(self, query_id: int, token_id: int) -> None:
+        data = array.array("B", self._decode([token_id]).encode("utf-8"))
+        address, length = data.buffer_info()
+        lg.FirstTokenComplete([lg.QuerySampleResponse(query_id, address, length, 1)])
+
+    def _complete(self, query_id: int, data: bytes, n_tokens: int) -> None:
+        if self._outstanding.pop(query_id, None) is None:
+            logger.error("query %d completed twice; ignoring the second completion", query_id)
+            return
+        buffer = array.array("B", data)
+        address, length = buffer.buffer_info()
+        lg.QuerySamplesComplete([lg.QuerySampleResponse(query_id, address, length, n_tokens)])
+
+    # Teardown --------------------------------------------------------------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        return self._call(self._count_outstanding())
+
+    async def _count_outstanding(self) -> int:
+        return len(self._outstanding)
+
+    def close(self) -> None:
+        """Cancels what is still running (completing it), closes the channel and the loop thread."""
+        self._call(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        lg.DestroySUT(self.handle)
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for query_id, index in list(self._outstanding.items()):
+            self._failed.record(index, "the test ended before the query finished")
+            self._complete(query_id, b"", 0)
+        await self._client.close()

@@ -1,0 +1,288 @@
+"""A synthetic product catalogue written in the hub's on-disk layout, deterministic by seed.
+
+Profiles: `small` (tiny images of every format/mode, fast), `mixed` (adds multi-megapixel images),
+`realistic` (all JPEG, image sizes and text lengths drawn from the real dataset's statistics).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw
+
+from harness.dataset import COLUMNS, DATASETS, DatasetKind
+
+logger = logging.getLogger(__name__)
+
+Profile = Literal["small", "mixed", "realistic"]
+PROFILES: tuple[str, ...] = ("small", "mixed", "realistic")
+ROW_GROUP_SIZE = 8
+TRAIN_FRACTION = 0.8
+
+# A small taxonomy: every root-to-node path is a category ("A > B > C").
+TAXONOMY: dict[str, dict] = {
+    "Apparel & Accessories": {
+        "Clothing": {"Shirts & Tops": {"Polo Shirts": {}, "T-Shirts": {}, "Blouses": {}},
+                     "Pants": {"Jeans": {}, "Chinos": {}}, "Men's Outerwear": {"Coats": {}, "Jackets": {}}},
+        "Jewelry": {"Necklaces": {}, "Rings": {}, "Watches": {}},
+        "Shoes": {"Sneakers": {}, "Boots": {}},
+    },
+    "Home & Garden": {
+        "Kitchen & Dining": {"Cookware": {"Frying Pans": {}, "Stock Pots": {}}, "Tableware": {"Mugs": {}}},
+        "Decor": {"Candles": {}, "Vases": {}, "Wall Art": {"Posters": {}, "Canvas Prints": {}}},
+        "Lawn & Garden": {"Gardening Tools": {"Pruners": {}, "Trowels": {}}, "Planters": {}},
+    },
+    "Health & Beauty": {
+        "Personal Care": {"Cosmetics": {"Skin Care": {"Moisturizers": {}, "Serums": {}}, "Makeup": {"Lipstick": {}}},
+                          "Hair Care": {"Shampoo": {}, "Hair Oils": {}}},
+        "Health Care": {"Vitamins & Supplements": {}, "First Aid": {}},
+    },
+    "Sporting Goods": {
+        "Outdoor Recreation": {"Camping & Hiking": {"Tents": {}, "Backpacks": {}}, "Cycling": {"Bike Helmets": {}}},
+        "Athletics": {"Yoga & Pilates": {"Yoga Mats": {}}, "Team Sports": {"Soccer Balls": {}}},
+    },
+    "Toys & Games": {"Toys": {"Building Toys": {}, "Dolls & Playsets": {}, "Kids' Puzzles": {}},
+                     "Games": {"Board Games": {}, "Card Games": {}}},
+    "Food, Beverages & Tobacco": {"Beverages": {"Coffee": {"Ground Coffee": {}, "Coffee Beans": {}}, "Tea": {}},
+                                  "Food Items": {"Snack Foods": {"Chips": {}}, "Candy & Chocolate": {}}},
+    "Electronics": {"Audio": {"Headphones": {}, "Speakers": {}},
+                    "Computers": {"Laptops": {}, "Computer Accessories": {"Keyboards": {}, "Mice": {}}}},
+}
+BRANDS = ("giorgio armani", "Nike", "Le Creuset", "Patagonia", "Muji", "Ōura", "Søstrene Grene", "L'Oréal",
+          "Acme Goods", "北欧生活", "Blue Bottle", "Fjällräven", "LEGO", "Sony", "Casio", "Handmade by Ana")
+NOUNS = ("shirt", "mug", "tent", "serum", "necklace", "sneakers", "candle", "headphones", "coffee", "puzzle",
+         "backpack", "pan", "poster", "keyboard", "yoga mat", "vase")
+ADJECTIVES = ("classic", "organic", "vintage", "limited edition", "ultra-light", "handcrafted", "premium",
+              "eco-friendly", "oversized", "compact", "waterproof", "hand-painted")
+SENTENCES = (
+    "Made from responsibly sourced materials and finished by hand.",
+    "Machine washable at 30°C; do not tumble dry.",
+    "Ships within 2–3 business days — free returns for 30 days.",
+    "Perfect as a gift: arrives in a recyclable box.",
+    "Dimensions: 24 × 18 × 6 cm, weight 340 g.",
+    "Pre-owned, gently used, no visible defects.",
+    "Compatible with most standard accessories.",
+    "Limited stock available. 限量供应 🎁",
+)
+HTML_WRAPPERS = (
+    "<p>{}</p>",
+    "<div class=\"product-desc\"><ul><li>{}</li></ul></div>",
+    "<style>.desc{{font-family:Arial;color:#333;margin:0 auto}} .hl{{font-weight:bold}}</style>"
+    "<div class=\"desc\"><span class=\"hl\">{}</span></div>",
+    "<script>window.dataLayer=window.dataLayer||[];function gtag(){{dataLayer.push(arguments);}}"
+    "gtag('js',new Date());</script><p>{}</p>",
+    "<table><tr><td>Details</td><td>{}</td></tr></table><!-- imported from legacy store -->",
+)
+CSS_FILLER = (".product-grid .item:nth-child(2n+1){margin-right:1.5rem;display:flex;align-items:center}"
+              "@media (max-width:768px){.product-grid .item{width:100%!important}}")
+
+# §1.2b: the most common image sizes of the real catalogue (approximate counts), all JPEG.
+REAL_SIZES: tuple[tuple[int, int], ...] = (
+    (1000, 4200), (800, 3300), (500, 1900), (1200, 1900), (1500, 1850), (512, 1800), (600, 1700), (1024, 1500),
+    (2000, 1300), (1600, 1000), (1080, 900), (750, 800), (2048, 800), (400, 700), (700, 600), (900, 600),
+    (1280, 500), (1400, 400), (1800, 400), (2500, 300), (3000, 200), (4000, 100),
+)
+SMALL_SIZES = ((8, 8), (16, 16), (32, 48), (64, 64), (100, 75), (128, 128), (75, 200), (256, 256), (300, 240))
+BIG_SIZES = ((1600, 1200), (2048, 2048), (1200, 1800))
+FORMAT_MODES: tuple[tuple[str, str], ...] = (
+    ("JPEG", "RGB"), ("JPEG", "L"), ("JPEG", "CMYK"), ("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "P"),
+    ("PNG", "L"), ("WEBP", "RGB"), ("WEBP", "RGBA"),
+)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """What to write; `profile` picks image sizes/formats and description lengths."""
+
+    n_samples: int
+    seed: int = 0
+    dataset: DatasetKind = "product-catalogue"
+    profile: Profile = "small"
+    row_group_size: int = ROW_GROUP_SIZE
+
+
+def _category_paths() -> list[str]:
+    paths: list[str] = []
+
+    def walk(prefix: list[str], node: dict) -> None:
+        for name, children in node.items():
+            path = [*prefix, name]
+            paths.append(" > ".join(path))
+            walk(path, children)
+
+    walk([], TAXONOMY)
+    return paths
+
+
+CATEGORY_PATHS = [p for p in _category_paths() if " > " in p]  # candidates are at least two levels deep
+
+
+def _image(rng: np.random.Generator, size: tuple[int, int], mode: str) -> Image.Image:
+    """A gradient with a few shapes and a little noise: compresses like a product photo, not like static."""
+    w, h = size
+    x = np.linspace(0, 1, w, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
+    c0, c1, c2 = (rng.uniform(0, 255, 3).astype(np.float32) for _ in range(3))
+    pixels = c0 + (c1 - c0) * x + (c2 - c0) * y
+    if w * h <= 1 << 20:
+        pixels = pixels + rng.normal(0, 6, (h, w, 1)).astype(np.float32)
+    img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(1, 5))):
+        x0, x1 = sorted(int(v) for v in rng.integers(0, w, 2))
+        y0, y1 = sorted(int(v) for v in rng.integers(0, h, 2))
+        fill = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=fill)
+    if mode == "RGBA":
+        img.putalpha(Image.linear_gradient("L").resize(size))
+    elif mode == "P":
+        img = img.quantize(colors=64)
+    elif mode != "RGB":
+        img = img.convert(mode)
+    return img
+
+
+def _encode(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    options = {"JPEG": {"quality": 90}, "WEBP": {"quality": 80, "method": 0}, "PNG": {"compress_level": 1}}
+    img.save(buf, format=fmt, **options[fmt])
+    return buf.getvalue()
+
+
+def _description(rnd: random.Random, target_chars: int) -> str:
+    parts: list[str] = []
+    length = 0
+    while length < target_chars:
+        sentence = rnd.choice(SENTENCES)
+        piece = rnd.choice(HTML_WRAPPERS).format(sentence) if rnd.random() < 0.5 else sentence
+        if target_chars > 2000 and rnd.random() < 0.3:
+            piece = f"<style>{CSS_FILLER * rnd.randint(1, 8)}</style>{piece}"
+        parts.append(piece)
+        length += len(piece) + 1
+    return " ".join(parts)
+
+
+def _image_plan(rnd: random.Random, profile: str) -> tuple[tuple[int, int], str, str]:
+    """(size, format, mode) for one sample."""
+    if profile == "realistic":
+        side = rnd.choices([s for s, _ in REAL_SIZES], weights=[c for _, c in REAL_SIZES])[0]
+        shape = rnd.random()
+        size = (side, side * 3 // 4) if shape < 0.05 else (side * 3 // 4, side) if shape < 0.10 else (side, side)
+        return size, "JPEG", "RGB"
+    fmt, mode = rnd.choice(FORMAT_MODES)
+    if profile == "mixed" and rnd.random() < 0.1:
+        return rnd.choice(BIG_SIZES), fmt, mode
+    return rnd.choice(SMALL_SIZES), fmt, mode
+
+
+def _description_chars(rnd: random.Random, profile: str) -> int:
+    if profile == "realistic":
+        # Text tokens per sample mostly 550-1,000 (about 450 of them are the prompt's fixed text),
+        # a long tail to ~20,000: a log-normal of description tokens, ~4 characters per token.
+        tokens = min(19000, int(math.exp(rnd.gauss(math.log(220), 0.8))))
+        return 4 * tokens
+    return rnd.randint(20, 600)
+
+
+def synthetic_sample(seed: int, index: int, profile: str = "small") -> dict:
+    """The row for sample `index`: depends only on (seed, index, profile), not on how many are written."""
+    rnd = random.Random(f"{seed}:{index}:{profile}")
+    rng = np.random.default_rng([seed, index])
+    size, fmt, mode = _image_plan(rnd, profile)
+    candidates = rnd.sample(CATEGORY_PATHS, rnd.choice((8, 9, 9)))
+    brand = rnd.choice(BRANDS)
+    title = f"{brand} {rnd.choice(ADJECTIVES)} {rnd.choice(NOUNS)}"
+    if rnd.random() < 0.1:
+        title += rnd.choice((" ✨", " (2-pack)", " – 北欧风格"))
+    return {
+        "product_title": title,
+        "product_description": _description(rnd, _description_chars(rnd, profile)),
+        "product_image": {"bytes": _encode(_image(rng, size, mode), fmt), "path": None},
+        "potential_product_categories": candidates,
+        "ground_truth_brand": brand,
+        "ground_truth_is_secondhand": rnd.random() < 0.2,
+        "ground_truth_category": rnd.choice(candidates),
+    }
+
+
+ARROW_SCHEMA = pa.schema(
+    [
+        pa.field("product_title", pa.string()),
+        pa.field("product_description", pa.string()),
+        pa.field("product_image", pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])),
+        pa.field("potential_product_categories", pa.list_(pa.string())),
+        pa.field("ground_truth_brand", pa.string()),
+        pa.field("ground_truth_is_secondhand", pa.bool_()),
+        pa.field("ground_truth_category", pa.string()),
+    ],
+    # What `datasets` writes, so load_dataset() also reads product_image as an Image feature.
+    metadata={"huggingface": json.dumps({"info": {"features": {
+        "product_title": {"dtype": "string", "_type": "Value"},
+        "product_description": {"dtype": "string", "_type": "Value"},
+        "product_image": {"_type": "Image"},
+        "potential_product_categories": {"feature": {"dtype": "string", "_type": "Value"}, "_type": "Sequence"},
+        "ground_truth_brand": {"dtype": "string", "_type": "Value"},
+        "ground_truth_is_secondhand": {"dtype": "bool", "_type": "Value"},
+        "ground_truth_category": {"dtype": "string", "_type": "Value"},
+    }}})},
+)
+assert tuple(ARROW_SCHEMA.names) == COLUMNS
+
+
+def _split_sizes(n: int, splits: Sequence[str]) -> list[int]:
+    if len(splits) == 1:
+        return [n]
+    n_test = max(1, round(n * (1 - TRAIN_FRACTION))) if n > 1 else 0
+    return [n - n_test, n_test]
+
+
+def _write_shard(path: Path, rows: list[dict], row_group_size: int) -> None:
+    table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp, row_group_size=row_group_size)
+    tmp.replace(path)
+
+
+def write_synthetic_catalogue(
+    out_dir: str | Path,
+    n_samples: int,
+    seed: int = 0,
+    dataset: DatasetKind = "product-catalogue",
+    profile: Profile = "small",
+    row_group_size: int = ROW_GROUP_SIZE,
+) -> Path:
+    """Writes data/<split>-NNNNN-of-MMMMM.parquet (train 2 shards when it can, test 1) and returns out_dir."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; expected one of {PROFILES}")
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(DATASETS)}")
+    root = Path(out_dir)
+    data_dir = root / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for stale in data_dir.glob("*.parquet"):
+        stale.unlink()
+    splits = DATASETS[dataset].splits
+    index = 0
+    for split, size in zip(splits, _split_sizes(n_samples, splits)):
+        rows = [synthetic_sample(seed, i, profile) for i in range(index, index + size)]
+        index += size
+        n_shards = 2 if split == "train" and size >= 2 else 1
+        bounds = [round(k * size / n_shards) for k in range(n_shards + 1)]
+        for k in range(n_shards):
+            name = f"{split}-{k:05d}-of-{n_shards:05d}.parquet"
+            _write_shard(data_dir / name, rows[bounds[k]:bounds[k + 1]], row_group_size)
+    logger.info("wrote %d synthetic %s samples (%s profile, seed %d) to %s", n_samples, dataset, profile, seed, root)
+    return root

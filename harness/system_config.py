@@ -1,0 +1,295 @@
+"""One YAML per system (mlperf_configs/<system>.yaml) validated into typed objects.
+
+A bad file fails before anything starts with one line naming the key (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "mlperf_configs"
+TINY_PREFIX = "tiny:"
+SYNTHETIC_PREFIX = "synthetic:"
+
+DatasetKind = Literal["product-catalogue", "catalogue-8k"]
+ScenarioName = Literal["offline", "server", "interactive"]
+
+
+class ConfigError(ValueError):
+    """A system config that cannot be used; the message is one line naming the file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SystemSection(_Strict):
+    """Who submits what: names that appear in the submission tree."""
+
+    name: str = Field(min_length=1)
+    submitter: str = Field(min_length=1)
+    division: Literal["closed", "open"]
+    system_desc: str = Field(
+        min_length=1, description="systems/*.json path, relative to mlperf_configs/"
+    )
+
+    @property
+    def system_desc_path(self) -> Path:
+        return CONFIG_DIR / self.system_desc
+
+
+class ModelSection(_Strict):
+    """The checkpoint: a local HF directory, or "tiny:moe" / "tiny:dense" (made on first use)."""
+
+    checkpoint: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _known_tiny_arch(cls, value: str) -> str:
+        if value.startswith(TINY_PREFIX) and value[len(TINY_PREFIX):] not in ("moe", "dense"):
+            raise ValueError(f"tiny checkpoint must be tiny:moe or tiny:dense, got {value!r}")
+        return value
+
+    @property
+    def tiny_arch(self) -> Literal["moe", "dense"] | None:
+        if self.checkpoint.startswith(TINY_PREFIX):
+            return self.checkpoint[len(TINY_PREFIX):]  # type: ignore[return-value]
+        return None
+
+
+class DatasetSection(_Strict):
+    """A catalogue on disk, or "synthetic:N" (N samples written on first use)."""
+
+    path: str = Field(min_length=1)
+    prompt_variant: Literal["v6.0", "v6.1"] = "v6.1"
+    synthetic_seed: int = 0
+
+    @field_validator("path")
+    @classmethod
+    def _synthetic_count(cls, value: str) -> str:
+        if value.startswith(SYNTHETIC_PREFIX):
+            count = value[len(SYNTHETIC_PREFIX):]
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"synthetic dataset must be synthetic:N with N >= 1, got {value!r}")
+        return value
+
+    @property
+    def synthetic_count(self) -> int | None:
+        if self.path.startswith(SYNTHETIC_PREFIX):
+            return int(self.path[len(SYNTHETIC_PREFIX):])
+        return None
+
+
+class PoolSection(_Strict):
+    """A pool of identical model instances; each instance is one Ray actor on its own GPUs."""
+
+    role: Literal["aggregated", "prefill", "decode"]
+    count: PositiveInt
+    gpus_per_worker: NonNegativeInt = 0
+    cpus_per_worker: PositiveFloat = 1.0
+    tp: PositiveInt = 1
+    ep: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _parallelism_fits_gpus(self) -> PoolSection:
+        width = max(self.gpus_per_worker, 1)
+        if self.tp != width:
+            raise ValueError(f"tp ({self.tp}) must equal gpus_per_worker ({self.gpus_per_worker}, CPU counts as 1)")
+        if self.ep not in (1, self.tp):
+            raise ValueError(f"ep ({self.ep}) must be 1 or equal to tp ({self.tp})")
+        return self
+
+
+class WorkersSection(_Strict):
+    pools: list[PoolSection] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _prefill_needs_decode(self) -> WorkersSection:
+        roles = {pool.role for pool in self.pools}
+        if ("prefill" in roles) != ("decode" in roles):
+            raise ValueError("a prefill pool needs a decode pool and vice versa")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(pool.role == "prefill" for pool in self.pools)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(pool.count for pool in self.pools)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(pool.count * pool.gpus_per_worker for pool in self.pools)
+
+
+class ScenarioSection(_Strict):
+    """LoadGen settings written to user.conf for one scenario (times in ms)."""
+
+    target_qps: PositiveFloat
+    min_duration_ms: NonNegativeInt
+    min_query_count: PositiveInt
+    performance_sample_count: PositiveInt
+    target_latency_ms: PositiveInt | None = None
+
+
+class ScenariosSection(_Strict):
+    offline: ScenarioSection | None = None
+    server: ScenarioSection | None = None
+    interactive: ScenarioSection | None = None
+
+    @model_validator(mode="after")
+    def _latency_targets(self) -> ScenariosSection:
+        if self.offline is not None and self.offline.target_latency_ms is not None:
+            raise ValueError("offline.target_latency_ms: Offline has no latency target")
+        for name in ("server", "interactive"):
+            section = getattr(self, name)
+            if section is not None and section.target_latency_ms is None:
+                raise ValueError(f"{name}.target_latency_ms is required")
+        return self
+
+
+class MeasurementsSection(_Strict):
+    """measurements.json fields the submission checker requires non-empty."""
+
+    input_data_types: str = Field(min_length=1)
+    retraining: str = Field(min_length=1)
+    starting_weights_filename: str = Field(min_length=1)
+    weight_data_types: str = Field(min_length=1)
+    weight_transformations: str = Field(min_length=1)
+
+
+class RequestsSection(_Strict):
+    """What the SUT asks of every query."""
+
+    max_tokens: PositiveInt = 150
+    timeout_s: PositiveFloat = 7200.0
+
+
+class RaySection(_Strict):
+    """Resources the embedded `ray.init()` may use (ignored when joining a cluster)."""
+
+    num_cpus: PositiveInt | None = None
+    num_gpus: NonNegativeInt | None = None
+    object_store_memory_mb: PositiveInt | None = None
+
+
+DATASET_FOR_SCENARIO: dict[str, DatasetKind] = {
+    "offline": "product-catalogue",
+    "server": "product-catalogue",
+    "interactive": "catalogue-8k",
+}
+
+
+class SystemConfig(_Strict):
+    system: SystemSection
+    model: ModelSection
+    datasets: dict[DatasetKind, DatasetSection] = Field(min_length=1)
+    engine: dict[str, Any] = Field(default_factory=dict)
+    workers: WorkersSection
+    router: dict[str, Any] = Field(default_factory=dict)
+    scenarios: ScenariosSection
+    measurements: MeasurementsSection
+    requests: RequestsSection = RequestsSection()
+    ray: RaySection = RaySection()
+
+    @model_validator(mode="after")
+    def _datasets_for_scenarios(self) -> SystemConfig:
+        for name, kind in DATASET_FOR_SCENARIO.items():
+            if getattr(self.scenarios, name) is not None and kind not in self.datasets:
+                raise ValueError(f"datasets.{kind} is required by scenarios.{name}")
+        return self
+
+    def scenario(self, name: ScenarioName) -> ScenarioSection:
+        section = getattr(self.scenarios, name)
+        if section is None:
+            raise ConfigError(f"system {self.system.name}: scenarios.{name} is not configured")
+        return section
+
+    def dataset(self, scenario: ScenarioName) -> DatasetSection:
+        return self.datasets[DATASET_FOR_SCENARIO[scenario]]
+
+
+def _one_line(source: str, exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "<root>"
+    more = len(exc.errors()) - 1
+    suffix = f" (+{more} more)" if more else ""
+    return f"{source}: {key}: {first['msg']}{suffix}"
+
+
+def parse_system_config(data: Any, source: str) -> SystemConfig:
+    """Validates already-parsed YAML; `source` names the file in the error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: <root>: expected a mapping of sections")
+    try:
+        config = SystemConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(source, exc)) from None
+    _validate_components(config, source)
+    return config
+
+
+def _validate_components(config: SystemConfig, source: str) -> None:
+    """The engine and router sections are validated by their owners' typed configs."""
+    for section, build in (
+        ("engine", lambda: engine_config(config, Path("checkpoint"))),
+        ("router", lambda: router_config(config, "127.0.0.1:0")),
+    ):
+        try:
+            build()
+        except ValidationError as exc:
+            raise ConfigError(_one_line(source, exc).replace(": ", f": {section}.", 1)) from None
+
+
+def engine_config(config: SystemConfig, checkpoint: Path):
+    """The workers' EngineConfig: the `engine` section plus the resolved checkpoint and dtype."""
+    from workers.config import EngineConfig
+
+    return EngineConfig.model_validate(
+        {**config.engine, "checkpoint": str(checkpoint), "dtype": config.model.dtype}
+    )
+
+
+def router_config(config: SystemConfig, listen: str):
+    """The router's RouterConfig: the `router` section listening on `listen`."""
+    from router.config import RouterConfig
+
+    return RouterConfig.model_validate({**config.router, "listen": listen})
+
+
+def load_system_config(name_or_path: str | Path) -> SystemConfig:
+    """Loads mlperf_configs/<name>.yaml (or a YAML path) and validates it."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            known = ", ".join(available_systems()) or "none"
+            raise ConfigError(f"unknown system {str(name_or_path)!r} (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
+    config = parse_system_config(data, str(path))
+    if path.parent == CONFIG_DIR and config.system.name != path.stem:
+        raise ConfigError(f"{path}: system.name: {config.system.name!r} must equal the file name {path.stem!r}")
+    return config
+
+
+def available_systems() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))

@@ -1,0 +1,366 @@
+"""One request's way through the router: admission, worker choice, (disaggregated) streaming, migration.
+
+Both front ends (gRPC router.server, HTTP router.openai_http) call Dispatcher.generate and get one stream
+of GenerateChunk per request, whatever happened upstream: no gap, no duplicate, exactly one final chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from router.admission import Admission, Rejected
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.policies import RouteRequest, Selector, block_hashes
+from router.registry import SERVING_ROLES, Booking, Registry, WorkerEntry
+from router.transport import call_metadata
+from router.wire import pb
+
+log = logging.getLogger(__name__)
+
+# Upstream failures worth replaying elsewhere (the worker died, restarted, was cut off or is overloaded).
+_MIGRATABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class RouterError(Exception):
+    """The request was refused or timed out before it could be served; `code` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, stage: str, reason: str):
+        super().__init__(reason)
+        self.stage = stage
+
+
+@dataclass
+class _Active:
+    """A request this router holds: where it is running now, and whether the caller aborted it."""
+
+    request_id: str
+    aborted: bool = False
+    entry: WorkerEntry | None = None
+    upstream_id: str = ""
+    attempts: int = 0
+    emitted: list[int] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, registry: Registry):
+        self.config = config
+        self.registry = registry
+        self.selector = Selector(config.policy)
+        self.admission = Admission(config.limits.max_queue)
+        self.inflight = 0
+        self.metrics = RouterMetrics(registry, lambda: self.admission.queue_depth, lambda: self.inflight)
+        self._metadata = call_metadata(config.token)
+        self._active: dict[str, _Active] = {}
+
+    # -- public ---------------------------------------------------------------------------------
+
+    async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """Serve `request`; raises RouterError (refused, no worker, deadline) before or instead of chunks.
+
+        `timeout_s` is the caller's transport deadline; request.deadline_s, if set and sooner, wins.
+        """
+        arrival = time.monotonic()
+        self._validate(request)
+        limits = [t for t in (timeout_s, request.deadline_s or None) if t is not None]
+        deadline = arrival + min(limits) if limits else None
+        if not self.registry.healthy(SERVING_ROLES):
+            self.metrics.rejections.labels(reason="no_worker").inc()
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
+        active = _Active(request.request_id)
+        self._active[request.request_id] = active
+        try:
+            await self._admit(deadline)
+            self.inflight += 1
+            try:
+                async for chunk in self._serve(request, active, deadline, arrival):
+                    yield chunk
+            finally:
+                self.inflight -= 1
+                self.admission.notify()
+        finally:
+            self._active.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request: the worker aborts it and the stream ends with finish_reason ABORT."""
+        active = self._active.get(request_id)
+        if active is None:
+            return False
+        active.aborted = True
+        entry = active.entry
+        if entry is not None:
+            try:
+                await entry.stub.Abort(pb.AbortRequest(request_id=active.upstream_id), metadata=self._metadata, timeout=5)
+            except grpc.aio.AioRpcError as exc:  # the worker is gone: the stream fails and ends as ABORT
+                log.info("abort of %s on %s failed: %s", request_id, entry.worker_id, exc.code())
+        self.admission.notify()
+        return True
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def _validate(self, request: pb.GenerateRequest) -> None:
+        problem = None
+        if not request.request_id:
+            problem = "request_id is empty"
+        elif request.request_id in self._active:
+            problem = f"request_id {request.request_id!r} is already in flight"
+        elif not request.prompt_token_ids:
+            problem = f"request {request.request_id!r}: prompt_token_ids is empty"
+        elif request.sampling.max_tokens <= 0:
+            problem = f"request {request.request_id!r}: sampling.max_tokens must be > 0"
+        if problem:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+    def _has_capacity(self) -> bool:
+        if self.inflight >= self.config.limits.max_inflight_total:
+            return False
+        per_worker = self.config.limits.max_inflight_per_worker
+        return any(e.inflight < per_worker for e in self.registry.healthy(SERVING_ROLES))
+
+    async def _admit(self, deadline: float | None) -> None:
+        try:
+            async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
+                await self.admission.admit(self._has_capacity)
+        except Rejected as exc:
+            self.metrics.rejections.labels(reason="queue_full").inc()
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except TimeoutError:
+            self.metrics.rejections.labels(reason="deadline_in_queue").inc()
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued") from None
+
+    # -- serving with migration -----------------------------------------------------------------
+
+    async def _serve(
+        self, request: pb.GenerateRequest, active: _Active, deadline: float | None, arrival: float
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        max_tokens = request.sampling.max_tokens
+        already = len(request.resume_token_ids)
+        remote_prefill_ok = True
+        retries = 0
+        last_chunk_at = None
+        while True:
+            emitted = active.emitted
+            if active.aborted:
+                yield self._final(request, active, pb.ABORT)
+                return
+            if len(emitted) >= max_tokens:
+                yield self._final(request, active, pb.LENGTH)
+                return
+            try:
+                if remote_prefill_ok and not emitted and not already and self._remote_prefill_pool(request):
+                    attempt = self._disaggregated(request, active, deadline)
+                else:
+                    attempt = self._aggregated(request, active, deadline)
+                async for chunk in attempt:
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        if last_chunk_at is None:
+                            self.metrics.ttft.observe(now - arrival)
+                        else:
+                            self.metrics.itl.observe((now - last_chunk_at) / len(chunk.token_ids))
+                        last_chunk_at = now
+                        emitted.extend(chunk.token_ids)
+                    if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        chunk.prompt_tokens = len(request.prompt_token_ids)
+                        chunk.completion_tokens = already + len(emitted)
+                        self.metrics.duration.observe(now - arrival)
+                        self.metrics.requests.labels(outcome=pb.FinishReason.Name(chunk.finish_reason)).inc()
+                    yield chunk
+                return
+            except _WorkerFailed as failure:
+                if active.aborted:
+                    continue  # ends as ABORT at the top of the loop
+                if retries >= self.config.migration.max_retries:
+                    self.metrics.requests.labels(outcome="ERROR").inc()
+                    yield self._final(request, active, pb.ERROR, f"{failure.stage} failed after "
+                                      f"{retries} migrations: {failure}")
+                    return
+                retries += 1
+                kind = "ongoing_request" if emitted else "new_request"
+                self.metrics.migrations.labels(kind=kind).inc()
+                log.info("request %s: %s failed (%s); migrating (%s)", request.request_id, failure.stage, failure, kind)
+                if failure.stage == "prefill":
+                    remote_prefill_ok = False  # Dynamo's fallback: prefill on the decode worker
+
+    def _final(self, request: pb.GenerateRequest, active: _Active, reason: int, error: str = "") -> pb.GenerateChunk:
+        return pb.GenerateChunk(
+            request_id=request.request_id,
+            finish_reason=reason,
+            error=error,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=len(request.resume_token_ids) + len(active.emitted),
+        )
+
+    # -- the two ways to serve an attempt -------------------------------------------------------
+
+    def _route_request(self, request: pb.GenerateRequest, prefill_tokens: int) -> RouteRequest:
+        policy = self.config.policy
+        hashes = ()
+        if policy.name == "kv_aware" and policy.overlap_credit and prefill_tokens:
+            hashes = block_hashes(request.prompt_token_ids, policy.block_size)
+        return RouteRequest(prompt_tokens=prefill_tokens, block_hashes=hashes)
+
+    def _pick(self, roles: tuple[int, ...], route: RouteRequest, stage: str) -> WorkerEntry:
+        per_worker = self.config.limits.max_inflight_per_worker
+        healthy = self.registry.healthy(roles)
+        candidates = [e for e in healthy if e.inflight < per_worker] or healthy
+        if not candidates:
+            raise _WorkerFailed(stage, "no healthy worker")
+        by_id = {e.worker_id: e for e in candidates}
+        choice = self.selector.choose(route, [e.snapshot() for e in candidates])
+        self.metrics.decisions.labels(worker=choice.worker_id, stage=stage).inc()
+        return by_id[choice.worker_id]
+
+    def _remote_prefill_pool(self, request: pb.GenerateRequest) -> bool:
+        """Disaggregate this prompt? Only when enabled, long enough, and some prefill worker has room."""
+        cfg = self.config.disaggregation
+        if not cfg.enabled or len(request.prompt_token_ids) < cfg.min_remote_prefill_tokens:
+            self.metrics.prefill_mode.labels(mode="local").inc()
+            return False
+        per_worker = self.config.limits.max_inflight_per_worker
+        prefill_ok = any(
+            e.inflight < per_worker and e.snapshot().active_prefill_tokens < cfg.prefill_busy_threshold
+            for e in self.registry.healthy((pb.PREFILL,))
+        )
+        remote = prefill_ok and bool(self._decode_roles())
+        self.metrics.prefill_mode.labels(mode="remote" if remote else "local").inc()
+        return remote
+
+    def _decode_roles(self) -> tuple[int, ...]:
+        return (pb.DECODE,) if self.registry.healthy((pb.DECODE,)) else ((pb.AGGREGATED,) if self.registry.healthy((pb.AGGREGATED,)) else ())
+
+    def _upstream(self, request: pb.GenerateRequest, active: _Active, deadline: float | None) -> pb.GenerateRequest:
+        active.attempts += 1
+        upstream = pb.GenerateRequest()
+        upstream.CopyFrom(request)
+        upstream.request_id = f"{request.request_id}#{active.attempts}"
+        upstream.resume_token_ids.extend(active.emitted)
+        upstream.sampling.max_tokens = request.sampling.max_tokens - len(active.emitted)
+        if deadline is not None:
+            upstream.deadline_s = max(deadline - time.monotonic(), 1e-3)
+        return upstream
+
+    async def _aggregated(self, request, active: _Active, deadline) -> AsyncIterator[pb.GenerateChunk]:
+        upstream = self._upstream(request, active, deadline)
+        context = len(upstream.prompt_token_ids) + len(upstream.resume_token_ids)
+        entry = self._pick(SERVING_ROLES, self._route_request(request, context), "aggregated")
+        booking = self.registry.book(entry, prefill_tokens=context, kv_tokens=context + upstream.sampling.max_tokens)
+        async for chunk in self._stream(entry, upstream, booking, active, "aggregated"):
+            yield chunk
+
+    async def _disaggregated(self, request, active: _Active, deadline) -> AsyncIterator[pb.GenerateChunk]:
+        prompt_len = len(request.prompt_token_ids)
+        # Stage 1: prefill on a PREFILL worker, which samples the first token and holds the KV.
+        prefill = self._upstream(request, active, deadline)
+        prefill.prefill_only = True
+        prefill.sampling.max_tokens = 1
+        p_entry = self._pick((pb.PREFILL,), self._route_request(request, prompt_len), "prefill")
+        booking = self.registry.book(p_entry, prefill_tokens=prompt_len, kv_tokens=prompt_len)
+        last = None
+        async for chunk in self._stream(p_entry, prefill, booking, active, "prefill"):
+            last = chunk
+        if last is None or last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            raise _WorkerFailed("prefill", "prefill stream ended without a final chunk")
+        handle = pb.KvHandle()
+        handle.CopyFrom(last.kv_handle)
+        first = pb.GenerateChunk(request_id=request.request_id, token_ids=last.token_ids, worker_id=p_entry.worker_id)
+        done = last.finish_reason in (pb.STOP, pb.ABORT, pb.ERROR) or request.sampling.max_tokens <= 1
+        if last.finish_reason == pb.LENGTH and not handle.transfer_id:
+            raise _WorkerFailed("prefill", "prefill worker returned no KV handle")
+        if done:
+            if handle.transfer_id:
+                self._release_kv(p_entry, handle)
+            if last.finish_reason == pb.LENGTH and request.sampling.max_tokens <= 1:
+                first.finish_reason = pb.LENGTH
+            else:
+                first.finish_reason, first.error = last.finish_reason, last.error
+            yield first
+            return
+        yield first
+        # Stage 2: decode on a DECODE worker, which pulls the KV from the prefill worker and continues.
+        decode = self._upstream(request, active, deadline)
+        decode.kv_handle.CopyFrom(handle)
+        decode.resume_token_ids[:] = []  # the first token travels in the handle
+        d_entry = self._pick(self._decode_roles(), RouteRequest(prompt_tokens=0), "decode")
+        booking = self.registry.book(d_entry, prefill_tokens=0, kv_tokens=prompt_len + request.sampling.max_tokens)
+        try:
+            async for chunk in self._stream(d_entry, decode, booking, active, "decode"):
+                yield chunk
+        except _WorkerFailed:
+            self._release_kv(p_entry, handle)  # the decode worker may not have pulled it
+            raise
+
+    def _release_kv(self, entry: WorkerEntry, handle: pb.KvHandle) -> None:
+        """Tell a prefill worker to drop KV nobody will pull (fire and forget; it also expires on its own)."""
+
+        async def release() -> None:
+            try:
+                await entry.stub.Abort(pb.AbortRequest(request_id=handle.transfer_id), metadata=self._metadata, timeout=5)
+            except grpc.aio.AioRpcError:
+                pass
+
+        if entry.healthy:
+            asyncio.get_running_loop().create_task(release())
+
+    async def _stream(
+        self, entry: WorkerEntry, upstream: pb.GenerateRequest, booking: Booking, active: _Active, stage: str
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        """Stream one upstream call; worker failures become _WorkerFailed, the booking is always released."""
+        timeout = upstream.deadline_s or None
+        call = entry.stub.Generate(upstream, timeout=timeout, metadata=self._metadata)
+        entry.calls.add(call)
+        active.entry, active.upstream_id = entry, upstream.request_id
+        finished = False
+        try:
+            async for chunk in call:
+                if chunk.token_ids:
+                    booking.prefill_done()
+                chunk.request_id = active.request_id
+                chunk.worker_id = entry.worker_id
+                finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                yield chunk
+                if finished:
+                    return
+            raise _WorkerFailed(stage, f"worker {entry.worker_id} ended the stream without a final chunk")
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RouterError(code, f"deadline passed on worker {entry.worker_id}") from None
+            if code not in _MIGRATABLE:
+                raise RouterError(code, f"worker {entry.worker_id}: {exc.details()}") from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_down(entry, f"stream failed: {exc.details()}")
+            raise _WorkerFailed(stage, f"worker {entry.worker_id}: {code.name} {exc.details()}") from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling() == 0:  # the registry cut the call: worker down
+                raise _WorkerFailed(stage, f"worker {entry.worker_id} went down ({entry.down_reason})") from None
+            raise
+        finally:
+            entry.calls.discard(call)
+            if not finished:
+                call.cancel()  # the caller went away or gave up: the worker aborts the engine request
+            booking.release()
+            if active.entry is entry:
+                active.entry = None

@@ -1,0 +1,151 @@
+"""InstantEngine: an engine with no model that emits deterministic tokens, for measuring the router alone.
+
+It speaks AsyncEngine's interface, so WorkerServer serves it like a real engine; the router benchmark and
+the router tests use it on purpose. The next token is a function of the whole context (prompt, resumed
+tokens, tokens so far), so a migrated or disaggregated request continues exactly where it left off, and
+its exported "KV" is the prompt itself, so a decode worker really depends on the pulled cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+
+from workers.kv_cache import KvExport
+from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
+
+VOCAB = 150_000
+
+
+def next_token(context: Sequence[int]) -> int:
+    """Deterministic in the full context; never one of Qwen's special ids (>= 151643)."""
+    return (sum(context) * 7919 + len(context) * 104_729) % VOCAB
+
+
+class InstantEngine:
+    def __init__(
+        self,
+        step_delay_s: float = 0.0,
+        eos_token_id: int | None = None,
+        total_kv_blocks: int = 65536,
+        block_size: int = 16,
+        kv_layers: int = 2,
+        kv_heads: int = 2,
+        head_dim: int = 4,
+    ):
+        self.step_delay_s = step_delay_s
+        self.eos_token_id = eos_token_id
+        self.total_kv_blocks = total_kv_blocks
+        self.block_size = block_size
+        self.kv_shape = (kv_layers, kv_heads, head_dim)
+        self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
+        self.steps = 0
+        self.stalled = False             # tests: a hung engine that stops stepping
+        self.requests_seen: list[str] = []
+        self.aborted: list[str] = []
+        self._running: dict[str, int] = {}  # request id -> context length (for the load report)
+        self._queued_prompt_tokens = 0
+        self._abort: set[str] = set()
+        self._held: dict[str, KvExport] = {}
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        *,
+        resume_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
+        kv_import: KvExport | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.requests_seen.append(request_id)
+        if kv_import is not None:  # the prompt comes from the pulled cache, not from the request
+            context = [int(t) for t in kv_import.keys[0][:, 0, 0].tolist()] + [kv_import.first_token_id]
+        else:
+            context = list(prompt.token_ids)
+        num_prompt = len(prompt.token_ids)
+        context += list(resume_token_ids)
+        max_new = 1 if prefill_only else sampling.max_tokens
+        self._running[request_id] = len(context)
+        self._queued_prompt_tokens += num_prompt
+        generated = 0
+        prefilled = False
+        try:
+            while True:
+                await asyncio.sleep(self.step_delay_s)
+                while self.stalled:
+                    await asyncio.sleep(0.01)
+                if not prefilled:
+                    self._queued_prompt_tokens -= num_prompt
+                    prefilled = True
+                if request_id in self._abort:
+                    self._abort.discard(request_id)
+                    yield self._output(request_id, [], FinishReason.ABORT, num_prompt, generated)
+                    return
+                self.steps += 1
+                token = next_token(context)
+                context.append(token)
+                generated += 1
+                finish = None
+                if token == self.eos_token_id:
+                    finish = FinishReason.STOP
+                elif generated >= max_new:
+                    finish = FinishReason.LENGTH
+                if finish is not None and prefill_only:
+                    self._held[request_id] = self._export(prompt.token_ids, token)
+                yield self._output(request_id, [token], finish, num_prompt, generated)
+                if finish is not None:
+                    return
+        finally:
+            if not prefilled:
+                self._queued_prompt_tokens -= num_prompt
+            self._running.pop(request_id, None)
+
+    def _output(self, request_id, tokens, finish, num_prompt, generated) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=tokens,
+            finished=finish is not None,
+            finish_reason=finish,
+            num_prompt_tokens=num_prompt,
+            num_generated_tokens=generated,
+        )
+
+    def _export(self, prompt_ids: Sequence[int], first_token: int) -> KvExport:
+        layers, heads, dim = self.kv_shape
+        keys = [torch.tensor(prompt_ids, dtype=torch.float32)[:, None, None].expand(-1, heads, dim).contiguous()
+                for _ in range(layers)]
+        values = [k.neg() for k in keys]
+        return KvExport(num_tokens=len(prompt_ids), keys=keys, values=values, mrope_position_delta=0,
+                        first_token_id=first_token)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        if request_id in self._running:
+            self._abort.add(request_id)
+
+    def export_kv(self, request_id: str) -> KvExport:
+        return self._held[request_id]
+
+    def release(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    @property
+    def held_kv(self) -> list[str]:
+        return list(self._held)
+
+    def load(self) -> EngineLoad:
+        used = sum(-(-n // self.block_size) for n in self._running.values())
+        return EngineLoad(
+            waiting_requests=0,
+            running_requests=len(self._running),
+            queued_prompt_tokens=self._queued_prompt_tokens,
+            free_kv_blocks=max(self.total_kv_blocks - used, 0),
+            total_kv_blocks=self.total_kv_blocks,
+            steps=self.steps,
+        )
+
+    def shutdown(self) -> None:
+        self._abort.update(self._running)

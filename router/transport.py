@@ -1,0 +1,103 @@
+"""gRPC plumbing shared by the router, its client and the workers: channels, listeners, token auth.
+
+Every call carries `authorization: Bearer <token>` when a token is set; servers reject calls without it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from router.config import MIB, TlsConfig
+
+HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
+
+
+def channel_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
+    """Large messages (images travel inline), keepalive so a dead peer is noticed, big HTTP/2 windows."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # below the clients' keepalive
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def open_channel(
+    address: str, *, max_message_bytes: int = 64 * MIB, root_certificates: bytes | None = None
+) -> grpc.aio.Channel:
+    options = channel_options(max_message_bytes)
+    if root_certificates is not None:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def add_listener(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:
+    """Bind `address` (TLS when configured); returns the bound port."""
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        credentials = grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())])
+        port = server.add_secure_port(address, credentials)
+    if port == 0:
+        raise OSError(f"could not bind gRPC listener on {address}")
+    return port
+
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the shared token (UNAUTHENTICATED). Health checks stay open: they carry no
+    secret and reveal only SERVING / NOT_SERVING, and probes (Kubernetes) cannot send a token."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+    async def intercept_service(
+        self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_SERVICE_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if bearer_ok(metadata.get("authorization"), self._token):
+            return handler
+        return _unauthenticated_like(handler)
+
+
+def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "missing or wrong bearer token"
+    if handler.response_streaming:
+
+        async def reject_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover  (makes this an async generator, matching the method's type)
+
+        return grpc.unary_stream_rpc_method_handler(
+            reject_stream, handler.request_deserializer, handler.response_serializer
+        )
+
+    async def reject_unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(reject_unary, handler.request_deserializer, handler.response_serializer)

@@ -1,0 +1,206 @@
+"""Writes a random-weight Qwen3-VL checkpoint of the real shapes (30B-A3B, 235B-A22B) for performance runs.
+
+Tensors are streamed to safetensors shard by shard and never held in memory; names and shapes come from a
+meta-device instance of the transformers class. Usage: python -m scripts.make_random_checkpoint --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from workers.tiny_checkpoint import (
+    ARCHITECTURES,
+    RELEASED_CONFIGS,
+    released_config,
+    transformers_config,
+    write_side_configs,
+)
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_VALUE = 2  # bfloat16
+INIT_STD = 0.02
+PATTERN_VALUES = 1 << 20  # random values per pattern block; tensors repeat it from a random offset
+_BF16_ONE = np.array([0x3F80], dtype=np.uint16)
+_EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@dataclass(frozen=True)
+class RandomCheckpointSpec:
+    """What to write. expert_layout "release" stores fused experts as the released checkpoints do
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H]); "transformers" as transformers v5 saves them
+    ([E, 2I, H], [E, H, I]). transformers' from_pretrained loads both."""
+
+    preset: str = "qwen3-vl-30b-a3b"
+    num_layers: int | None = None
+    num_experts: int | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    expert_layout: Literal["release", "transformers"] = "release"
+    max_shard_bytes: int = 5 * 10**9
+    seed: int = 0
+
+    def config(self) -> dict[str, Any]:
+        overrides = dict(self.overrides)
+        if self.num_layers is not None:
+            overrides["text_config.num_hidden_layers"] = self.num_layers
+        if self.num_experts is not None:
+            overrides["text_config.num_experts"] = self.num_experts
+        return released_config(self.preset, overrides)
+
+
+def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor save_pretrained would write for this config, without allocating any."""
+    import torch
+    import transformers
+
+    model_class = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        model = model_class(transformers_config(config))
+    shapes = []
+    for name, tensor in model.state_dict().items():
+        shape = tuple(tensor.shape)
+        if expert_layout == "release" and name.endswith(_EXPERT_TENSORS):
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        shapes.append((name, shape))
+    return shapes
+
+
+def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy split in order (as save_pretrained does); a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = int(np.prod(shape)) * BYTES_PER_VALUE
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def _random_pattern(seed: int) -> np.ndarray:
+    """PATTERN_VALUES values ~N(0, INIT_STD) as bfloat16 bit patterns, stored twice so any offset can be sliced."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    values = (torch.randn(PATTERN_VALUES, generator=generator) * INIT_STD).to(torch.bfloat16)
+    bits = values.view(torch.int16).numpy().view(np.uint16)
+    return np.concatenate([bits, bits])
+
+
+def _tensor_chunks(name: str, count: int, pattern: np.ndarray, rng: np.random.Generator) -> Iterator[bytes]:
+    """The bytes of one tensor: ones for norm weights (so activations keep their scale), else the pattern."""
+    if "norm" in name and name.endswith(".weight"):
+        yield np.broadcast_to(_BF16_ONE, (count,)).tobytes()
+        return
+    offset = int(rng.integers(PATTERN_VALUES))
+    while count > 0:
+        take = min(count, PATTERN_VALUES)
+        yield pattern[offset : offset + take].tobytes()
+        count -= take
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pattern: np.ndarray, rng: np.random.Generator) -> None:
+    """Writes one safetensors file of bfloat16 tensors, streaming the data after the header."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors:
+        nbytes = int(np.prod(shape)) * BYTES_PER_VALUE
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, shape in tensors:
+            for chunk in _tensor_chunks(name, int(np.prod(shape)), pattern, rng):
+                f.write(chunk)
+
+
+def make_random_checkpoint(out_dir: Path, spec: RandomCheckpointSpec) -> Path:
+    """Writes config.json (released layout, bfloat16), generation/preprocessor configs and the sharded
+    weights into out_dir, built aside in out_dir.partial and renamed into place when complete."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another --out")
+    config = spec.config()
+    shapes = tensor_shapes(config, spec.expert_layout)
+    shards = plan_shards(shapes, spec.max_shard_bytes)
+    staging = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_side_configs(staging)
+
+    pattern = _random_pattern(spec.seed)
+    rng = np.random.default_rng(spec.seed)
+    weight_map: dict[str, str] = {}
+    for index, tensors in enumerate(shards, start=1):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(staging / filename, tensors, pattern, rng)
+        weight_map.update({name: filename for name, _ in tensors})
+        log.info("wrote %s (%d tensors)", filename, len(tensors))
+    if len(shards) > 1:
+        total = sum(int(np.prod(shape)) for _, shape in shapes)
+        index_json = {
+            "metadata": {"total_parameters": total, "total_size": total * BYTES_PER_VALUE},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+    os.rename(staging, out_dir)
+    return out_dir
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"override {text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"override {key}: value {value!r} is not JSON") from exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    moe_presets = sorted(p for p, c in RELEASED_CONFIGS.items() if c["architectures"][0] == ARCHITECTURES["moe"])
+    parser.add_argument("--preset", choices=moe_presets, default="qwen3-vl-30b-a3b")
+    parser.add_argument("--num-layers", type=int, help="text decoder layers (fewer than the real count)")
+    parser.add_argument("--num-experts", type=int, help="experts per MoE layer")
+    parser.add_argument(
+        "--override", type=_override, action="append", default=[], metavar="KEY=JSON",
+        help="config.json field by dotted path, e.g. vision_config.depth=2 (repeatable)",
+    )
+    parser.add_argument("--expert-layout", choices=["release", "transformers"], default="release")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = RandomCheckpointSpec(
+        preset=args.preset,
+        num_layers=args.num_layers,
+        num_experts=args.num_experts,
+        overrides=dict(args.override),
+        expert_layout=args.expert_layout,
+        max_shard_bytes=int(args.max_shard_gb * 10**9),
+        seed=args.seed,
+    )
+    print(make_random_checkpoint(args.out, spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""In-process router + instant-engine workers for the router tests (one event loop, loopback ports).
+
+`Cluster` starts a RouterServer and WorkerServers around InstantEngines and waits until all registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from router.client import RouterClient
+from router.config import parse_router_config
+from router.instant_engine import InstantEngine
+from router.server import RouterServer
+from router.wire import pb
+from workers.server import WorkerServer
+
+FAST_HEALTH = {"heartbeat_interval_s": 0.1, "down_after_s": 0.5}
+
+
+def run(coro, timeout: float = 30.0):
+    """Run one test coroutine with a hard timeout (no pytest-asyncio here)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def request(rid: str, prompt_len: int = 40, max_tokens: int = 8, **kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[(i * 37 + len(rid)) % 5000 for i in range(prompt_len)],
+        sampling=pb.SamplingParams(max_tokens=max_tokens),
+        **kwargs,
+    )
+
+
+async def collect(stream) -> tuple[list[int], list[pb.GenerateChunk]]:
+    chunks = [c async for c in stream]
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+@dataclass
+class Cluster:
+    config: dict = field(default_factory=dict)
+    roles: tuple[str, ...] = ("aggregated", "aggregated")
+    step_delay_s: float = 0.0
+    token: str | None = None
+    router: RouterServer | None = None
+    workers: list[WorkerServer] = field(default_factory=list)
+    engines: list[InstantEngine] = field(default_factory=list)
+    client: RouterClient | None = None
+
+    async def __aenter__(self) -> Cluster:
+        config = {"health": FAST_HEALTH, "policy": {"seed": 0}, "token": self.token} | self.config
+        self.router = RouterServer(parse_router_config(config))
+        await self.router.start()
+        for i, role in enumerate(self.roles):
+            await self.add_worker(f"w{i}", role)
+        self.client = RouterClient(self.router.address, token=self.token)
+        await self.client.wait_for_workers(len(self.roles), timeout=10)
+        return self
+
+    async def add_worker(self, worker_id: str, role: str = "aggregated", engine: InstantEngine | None = None) -> WorkerServer:
+        engine = engine or InstantEngine(step_delay_s=self.step_delay_s)
+        worker = WorkerServer(engine, worker_id, role, self.router.address, token=self.token, heartbeat_interval_s=0.1)
+        await worker.start()
+        self.workers.append(worker)
+        self.engines.append(engine)
+        return worker
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        for worker in self.workers:
+            await worker.stop(0)
+        await self.router.stop(0)

@@ -1,0 +1,186 @@
+"""The SUT against an in-test gRPC router double, driven by real LoadGen: every query is completed exactly
+once, failures become empty responses plus a failed-samples record, and issue_queries never blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import mlperf_loadgen as lg
+import pytest
+
+from audit.rules.rounds import FAILED_SAMPLES_FILE
+from harness.progress import Progress
+from harness.qsl import StoreQSL
+from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
+from router.wire import pb, pb_grpc
+from workers.types import PromptInput
+
+ANSWER = '{"category": "A > B", "brand": "x", "is_secondhand": false}'
+# What the double does with a request is chosen by the prompt's first token.
+OK, ERROR_CHUNK, HANG, RPC_ERROR = 1, 2, 3, 4
+BEHAVIOUR = {0: OK, 1: OK, 2: ERROR_CHUNK, 3: HANG, 4: RPC_ERROR, 6: OK, 7: OK}
+BAD_PROMPT = 5  # the store could not build this sample's prompt
+NUM_SAMPLES = 8
+TIMEOUT_S = 1.5
+
+
+class RouterDouble(pb_grpc.RouterServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        behaviour = request.prompt_token_ids[0]
+        if behaviour == HANG:
+            await asyncio.sleep(3600)
+        if behaviour == RPC_ERROR:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
+        if behaviour == ERROR_CHUNK:
+            yield pb.GenerateChunk(request_id=request.request_id, finish_reason=pb.ERROR, error="image too large")
+            return
+        ids = [ord(c) for c in ANSWER]
+        yield pb.GenerateChunk(request_id=request.request_id, token_ids=ids[:5])
+        yield pb.GenerateChunk(
+            request_id=request.request_id, token_ids=ids[5:], finish_reason=pb.STOP, completion_tokens=len(ids)
+        )
+
+
+@pytest.fixture
+def router_double():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servicer = RouterDouble()
+
+    async def start():
+        server = grpc.aio.server()
+        pb_grpc.add_RouterServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    yield servicer, f"127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+@dataclass
+class Prepared:
+    prompt: PromptInput | None
+    error: str | None
+
+
+class StoreDouble:
+    def __init__(self) -> None:
+        self.loaded: set[int] = set()
+
+    def load(self, indices):
+        self.loaded.update(indices)
+
+    def unload(self, indices):
+        self.loaded.difference_update(indices)
+
+    def get(self, index: int) -> Prepared:
+        assert index in self.loaded, f"sample {index} used before load_samples"
+        if index == BAD_PROMPT:
+            return Prepared(None, "cannot decode image: truncated JPEG")
+        return Prepared(PromptInput([BEHAVIOUR[index], 100, 101], [b"jpeg-bytes"]), None)
+
+
+class TimedSUT(RouterSUT):
+    """Records how long LoadGen's thread spends inside issue_queries."""
+
+    issue_seconds: float = 0.0
+
+    def issue_queries(self, query_samples):
+        start = time.monotonic()
+        super().issue_queries(query_samples)
+        self.issue_seconds = max(self.issue_seconds, time.monotonic() - start)
+
+
+def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode) -> TimedSUT:
+    settings = lg.TestSettings()
+    settings.scenario = scenario
+    settings.mode = mode
+    settings.min_query_count = NUM_SAMPLES
+    settings.min_duration_ms = 100
+    settings.server_target_qps = 50
+    settings.offline_expected_qps = 50
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(out)
+    log_settings.enable_trace = False
+    failed = FailedSamplesLog(out / FAILED_SAMPLES_FILE)
+    store = StoreDouble()
+    qsl = StoreQSL(store, NUM_SAMPLES, NUM_SAMPLES)
+    sut = TimedSUT(
+        store,
+        lambda ids: "".join(chr(i) for i in ids),
+        SUTSettings(router_address=address, timeout_s=TIMEOUT_S),
+        failed,
+        Progress("test", enabled=False),
+    )
+    try:
+        lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, log_settings, str(out / "audit.config"))
+        assert sut.outstanding == 0
+    finally:
+        sut.close()
+        qsl.close()
+        failed.close()
+    return sut
+
+
+def read_failed(out: Path) -> dict[int, str]:
+    records = json.loads((out / FAILED_SAMPLES_FILE).read_text())
+    return {r["sample_index"]: r["error"] for r in records}
+
+
+def test_accuracy_run_completes_every_sample_once_with_failures_empty(router_double, tmp_path):
+    servicer, address = router_double
+    run_loadgen(address, tmp_path, lg.TestScenario.Offline, lg.TestMode.AccuracyOnly)
+
+    entries = json.loads((tmp_path / "mlperf_log_accuracy.json").read_text())
+    by_index = {}
+    for entry in entries:
+        assert entry["qsl_idx"] not in by_index, f"sample {entry['qsl_idx']} answered twice"
+        by_index[entry["qsl_idx"]] = bytes.fromhex(entry["data"]).decode("utf-8")
+    assert sorted(by_index) == list(range(NUM_SAMPLES))
+    failed_indices = {2, 3, 4, BAD_PROMPT}
+    for index, text in by_index.items():
+        assert text == ("" if index in failed_indices else ANSWER), index
+
+    failed = read_failed(tmp_path)
+    assert set(failed) == failed_indices
+    assert "image too large" in failed[2]
+    assert "no response within" in failed[3]
+    assert "UNAVAILABLE" in failed[4]
+    assert "truncated JPEG" in failed[BAD_PROMPT]
+    # The bad prompt never reached the router; every other sample did, once, with the MLPerf sampling.
+    sent = [r for r in servicer.requests]
+    assert len(sent) == NUM_SAMPLES - 1
+    assert all(r.sampling.use_model_defaults and r.sampling.max_tokens == 150 for r in sent)
+    assert all(list(r.images) == [b"jpeg-bytes"] for r in sent)
+
+
+def test_issue_queries_returns_while_the_router_is_still_working(router_double, tmp_path):
+    _, address = router_double
+    sut = run_loadgen(address, tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly)
+    assert sut.issue_seconds < 0.2 < TIMEOUT_S  # a hung request is still pending when issue returns
+
+
+def test_server_run_completes_every_issued_query(router_double, tmp_path):
+    _, address = router_double
+    sut = run_loadgen(address, tmp_path, lg.TestScenario.Server, lg.TestMode.PerformanceOnly)
+    issued, completed, failed = sut.progress.counts
+    assert issued == completed >= NUM_SAMPLES
+    assert failed == len(json.loads((tmp_path / FAILED_SAMPLES_FILE).read_text())) > 0
+    assert "Scenario : Server" in (tmp_path / "mlperf_log_summary.txt").read_text()

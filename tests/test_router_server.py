@@ -1,0 +1,286 @@
+"""RouterService with instant-engine workers in one process: streaming, cancel, limits, auth, health,
+worker failure (down detection, migration) and disaggregated prefill/decode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.client import RouterClient
+from router.config import parse_router_config
+from router.instant_engine import next_token
+from router.wire import pb
+from tests.router_fixtures import Cluster, collect, request, run
+
+
+def expected_tokens(req: pb.GenerateRequest) -> list[int]:
+    context = list(req.prompt_token_ids)
+    for _ in range(req.sampling.max_tokens):
+        context.append(next_token(context))
+    return context[len(req.prompt_token_ids):]
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_generate_streams_every_token_once_and_ends_with_counts():
+    async def body():
+        async with Cluster() as c:
+            req = request("r1", prompt_len=40, max_tokens=12)
+            tokens, chunks = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)
+            last = chunks[-1]
+            assert last.finish_reason == pb.LENGTH
+            assert (last.prompt_tokens, last.completion_tokens) == (40, 12)
+            assert all(ch.request_id == "r1" and ch.worker_id in {"w0", "w1"} for ch in chunks)
+            assert sum(ch.finish_reason != pb.FINISH_REASON_UNSPECIFIED for ch in chunks) == 1
+
+    run(body())
+
+
+def test_booked_load_is_released_after_every_request():
+    async def body():
+        async with Cluster() as c:
+            await asyncio.gather(*(collect(c.client.generate(request(f"r{i}"))) for i in range(20)))
+            for entry in c.router.registry.entries():
+                assert (entry.inflight, entry.booked_prefill_tokens, entry.booked_blocks) == (0, 0, 0)
+
+    run(body())
+
+
+def test_client_cancel_aborts_the_engine_request_upstream():
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+            stream = c.client.generate(request("gone", max_tokens=100))
+            await stream.__anext__()
+            await stream.aclose()  # the caller goes away
+            await wait_until(lambda: "gone#1" in c.engines[0].aborted)
+            await wait_until(lambda: c.router.registry.entries()[0].inflight == 0)
+
+    run(body())
+
+
+def test_abort_rpc_ends_the_stream_with_abort():
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+            stream = c.client.generate(request("ab", max_tokens=100))
+            await stream.__anext__()
+            assert await c.client.abort("ab") is True
+            tokens, chunks = await collect(stream)
+            assert chunks[-1].finish_reason == pb.ABORT
+            assert len(tokens) < 100
+            assert await c.client.abort("unknown") is False
+
+    run(body())
+
+
+def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted():
+    async def body():
+        limits = {"max_inflight_total": 1, "max_queue": 1}
+        async with Cluster(roles=("aggregated",), step_delay_s=0.02, config={"limits": limits}) as c:
+            first = asyncio.create_task(collect(c.client.generate(request("a", max_tokens=10))))
+            await wait_until(lambda: c.router.dispatcher.inflight == 1)
+            queued = asyncio.create_task(collect(c.client.generate(request("b", max_tokens=10))))
+            await wait_until(lambda: c.router.dispatcher.admission.queue_depth == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.client.generate(request("c")))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for task in (first, queued):  # the queued one runs once the first finishes
+                tokens, _ = await task
+                assert len(tokens) == 10
+            assert b'q3vl_router_rejections_total{reason="queue_full"} 1.0' in c.router.dispatcher.metrics.render()
+
+    run(body())
+
+
+def test_request_deadline_gives_deadline_exceeded():
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.client.generate(request("slow", max_tokens=100, deadline_s=0.3)))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_until(lambda: c.router.registry.entries()[0].inflight == 0)
+
+    run(body())
+
+
+def test_non_loopback_bind_without_token_is_rejected_naming_the_key():
+    with pytest.raises(ValueError, match="listen"):
+        parse_router_config({"listen": "0.0.0.0:50051"})
+    with pytest.raises(ValueError, match="key 'policy.name'"):
+        parse_router_config({"policy": {"name": "fastest"}})
+    assert parse_router_config({"listen": "0.0.0.0:50051", "token": "s3cret"}).token == "s3cret"
+
+
+def test_calls_without_the_token_are_unauthenticated():
+    async def body():
+        async with Cluster(token="s3cret") as c:
+            tokens, _ = await collect(c.client.generate(request("ok")))  # workers registered with the token too
+            assert len(tokens) == 8
+            async with RouterClient(c.router.address) as anonymous:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await anonymous.list_workers()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            async with RouterClient(c.router.address, token="wrong") as wrong:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(wrong.generate(request("no")))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    run(body())
+
+
+def test_health_service_reports_serving_with_workers():
+    async def body():
+        async with Cluster() as c:
+            async with grpc.aio.insecure_channel(c.router.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service="q3vl.v1.RouterService"))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(body())
+
+
+def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work():
+    async def body():
+        async with Cluster() as c:
+            c.workers[0]._reporter.cancel()  # w0 goes silent
+            await wait_until(lambda: not c.router.registry.get("w0").healthy)
+            listing = await c.client.list_workers()
+            assert dict(zip([w.worker_id for w in listing.workers], listing.healthy)) == {"w0": False, "w1": True}
+            for i in range(6):
+                _, chunks = await collect(c.client.generate(request(f"r{i}")))
+                assert {ch.worker_id for ch in chunks} == {"w1"}
+
+    run(body())
+
+
+def test_hung_engine_is_marked_down_and_its_request_migrates():
+    async def body():
+        async with Cluster(step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
+            req = request("hang", max_tokens=40)
+            stream = c.client.generate(req)
+            first = await stream.__anext__()
+            victim = int(first.worker_id[1:])
+            c.engines[victim].stalled = True  # steps stop while the request is running
+            tokens, chunks = await collect(stream)
+            assert list(first.token_ids) + tokens == expected_tokens(req)
+            assert not c.router.registry.get(first.worker_id).healthy
+            assert "stalled" in c.router.registry.get(first.worker_id).down_reason
+            assert chunks[-1].worker_id != first.worker_id
+
+    run(body())
+
+
+def test_worker_killed_mid_stream_loses_no_token_and_repeats_none():
+    async def body():
+        async with Cluster(step_delay_s=0.02) as c:
+            req = request("mig", max_tokens=40)
+            stream = c.client.generate(req)
+            seen = []
+            async for chunk in stream:
+                seen.append(chunk)
+                if sum(len(ch.token_ids) for ch in seen) >= 5:
+                    break_worker = next(w for w in c.workers if w.worker_id == chunk.worker_id)
+                    await break_worker.stop(0)
+                    break
+            tokens, chunks = await collect(stream)
+            streamed = [t for ch in seen for t in ch.token_ids] + tokens
+            assert streamed == expected_tokens(req)
+            assert chunks[-1].finish_reason == pb.LENGTH and chunks[-1].completion_tokens == 40
+            assert b'q3vl_router_migrations_total{kind="ongoing_request"} 1.0' in c.router.dispatcher.metrics.render()
+
+    run(body())
+
+
+def test_migration_gives_up_after_max_retries_with_an_error_chunk():
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.02, config={"migration": {"max_retries": 0}}) as c:
+            stream = c.client.generate(request("lost", max_tokens=40))
+            await stream.__anext__()
+            await c.workers[0].stop(0)
+            _, chunks = await collect(stream)
+            assert chunks[-1].finish_reason == pb.ERROR and "failed" in chunks[-1].error
+
+    run(body())
+
+
+def test_restarted_worker_replaces_its_old_entry():
+    async def body():
+        async with Cluster(roles=("aggregated",)) as c:
+            old_address = c.workers[0].address
+            await c.workers[0].stop(0)
+            await c.add_worker("w0")  # same id, new port
+            await wait_until(lambda: c.router.registry.get("w0").address != old_address)
+            listing = await c.client.list_workers()
+            assert [w.worker_id for w in listing.workers] == ["w0"] and list(listing.healthy) == [True]
+            tokens, _ = await collect(c.client.generate(request("after")))
+            assert len(tokens) == 8
+
+    run(body())
+
+
+DISAGG = {"disaggregation": {"enabled": True}}
+
+
+def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv():
+    async def body():
+        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+            req = request("pd", prompt_len=64, max_tokens=10)
+            tokens, chunks = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)  # the decode engine rebuilt the prompt from the pulled KV
+            assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
+            assert c.engines[0].requests_seen == ["pd#1"] and c.engines[1].requests_seen == ["pd#2"]
+            await wait_until(lambda: c.engines[0].held_kv == [])  # released after the pull
+            assert chunks[-1].completion_tokens == 10
+
+    run(body())
+
+
+def test_short_prompts_prefill_locally_under_conditional_disaggregation():
+    async def body():
+        config = {"disaggregation": {"enabled": True, "min_remote_prefill_tokens": 100}}
+        async with Cluster(roles=("prefill", "decode"), config=config) as c:
+            req = request("short", prompt_len=40)
+            tokens, _ = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)
+            assert c.engines[0].requests_seen == []
+
+    run(body())
+
+
+def test_prefill_worker_failure_falls_back_to_local_prefill():
+    async def body():
+        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+            await c.workers[0]._server.stop(0)  # the prefill worker stops serving but still heartbeats
+            req = request("fallback", prompt_len=64)
+            tokens, chunks = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)
+            assert {ch.worker_id for ch in chunks} == {"w1"}
+
+    run(body())
+
+
+def test_least_loaded_sends_less_traffic_to_a_slow_worker():
+    async def body():
+        async with Cluster(config={"policy": {"name": "least_loaded"}}) as c:
+            c.engines[0].step_delay_s = 0.03  # w0 is slow, w1 instant
+            counts = {"w0": 0, "w1": 0}
+            sem = asyncio.Semaphore(8)
+
+            async def one(i):
+                async with sem:
+                    _, chunks = await collect(c.client.generate(request(f"r{i}", max_tokens=10)))
+                    counts[chunks[-1].worker_id] += 1
+
+            await asyncio.gather(*(one(i) for i in range(80)))
+            assert counts["w1"] > 2 * counts["w0"], counts
+
+    run(body())

@@ -1,0 +1,64 @@
+"""EngineConfig: every setting of one engine (checkpoint, device, KV pool, batching limits, image limits).
+
+Validated on construction; a bad value fails with a pydantic error naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.vision_geometry import MAX_PIXELS, MIN_PIXELS
+
+CPU_DEFAULT_KV_BLOCKS = 1024
+PIL_DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+
+class EngineConfig(BaseModel):
+    """Settings of one LLMEngine. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: Path = Field(description="Directory holding config.json, generation_config.json and *.safetensors.")
+    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Activation and weight dtype; 'auto' is bfloat16 on CUDA, float32 on CPU."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; None sizes it from free memory on CUDA "
+        f"(gpu_memory_utilization) and uses {CPU_DEFAULT_KV_BLOCKS} on CPU."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="Token budget of one step (prefill chunks + decodes).")
+    max_model_len: int = Field(32768, ge=2, description="Longest context (prompt + generated tokens).")
+    max_image_pixels: int = Field(
+        PIL_DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Decoded images above this pixel count are rejected (decompression bombs)."
+    )
+    min_pixels: int = Field(MIN_PIXELS, ge=1, description="smart_resize lower bound on pixels per image.")
+    max_pixels: int = Field(MAX_PIXELS, ge=1, description="smart_resize upper bound on pixels per image.")
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse KV blocks of identical prompt prefixes (forbidden by MLPerf; off by default)."
+    )
+    seed: int = Field(0, description="Seed of the generator used by sampled requests that carry no seed of their own.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        return self
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.is_cuda else "float32"

@@ -1,0 +1,115 @@
+"""Image bytes to vision-tower input: safe decoding to RGB, then Qwen3-VL pixel patches.
+
+Bit-for-bit equal to transformers' PIL-backed Qwen2-VL image processor (used by Qwen3-VL), without torchvision.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from workers.vision_geometry import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, smart_resize
+
+log = logging.getLogger(__name__)
+
+TEMPORAL_PATCH_SIZE = 2
+PATCH_DIM = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # 1536 values per patch row
+IMAGE_MEAN = 0.5  # preprocessor_config.json image_mean / image_std, the same for all channels
+IMAGE_STD = 0.5
+RESCALE_FACTOR = 1 / 255
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not an image we will decode: corrupt, empty, zero-sized or too many pixels."""
+
+
+def _uint8_to_normalised_table() -> np.ndarray:
+    """The 256 values a uint8 pixel becomes, computed with transformers' exact arithmetic
+    (float64 rescale cast to float32, then float32 (x - mean) / std), so a lookup matches it bit for bit."""
+    rescaled = (np.arange(256, dtype=np.float64) * RESCALE_FACTOR).astype(np.float32)
+    return (rescaled - np.float32(IMAGE_MEAN)) / np.float32(IMAGE_STD)
+
+
+_NORMALISED = _uint8_to_normalised_table()
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' `convert_to_rgb` makes it: transparency is alpha-composited onto white;
+    every other mode (palette, grayscale, CMYK, 16-bit) goes through PIL's own `convert("RGB")`."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
+    """Decodes encoded image bytes (JPEG, PNG, WebP, or any format PIL reads) to an RGB image.
+
+    The pixel count is checked from the header before any pixel is decoded, so a decompression bomb
+    costs nothing. EXIF orientation is not applied, like transformers and the header-only token count.
+    """
+    if not data:
+        raise ImageDecodeError("image data is empty (0 bytes)")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError(f"image has too many pixels: {exc}") from exc
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ImageDecodeError(f"not a decodable image ({len(data)} bytes): {exc}") from exc
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ImageDecodeError(f"image has zero size ({width}x{height})")
+    if width * height > max_pixels_limit:
+        raise ImageDecodeError(
+            f"image of {width}x{height} = {width * height} pixels exceeds the limit of "
+            f"{max_pixels_limit} pixels"
+        )
+    try:
+        image.load()
+        return to_rgb(image)
+    except Exception as exc:  # truncated data, bad chunks, unsupported codec options
+        raise ImageDecodeError(f"cannot decode {image.format or 'image'} {width}x{height}: {exc}") from exc
+
+
+def _merge_block_patches(image: Image.Image, min_pixels: int, max_pixels: int) -> tuple[np.ndarray, int, int]:
+    """Resizes one RGB image and cuts it into uint8 patches [grid_h*grid_w, 3, 16*16] in 2x2 merge-block order."""
+    height, width = smart_resize(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels)
+    pixels = np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))  # uint8 [H, W, 3]
+    grid_h, grid_w = height // PATCH_SIZE, width // PATCH_SIZE
+    blocks = pixels.reshape(
+        grid_h // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, grid_w // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, 3
+    )
+    # -> (block row, block col, row in block, col in block, channel, patch row, patch col)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
+    return blocks.reshape(grid_h * grid_w, 3, PATCH_SIZE * PATCH_SIZE), grid_h, grid_w
+
+
+def preprocess(
+    images: Sequence[Image.Image], min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images -> (pixel_values float32 [sum of patches, 1536], grid_thw int64 [n_images, 3]).
+
+    Smart-resize (bicubic), rescale 1/255, normalise with mean = std = 0.5, patch rows in 2x2 merge
+    blocks: what the Qwen3-VL vision tower takes. Non-RGB images are converted with `to_rgb` first.
+    """
+    if not images:
+        raise ValueError("preprocess needs at least one image")
+    patched = [_merge_block_patches(to_rgb(image), min_pixels, max_pixels) for image in images]
+    total = sum(patches.shape[0] for patches, _, _ in patched)
+    pixel_values = np.empty((total, 3, TEMPORAL_PATCH_SIZE, PATCH_SIZE * PATCH_SIZE), dtype=np.float32)
+    start = 0
+    for patches, _, _ in patched:
+        # A still image is its own second frame: both temporal slots get the same values.
+        pixel_values[start : start + patches.shape[0]] = _NORMALISED[patches][:, :, None, :]
+        start += patches.shape[0]
+    grid_thw = torch.tensor([(1, grid_h, grid_w) for _, grid_h, grid_w in patched], dtype=torch.int64)
+    log.debug("preprocessed %d images into %d patches", len(patched), total)
+    return torch.from_numpy(pixel_values.reshape(total, PATCH_DIM)), grid_thw

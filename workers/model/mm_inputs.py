@@ -1,0 +1,117 @@
+"""Turns a PromptInput into what the model needs: image patches, visual-token rows, MRoPE positions.
+
+Validates the prompt (token ids in range, <|image_pad|> runs matching each image's visual token count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from workers.image_processing import ImageDecodeError, decode_image, preprocess
+from workers.types import PromptInput
+from workers.vision_geometry import ImageGeometryError
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served; the message says why."""
+
+
+@dataclass
+class MultiModalInput:
+    positions: torch.Tensor  # [3, prompt_len] int64 MRoPE positions of the prompt
+    pixel_values: torch.Tensor | None  # [patches, 1536] float32
+    grid_thw: torch.Tensor | None  # [images, 3] int64
+    image_rows: torch.Tensor  # [visual tokens] int64 prompt indices of the <|image_pad|> tokens, in order
+
+
+@dataclass
+class PreparedPrompt:
+    mm: MultiModalInput | None  # None for a text-only prompt (positions are then 1-D)
+    mrope_position_delta: int
+    image_spans: list[tuple[int, int, bytes]]  # (first index, token count, content digest) per image
+
+
+def _image_spans(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each image's <|image_pad|> run; each image's tokens must be one contiguous run."""
+    pads = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(pads) != sum(counts):
+        raise PromptError(
+            f"prompt has {len(pads)} <|image_pad|> tokens but its {len(counts)} image(s) need "
+            f"{sum(counts)} ({'+'.join(map(str, counts)) or '0'})"
+        )
+    spans, k = [], 0
+    for n, count in enumerate(counts):
+        start, end = pads[k], pads[k + count - 1]
+        if end - start != count - 1:
+            raise PromptError(f"the {count} <|image_pad|> tokens of image {n} are not one contiguous run")
+        spans.append((start, count))
+        k += count
+    return spans
+
+
+def mrope_positions(
+    prompt_len: int, spans: list[tuple[int, int]], grids: list[tuple[int, int]]
+) -> tuple[torch.Tensor, int]:
+    """MRoPE positions [3, prompt_len] and the delta that continues them (transformers' get_rope_index).
+
+    Text advances all three axes by one per token; an image of (gh, gw) merged tokens starting at
+    position s gets (s, s + row, s + col), and the text after it resumes at s + max(gh, gw)."""
+    parts, cur, prev = [], 0, 0
+    for (start, _length), (gh, gw) in zip(spans, grids):
+        if start > prev:
+            parts.append(torch.arange(cur, cur + start - prev).expand(3, -1))
+            cur += start - prev
+        rows = torch.arange(gh).repeat_interleave(gw)
+        cols = torch.arange(gw).repeat(gh)
+        parts.append(torch.stack([torch.zeros_like(rows), rows, cols]) + cur)
+        cur += max(gh, gw)
+        prev = start + gh * gw
+    if prompt_len > prev:
+        parts.append(torch.arange(cur, cur + prompt_len - prev).expand(3, -1))
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - prompt_len
+
+
+def prepare_prompt(
+    prompt: PromptInput,
+    *,
+    vocab_size: int,
+    image_token_id: int,
+    spatial_merge_size: int,
+    min_pixels: int,
+    max_pixels: int,
+    max_image_pixels: int,
+) -> PreparedPrompt:
+    """Decodes and preprocesses the images and lays out the prompt; raises PromptError with the reason."""
+    ids = prompt.token_ids
+    if not ids:
+        raise PromptError("prompt is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if not prompt.images:
+        _image_spans(ids, image_token_id, [])
+        return PreparedPrompt(mm=None, mrope_position_delta=0, image_spans=[])
+    images = []
+    for n, data in enumerate(prompt.images):
+        try:
+            images.append(decode_image(data, max_image_pixels))
+        except (ImageDecodeError, ImageGeometryError) as exc:
+            raise PromptError(f"image {n}: {exc}") from exc
+    try:
+        pixel_values, grid_thw = preprocess(images, min_pixels, max_pixels)
+    except (ValueError, ImageGeometryError) as exc:
+        raise PromptError(f"image preprocessing failed: {exc}") from exc
+    grids = [(int(h) // spatial_merge_size, int(w) // spatial_merge_size) for _, h, w in grid_thw.tolist()]
+    spans = _image_spans(ids, image_token_id, [gh * gw for gh, gw in grids])
+    positions, delta = mrope_positions(len(ids), spans, grids)
+    image_rows = torch.cat([torch.arange(start, start + length) for start, length in spans])
+    digests = [hashlib.blake2b(data, digest_size=16).digest() for data in prompt.images]
+    return PreparedPrompt(
+        mm=MultiModalInput(positions=positions, pixel_values=pixel_values, grid_thw=grid_thw, image_rows=image_rows),
+        mrope_position_delta=delta,
+        image_spans=[(s, n, d) for (s, n), d in zip(spans, digests)],
+    )

@@ -1,0 +1,84 @@
+"""Sequence: one request's state inside the engine (tokens, progress, KV block table, finish state).
+
+Plain data shared by the scheduler and the model runner; the multimodal payload is opaque to the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request being served.
+
+    token_ids holds the prompt, then any context tokens given with the request (resume tokens, or the
+    first token of an imported KV cache), then the tokens this engine generates. Only the generated ones
+    count against sampling.max_tokens and are streamed.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival: int
+    prefill_only: bool = False
+    # Positions of the prompt (3 x num_prompt_tokens, MRoPE) and images; opaque to the scheduler.
+    mm: Any = None
+    mrope_position_delta: int = 0
+    # A KvExport to copy into this sequence's blocks before its first step; dropped once imported.
+    kv_import: Any = None
+    # (first prompt index, token count, content digest) per image: keys image content into prefix hashes.
+    image_spans: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_streamed_tokens: int = 0  # generated tokens already handed out in a RequestOutput
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix caching)
+
+    def __post_init__(self) -> None:
+        self.num_context_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_context_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def take_new_tokens(self) -> list[int]:
+        """Generated tokens not yet handed out; marks them handed out."""
+        start = self.num_context_tokens + self.num_streamed_tokens
+        new = self.token_ids[start:]
+        self.num_streamed_tokens += len(new)
+        return new

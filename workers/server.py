@@ -1,0 +1,398 @@
+"""WorkerServer: serves one AsyncEngine over gRPC (WorkerService), registers with the router, heartbeats.
+
+Streams tokens coalesced per chunk, aborts the engine request when the caller goes away, holds a prefill
+worker's KV for a decode worker to pull (PullKv, layer by layer), and pulls it on the decode side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from router.config import MIB, is_loopback, split_host_port
+from router.transport import TokenAuthInterceptor, add_listener, call_metadata, open_channel, server_options
+from router.wire import pb, pb_grpc
+from workers.kv_cache import KvExport
+from workers.types import FinishReason, PromptInput, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.ABORT: pb.ABORT,
+    FinishReason.ERROR: pb.ERROR,
+}
+_END = object()  # marks the end of an engine stream in the coalescing queue
+
+
+@dataclass
+class _HeldKv:
+    request_id: str
+    export: KvExport
+    expires_at: float
+
+
+def role_value(role: int | str) -> int:
+    """pb.WorkerRole from an enum value or a name ('prefill', 'DECODE', ...)."""
+    if isinstance(role, str):
+        try:
+            return pb.WorkerRole.Value(role.upper())
+        except ValueError:
+            raise ValueError(f"role {role!r}: expected aggregated, prefill or decode") from None
+    return int(role)
+
+
+def kv_to_chunks(export: KvExport) -> list[pb.KvChunk]:
+    """One KvChunk per layer holding its key and value bytes; the first also carries the header."""
+    chunks = []
+    for layer in range(export.num_layers):
+        key, value = export.layer_bytes(layer)
+        chunk = pb.KvChunk(layer=layer, key=key, value=value)
+        if layer == 0:
+            chunk.num_tokens, chunk.num_layers = export.num_tokens, export.num_layers
+            chunk.num_kv_heads, chunk.head_dim, chunk.dtype = export.num_kv_heads, export.head_dim, export.dtype_name
+            chunk.mrope_position_delta.append(export.mrope_position_delta)
+        chunks.append(chunk)
+    return chunks
+
+
+def kv_from_chunks(chunks: list[pb.KvChunk], first_token_id: int) -> KvExport:
+    """Rebuild the KvExport (CPU tensors) a prefill worker streamed; checks every layer arrived."""
+    if not chunks:
+        raise ValueError("no KV chunks received")
+    head = chunks[0]
+    layers = sorted(chunks, key=lambda c: c.layer)
+    if [c.layer for c in layers] != list(range(head.num_layers)):
+        raise ValueError(f"KV layers received {[c.layer for c in layers]}, expected 0..{head.num_layers - 1}")
+    return KvExport.from_layer_bytes(
+        num_tokens=head.num_tokens,
+        first_token_id=first_token_id,
+        mrope_position_delta=head.mrope_position_delta[0] if head.mrope_position_delta else 0,
+        num_kv_heads=head.num_kv_heads,
+        head_dim=head.head_dim,
+        dtype_name=head.dtype,
+        layers=[(c.key, c.value) for c in layers],
+    )
+
+
+class WorkerServicer(pb_grpc.WorkerServiceServicer):
+    def __init__(self, server: WorkerServer):
+        self.s = server
+
+    async def Generate(self, request, context):
+        s = self.s
+        rid = request.request_id
+        try:
+            sampling = s.sampling_params(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
+        kv_import = None
+        if request.kv_handle.transfer_id:
+            try:
+                kv_import = await s.pull_kv(request.kv_handle, context.time_remaining())
+            except (ValueError, grpc.aio.AioRpcError) as exc:
+                # UNAVAILABLE: the router replays the request here or elsewhere with a local prefill.
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
+        prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
+        outputs = s.engine.generate(
+            rid, prompt, sampling, resume_token_ids=list(request.resume_token_ids),
+            prefill_only=request.prefill_only, kv_import=kv_import,
+        )
+        s.running.add(rid)
+        try:
+            async for chunk in s.coalesce(rid, outputs):
+                if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
+                    chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
+                yield chunk
+        except asyncio.CancelledError:
+            s.engine.abort(rid)  # the caller went away: free the engine's slot and KV now
+            raise
+        finally:
+            s.running.discard(rid)
+
+    async def Abort(self, request, context):
+        return pb.AbortReply(found=self.s.abort(request.request_id))
+
+    async def GetLoad(self, request, context):
+        return self.s.load_report()
+
+    async def GetInfo(self, request, context):
+        return self.s.info()
+
+    async def PullKv(self, request, context):
+        held = self.s.take_held(request.transfer_id)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held for transfer {request.transfer_id!r}")
+        try:
+            for chunk in kv_to_chunks(held.export):
+                yield chunk
+        finally:
+            self.s.engine.release(held.request_id)
+
+
+class WorkerServer:
+    """Serves `engine` (AsyncEngine interface) as WorkerService; registers with `router_address` if given."""
+
+    def __init__(
+        self,
+        async_engine,
+        worker_id: str,
+        role: int | str = pb.AGGREGATED,
+        router_address: str | None = None,
+        listen: str = "127.0.0.1:0",
+        token: str | None = None,
+        *,
+        advertise_host: str | None = None,
+        model_name: str = "",
+        kv_block_size: int = 16,
+        max_model_len: int = 0,
+        max_message_bytes: int = 64 * MIB,
+        heartbeat_interval_s: float = 1.0,
+        kv_hold_s: float = 60.0,
+    ):
+        if not is_loopback(listen) and not token:
+            raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
+        self.engine = async_engine
+        self.worker_id = worker_id
+        self.role = role_value(role)
+        self.router_address = router_address
+        self.listen = listen
+        self.token = token
+        self.advertise_host = advertise_host
+        self.model_name = model_name
+        self.kv_block_size = kv_block_size
+        self.max_model_len = max_model_len
+        self.max_message_bytes = max_message_bytes
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.kv_hold_s = kv_hold_s
+        self.port = 0
+        self.running: set[str] = set()
+        self._metadata = call_metadata(token)
+        self._held: dict[str, _HeldKv] = {}
+        self._peers: dict[str, grpc.aio.Channel] = {}
+        self._server: grpc.aio.Server | None = None
+        self._reporter: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        host, _ = split_host_port(self.listen)
+        if self.advertise_host:
+            host = self.advertise_host
+        elif host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        interceptors = [TokenAuthInterceptor(self.token)] if self.token else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=server_options(self.max_message_bytes))
+        pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self), self._server)
+        self.port = add_listener(self._server, self.listen, None)
+        await self._server.start()
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+        log.info("worker %s (%s) serving on %s", self.worker_id, pb.WorkerRole.Name(self.role), self.address)
+
+    async def stop(self, grace: float | None = 0.5) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reporter
+        if self._server is not None:
+            await self._server.stop(grace)
+        for channel in self._peers.values():
+            await channel.close()
+        for held in self._held.values():
+            self.engine.release(held.request_id)
+        self._held.clear()
+
+    # -- what the servicer uses -----------------------------------------------------------------
+
+    def sampling_params(self, s: pb.SamplingParams) -> SamplingParams:
+        seed = s.seed if s.has_seed else None
+        if s.use_model_defaults:
+            d = self.engine.generation_defaults
+            return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                                  max_tokens=s.max_tokens or d.max_tokens, seed=seed)
+        if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
+            raise ValueError(f"bad sampling params: {s}".strip())
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                              max_tokens=s.max_tokens or self.engine.generation_defaults.max_tokens, seed=seed)
+
+    async def coalesce(self, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateChunk]:
+        """One chunk per send: whatever the engine produced while the previous chunk was being written."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in outputs:
+                    queue.put_nowait(out)
+            except Exception as exc:  # surfaces as an ERROR chunk, never as a hung stream
+                log.exception("engine failed on request %s", rid)
+                queue.put_nowait(exc)
+            queue.put_nowait(_END)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
+                for item in items:
+                    if item is _END:
+                        if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                            chunk.finish_reason, chunk.error = pb.ERROR, "engine stream ended without finishing"
+                        break
+                    if isinstance(item, Exception):
+                        chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
+                        break
+                    chunk.token_ids.extend(item.new_token_ids)
+                    if item.finished:
+                        chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
+                        chunk.error = item.error or ""
+                        chunk.prompt_tokens = item.num_prompt_tokens
+                        chunk.completion_tokens = item.num_generated_tokens
+                        break
+                yield chunk
+                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def hold_kv(self, rid: str, first_token_id: int, num_tokens: int) -> pb.KvHandle:
+        export = self.engine.export_kv(rid)
+        if inspect.isawaitable(export):
+            export = await export
+        self._expire_held()
+        self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.kv_hold_s)
+        return pb.KvHandle(worker_address=self.address, transfer_id=rid, num_tokens=num_tokens, first_token_id=first_token_id)
+
+    def take_held(self, transfer_id: str) -> _HeldKv | None:
+        return self._held.pop(transfer_id, None)
+
+    async def pull_kv(self, handle: pb.KvHandle, timeout: float | None) -> KvExport:
+        channel = self._peers.get(handle.worker_address)
+        if channel is None:
+            channel = self._peers[handle.worker_address] = open_channel(
+                handle.worker_address, max_message_bytes=self.max_message_bytes
+            )
+        stub = pb_grpc.WorkerServiceStub(channel)
+        chunks = [c async for c in stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id),
+                                                metadata=self._metadata, timeout=timeout)]
+        return kv_from_chunks(chunks, handle.first_token_id)
+
+    def abort(self, request_id: str) -> bool:
+        held = self.take_held(request_id)
+        if held is not None:
+            self.engine.release(held.request_id)
+            return True
+        if request_id in self.running:
+            self.engine.abort(request_id)
+            return True
+        return False
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, held in self._held.items() if held.expires_at < now]:
+            log.warning("worker %s: KV of %s was never pulled; released", self.worker_id, rid)
+            self.engine.release(self._held.pop(rid).request_id)
+
+    def load_report(self) -> pb.LoadReport:
+        load = self.engine.load()
+        return pb.LoadReport(
+            worker_id=self.worker_id,
+            waiting_requests=load.waiting_requests,
+            running_requests=load.running_requests,
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            free_kv_blocks=load.free_kv_blocks,
+            total_kv_blocks=load.total_kv_blocks,
+            active_kv_blocks=load.total_kv_blocks - load.free_kv_blocks,
+            steps=load.steps,
+        )
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=self.worker_id, address=self.address, role=self.role, model=self.model_name,
+            kv_block_size=self.kv_block_size, max_model_len=self.max_model_len,
+            total_kv_blocks=self.engine.load().total_kv_blocks,
+        )
+
+    async def _report_loop(self) -> None:
+        """Register with the router, then heartbeat; register again whenever the router forgets us."""
+        if self.router_address is None:
+            return
+        async with open_channel(self.router_address, max_message_bytes=self.max_message_bytes) as channel:
+            stub = pb_grpc.RouterServiceStub(channel)
+            interval = self.heartbeat_interval_s
+            registered = False
+            while True:
+                try:
+                    if not registered:
+                        reply = await stub.RegisterWorker(self.info(), metadata=self._metadata, timeout=5)
+                        interval = reply.heartbeat_interval_s or interval
+                        registered = True
+                    registered = (await stub.Heartbeat(self.load_report(), metadata=self._metadata, timeout=5)).known
+                    if not registered:
+                        continue
+                except grpc.aio.AioRpcError as exc:
+                    log.info("worker %s: router %s unreachable (%s)", self.worker_id, self.router_address, exc.code())
+                    registered = False
+                self._expire_held()
+                await asyncio.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m workers.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
+    parser = argparse.ArgumentParser(prog="python -m workers.server", description=main.__doc__)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--router", default=None, help="router address host:port to register with")
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--worker-id", default=f"{socket.gethostname()}-{int(time.time())}")
+    parser.add_argument("--role", default="aggregated", choices=["aggregated", "prefill", "decode"])
+    parser.add_argument("--token", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level)
+
+    from workers.async_engine import AsyncEngine
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+
+    config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks)
+
+    async def serve() -> None:
+        engine = AsyncEngine(LLMEngine(config))
+        server = WorkerServer(
+            engine, args.worker_id, args.role, args.router, args.listen, args.token,
+            kv_block_size=config.block_size, max_model_len=config.max_model_len,
+            model_name=str(config.checkpoint),
+        )
+        await server.start()
+        print(f"worker {args.worker_id} listening on {server.address}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+        engine.shutdown()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
