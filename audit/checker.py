@@ -79,11 +79,13 @@ def _audit(tree: Path, version: str, submitter: str | None) -> Iterator[Finding]
     divisions = sorted(p.name for p in tree.iterdir() if p.is_dir() and not p.name.startswith("."))
     unknown = [d for d in divisions if d not in DIVISIONS]
     if unknown or not divisions:
-        reason = f"unknown division dirs: {', '.join(unknown)}" if unknown else "no closed/ or open/ directory"
+        reason = (f"unknown division dirs: {', '.join(unknown)}" if unknown else "no closed/ or open/ directory")
+        reason += " (TREE is the directory that holds closed/ and/or open/)"
         yield finding("layout", "-", failed(reason, tree))
     submissions = [SubmissionContext(tree, d, s.name, ROUNDS[version])
                    for d in divisions if d in DIVISIONS
-                   for s in sorted((tree / d).iterdir()) if s.is_dir() and submitter in (None, s.name)]
+                   for s in sorted((tree / d).iterdir())
+                   if s.is_dir() and not s.name.startswith(".") and submitter in (None, s.name)]
     if submitter is not None and not submissions:
         yield finding("layout", "-", failed(f"no <division>/{submitter}/ directory", tree))
     for sub in submissions:

@@ -84,6 +84,7 @@ class SubmissionTreeBuilder:
         self._lock_fd = os.open(parent / f".{self.output_dir.name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self._staging = Path(tempfile.mkdtemp(prefix=f".{self.output_dir.name}.partial-", dir=parent))
+        os.chmod(self._staging, 0o755)  # mkdtemp makes it 0700; the committed tree is shared/uploaded
         if self.output_dir.exists():
             shutil.copytree(self.output_dir, self._staging, symlinks=True, dirs_exist_ok=True)
 

@@ -83,9 +83,10 @@ class GroundTruth:
 
 def download_hint(kind: str, path: Path) -> str:
     spec = DATASETS[kind]
-    return (f"On a machine with internet run:\n  huggingface-cli download {spec.repo_id} --repo-type dataset "
-            f"--revision {spec.revision} --local-dir {path}\nthen copy {path} here (it must contain data/"
-            f"{spec.splits[0]}-00000-of-NNNNN.parquet ...). For tests use scripts/make_synthetic_catalogue.py.")
+    return (f"Get it on a machine with internet:\n  huggingface-cli download {spec.repo_id} --repo-type dataset "
+            f"--revision {spec.revision} --local-dir DIR\ncopy DIR to this machine and pass its path (it holds "
+            f"data/{spec.splits[0]}-00000-of-NNNNN.parquet ...). "
+            f"A synthetic stand-in: scripts/make_synthetic_catalogue.py --out DIR")
 
 
 def detect_image_format(data: bytes) -> str:

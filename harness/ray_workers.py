@@ -4,11 +4,11 @@ GPUs/CPUs, restarted by Ray when it dies (it rebuilds its engine and re-register
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 1800.0  # a large cluster may take long to free GPUs
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class WorkerSpec:
     """What one actor needs to serve: its identity, where the router is, how to build its engine."""
 
@@ -31,6 +31,10 @@ class WorkerSpec:
     router_address: str
     router_token: str | None
     engine_factory: Callable[[], Any]  # returns the AsyncEngine this worker serves
+    model_name: str = ""
+    kv_block_size: int = 16
+    max_model_len: int = 0
+    heartbeat_interval_s: float = 1.0
     listen_host: str = "127.0.0.1"
 
 
@@ -60,6 +64,10 @@ class ModelWorker:
             router_address=spec.router_address,
             listen=f"{spec.listen_host}:0",
             token=spec.router_token,
+            model_name=spec.model_name,
+            kv_block_size=spec.kv_block_size,
+            max_model_len=spec.max_model_len,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
         )
         asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
         logger.info("worker %s (%s) serving on %s", spec.worker_id, spec.role, self._server.address)
@@ -74,7 +82,7 @@ class ModelWorker:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-@dataclass
+@dataclasses.dataclass
 class _Instance:
     worker_id: str
     actor: Any
@@ -102,17 +110,10 @@ def init_ray(settings: RaySection, address: str | None) -> bool:
 class WorkerFleet:
     """Every worker of every pool, started as restartable actors; `stop()` releases actors and GPUs."""
 
-    def __init__(
-        self,
-        pools: list[PoolSection],
-        engine_factory: Callable[[], Any],
-        router_address: str,
-        router_token: str | None = None,
-    ) -> None:
+    def __init__(self, pools: list[PoolSection], template: WorkerSpec) -> None:
+        """`template` gives every worker's spec; its worker_id and role are replaced per worker."""
         self._pools = pools
-        self._engine_factory = engine_factory
-        self._router_address = router_address
-        self._router_token = router_token
+        self._template = template
         self.instances: list[_Instance] = []
 
     @property
@@ -129,9 +130,7 @@ class WorkerFleet:
                     bundle["GPU"] = pool.gpus_per_worker
                 group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{worker_id}")
                 self.instances.append(_Instance(worker_id, None, group))
-                spec = WorkerSpec(
-                    worker_id, pool.role, self._router_address, self._router_token, self._engine_factory
-                )
+                spec = dataclasses.replace(self._template, worker_id=worker_id, role=pool.role)
                 self.instances[-1].actor = actor_class.options(
                     name=f"q3vl-{worker_id}",
                     num_cpus=pool.cpus_per_worker,

@@ -77,6 +77,7 @@ class RouterConfig(_Section):
     token: str | None = None  # shared secret: `authorization: Bearer <token>` on every call
     tls: TlsConfig | None = None
     served_model_name: str = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # what /v1/models lists
+    default_max_tokens: int = Field(150, gt=0)  # HTTP requests that name no max_tokens (MLPerf's limit)
     policy: PolicyConfig = PolicyConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     limits: LimitsConfig = LimitsConfig()

@@ -42,8 +42,9 @@ class InstantEngine:
         self.kv_shape = (kv_layers, kv_heads, head_dim)
         self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
         self.steps = 0
-        self.stalled = False             # tests: a hung engine that stops stepping
+        self._frozen_load: EngineLoad | None = None  # set by stall(): a hung engine
         self.requests_seen: list[str] = []
+        self.sampling_seen: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []
         self._running: dict[str, int] = {}  # request id -> context length (for the load report)
         self._queued_prompt_tokens = 0
@@ -61,6 +62,7 @@ class InstantEngine:
         kv_import: KvExport | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.requests_seen.append(request_id)
+        self.sampling_seen[request_id] = sampling
         if kv_import is not None:  # the prompt comes from the pulled cache, not from the request
             context = [int(t) for t in kv_import.keys[0][:, 0, 0].tolist()] + [kv_import.first_token_id]
         else:
@@ -75,7 +77,7 @@ class InstantEngine:
         try:
             while True:
                 await asyncio.sleep(self.step_delay_s)
-                while self.stalled:
+                while self._frozen_load is not None:
                     await asyncio.sleep(0.01)
                 if not prefilled:
                     self._queued_prompt_tokens -= num_prompt
@@ -121,22 +123,30 @@ class InstantEngine:
         return KvExport(num_tokens=len(prompt_ids), keys=keys, values=values, mrope_position_delta=0,
                         first_token_id=first_token)
 
-    def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         if request_id in self._running:
             self._abort.add(request_id)
+            return True
+        return self._held.pop(request_id, None) is not None
 
-    def export_kv(self, request_id: str) -> KvExport:
+    async def export_kv(self, request_id: str) -> KvExport:
         return self._held[request_id]
 
-    def release(self, request_id: str) -> None:
-        self._held.pop(request_id, None)
+    async def release(self, request_id: str) -> bool:
+        return self._held.pop(request_id, None) is not None
 
     @property
     def held_kv(self) -> list[str]:
         return list(self._held)
 
+    def stall(self) -> None:
+        """Hang like a stuck engine: no more steps, and the load report stays frozen as it is now."""
+        self._frozen_load = self.load()
+
     def load(self) -> EngineLoad:
+        if self._frozen_load is not None:
+            return self._frozen_load
         used = sum(-(-n // self.block_size) for n in self._running.values())
         return EngineLoad(
             waiting_requests=0,

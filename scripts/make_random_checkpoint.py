@@ -35,6 +35,8 @@ PATTERN_VALUES = 1 << 20  # random values per pattern block; tensors repeat it f
 _BF16_ONE = np.array([0x3F80], dtype=np.uint16)
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
+TensorShapes = list[tuple[str, tuple[int, ...]]]  # (name, shape) in file order
+
 
 @dataclass(frozen=True)
 class RandomCheckpointSpec:
@@ -59,7 +61,7 @@ class RandomCheckpointSpec:
         return released_config(self.preset, overrides)
 
 
-def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> list[tuple[str, tuple[int, ...]]]:
+def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes:
     """(name, shape) of every tensor save_pretrained would write for this config, without allocating any."""
     import torch
     import transformers
@@ -76,9 +78,9 @@ def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> list[tuple[s
     return shapes
 
 
-def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+def plan_shards(shapes: TensorShapes, max_shard_bytes: int) -> list[TensorShapes]:
     """Greedy split in order (as save_pretrained does); a tensor larger than the limit gets a shard of its own."""
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shards: list[TensorShapes] = [[]]
     size = 0
     for name, shape in shapes:
         nbytes = int(np.prod(shape)) * BYTES_PER_VALUE
@@ -112,7 +114,7 @@ def _tensor_chunks(name: str, count: int, pattern: np.ndarray, rng: np.random.Ge
         count -= take
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], pattern: np.ndarray, rng: np.random.Generator) -> None:
+def write_safetensors(path: Path, tensors: TensorShapes, pattern: np.ndarray, rng: np.random.Generator) -> None:
     """Writes one safetensors file of bfloat16 tensors, streaming the data after the header."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0

@@ -169,7 +169,7 @@ def test_hung_engine_is_marked_down_and_its_request_migrates():
             stream = c.client.generate(req)
             first = await stream.__anext__()
             victim = int(first.worker_id[1:])
-            c.engines[victim].stalled = True  # steps stop while the request is running
+            c.engines[victim].stall()  # steps stop while the request is running
             tokens, chunks = await collect(stream)
             assert list(first.token_ids) + tokens == expected_tokens(req)
             assert not c.router.registry.get(first.worker_id).healthy

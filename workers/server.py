@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
 import socket
@@ -117,13 +116,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
                 yield chunk
         except asyncio.CancelledError:
-            s.engine.abort(rid)  # the caller went away: free the engine's slot and KV now
+            await s.engine.abort(rid)  # the caller went away: free the engine's slot and KV now
             raise
         finally:
             s.running.discard(rid)
 
     async def Abort(self, request, context):
-        return pb.AbortReply(found=self.s.abort(request.request_id))
+        return pb.AbortReply(found=await self.s.abort(request.request_id))
 
     async def GetLoad(self, request, context):
         return self.s.load_report()
@@ -139,7 +138,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             for chunk in kv_to_chunks(held.export):
                 yield chunk
         finally:
-            self.s.engine.release(held.request_id)
+            await self.s.engine.release(held.request_id)
 
 
 class WorkerServer:
@@ -161,10 +160,13 @@ class WorkerServer:
         max_message_bytes: int = 64 * MIB,
         heartbeat_interval_s: float = 1.0,
         kv_hold_s: float = 60.0,
+        generation_defaults: SamplingParams | None = None,
     ):
         if not is_loopback(listen) and not token:
             raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
         self.engine = async_engine
+        # generation_config.json's sampling, for requests with use_model_defaults (MLPerf sends no params).
+        self.generation_defaults = generation_defaults or async_engine.generation_defaults
         self.worker_id = worker_id
         self.role = role_value(role)
         self.router_address = router_address
@@ -213,7 +215,7 @@ class WorkerServer:
         for channel in self._peers.values():
             await channel.close()
         for held in self._held.values():
-            self.engine.release(held.request_id)
+            await self.engine.release(held.request_id)
         self._held.clear()
 
     # -- what the servicer uses -----------------------------------------------------------------
@@ -221,13 +223,13 @@ class WorkerServer:
     def sampling_params(self, s: pb.SamplingParams) -> SamplingParams:
         seed = s.seed if s.has_seed else None
         if s.use_model_defaults:
-            d = self.engine.generation_defaults
+            d = self.generation_defaults
             return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
                                   max_tokens=s.max_tokens or d.max_tokens, seed=seed)
         if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
             raise ValueError(f"bad sampling params: {s}".strip())
         return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                              max_tokens=s.max_tokens or self.engine.generation_defaults.max_tokens, seed=seed)
+                              max_tokens=s.max_tokens or self.generation_defaults.max_tokens, seed=seed)
 
     async def coalesce(self, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateChunk]:
         """One chunk per send: whatever the engine produced while the previous chunk was being written."""
@@ -273,10 +275,8 @@ class WorkerServer:
                 await task
 
     async def hold_kv(self, rid: str, first_token_id: int, num_tokens: int) -> pb.KvHandle:
-        export = self.engine.export_kv(rid)
-        if inspect.isawaitable(export):
-            export = await export
-        self._expire_held()
+        export = await self.engine.export_kv(rid)
+        await self._expire_held()
         self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.kv_hold_s)
         return pb.KvHandle(worker_address=self.address, transfer_id=rid, num_tokens=num_tokens, first_token_id=first_token_id)
 
@@ -294,21 +294,22 @@ class WorkerServer:
                                                 metadata=self._metadata, timeout=timeout)]
         return kv_from_chunks(chunks, handle.first_token_id)
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request, or drop KV held for a decode worker that will not pull it."""
         held = self.take_held(request_id)
         if held is not None:
-            self.engine.release(held.request_id)
+            await self.engine.release(held.request_id)
             return True
         if request_id in self.running:
-            self.engine.abort(request_id)
+            await self.engine.abort(request_id)
             return True
         return False
 
-    def _expire_held(self) -> None:
+    async def _expire_held(self) -> None:
         now = time.monotonic()
         for rid in [rid for rid, held in self._held.items() if held.expires_at < now]:
             log.warning("worker %s: KV of %s was never pulled; released", self.worker_id, rid)
-            self.engine.release(self._held.pop(rid).request_id)
+            await self.engine.release(self._held.pop(rid).request_id)
 
     def load_report(self) -> pb.LoadReport:
         load = self.engine.load()
@@ -350,7 +351,7 @@ class WorkerServer:
                 except grpc.aio.AioRpcError as exc:
                     log.info("worker %s: router %s unreachable (%s)", self.worker_id, self.router_address, exc.code())
                     registered = False
-                self._expire_held()
+                await self._expire_held()
                 await asyncio.sleep(interval)
 
 
@@ -376,11 +377,12 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks)
 
     async def serve() -> None:
-        engine = AsyncEngine(LLMEngine(config))
+        llm = LLMEngine(config)
+        engine = AsyncEngine(llm)
         server = WorkerServer(
             engine, args.worker_id, args.role, args.router, args.listen, args.token,
             kv_block_size=config.block_size, max_model_len=config.max_model_len,
-            model_name=str(config.checkpoint),
+            model_name=str(config.checkpoint), generation_defaults=llm.generation_defaults,
         )
         await server.start()
         print(f"worker {args.worker_id} listening on {server.address}", flush=True)

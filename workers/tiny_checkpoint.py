@@ -5,6 +5,7 @@ architecture (real vocabulary, tiny dims) written by transformers' save_pretrain
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 import logging
 import os
@@ -183,12 +184,12 @@ _TINY_BASE = {"moe": "qwen3-vl-30b-a3b", "dense": "qwen3-vl-8b"}
 # one token; a wider init keeps outputs input-dependent.
 TINY_INIT_STD = 0.25
 _STAMP = "tiny_checkpoint.json"
-_STAMP_VERSION = 1
 
 
 def write_side_configs(out_dir: Path) -> None:
     """generation_config.json and preprocessor_config.json as the released checkpoints carry them."""
-    for name, content in (("generation_config.json", GENERATION_CONFIG), ("preprocessor_config.json", PREPROCESSOR_CONFIG)):
+    side_configs = {"generation_config.json": GENERATION_CONFIG, "preprocessor_config.json": PREPROCESSOR_CONFIG}
+    for name, content in side_configs.items():
         (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
@@ -201,7 +202,12 @@ def transformers_config(config: Mapping[str, Any]):
 
 
 def _expected_stamp(arch: str, seed: int, shards: int) -> dict[str, Any]:
-    return {"version": _STAMP_VERSION, "arch": arch, "seed": seed, "shards": shards}
+    """Everything the files depend on, so changing the tiny dims here invalidates old checkpoints."""
+    return {
+        "arch": arch, "seed": seed, "shards": shards, "init_std": TINY_INIT_STD,
+        "config": released_config(_TINY_BASE[arch], TINY_OVERRIDES[arch]),
+        "transformers": importlib.metadata.version("transformers"),
+    }
 
 
 def _is_complete(out_dir: Path, stamp: dict[str, Any]) -> bool:
@@ -235,20 +241,18 @@ def _shard_size_for(model, shards: int) -> int:
 def _build(out_dir: Path, arch: Literal["moe", "dense"], seed: int, shards: int) -> None:
     import torch
     import transformers
-    from transformers import GenerationConfig
 
     config = transformers_config(released_config(_TINY_BASE[arch], TINY_OVERRIDES[arch]))
     model_class = getattr(transformers, ARCHITECTURES[arch])
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:  # norms keep their ones, biases their zeros
+        for param in model.parameters():
+            if param.dim() > 1:  # 1-D tensors (norm weights, biases) keep transformers' init
                 param.normal_(0.0, TINY_INIT_STD)
-    model.generation_config = GenerationConfig(**GENERATION_CONFIG)
     max_shard_size = _shard_size_for(model, shards) if shards > 1 else "50GB"
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
-    write_side_configs(out_dir)
+    write_side_configs(out_dir)  # replaces the generation_config.json save_pretrained derived from config
 
 
 def make_tiny_checkpoint(out_dir: Path, arch: Literal["moe", "dense"], seed: int = 0, shards: int = 1) -> Path:

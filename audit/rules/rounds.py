@@ -3,6 +3,7 @@ layout, system-description and file constants the MLCommons submission checker a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -19,6 +20,7 @@ PERF_RUN_OPTIONAL_FILES = ("mlperf_log_accuracy.json",)
 ACCURACY_REQUIRED_FILES = ("mlperf_log_detail.txt", "accuracy.txt", "mlperf_log_accuracy.json")
 ACCURACY_OPTIONAL_FILES = ("mlperf_log_summary.txt",)
 SCENARIO_REQUIRED_FILES = ("measurements.json", "user.conf", "README.md")
+COMPLIANCE_TEST_DIR = re.compile(r"^TEST\d\d$")
 
 # truncate_accuracy_log.py: logs above MAX are cut to the first and last VIEWABLE bytes.
 MAX_ACCURACY_LOG_SIZE = 10 * 1024
@@ -79,6 +81,8 @@ class RoundRules:
     accuracy_targets: Mapping[str, float]
     accuracy_sample_count: Mapping[str, int]
     latency_constraint_ns: Mapping[str, int]
+    # Compliance (audit) tests this benchmark requires: none in v6.0/v6.1 (models_TEST0x lists, §3.4).
+    compliance_tests: tuple[str, ...] = ()
     performance_sample_count: int = 48289
     offline_min_samples_per_query: int = 48289
     min_duration_ms: int = 600_000

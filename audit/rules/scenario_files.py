@@ -11,7 +11,7 @@ from typing import Literal
 from audit.loadgen_logs import LogParseError, parse_summary_log
 from audit.rules.base import (Outcome, Rule, ScenarioContext, Unavailable, check_that, failed, passed,
                               read_json_object)
-from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
+from audit.rules.rounds import (ACCURACY_F1_PATTERN, COMPLIANCE_TEST_DIR, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
                                 ACCURACY_REQUIRED_FILES, FILED_FAILED_SAMPLES, MAX_ACCURACY_LOG_SIZE,
                                 MEASUREMENTS_REQUIRED_FIELDS, PERF_RUN_OPTIONAL_FILES,
                                 PERF_RUN_REQUIRED_FILES)
@@ -161,6 +161,19 @@ def check_failed_samples_accuracy(ctx: ScenarioContext) -> Outcome:
     return _failed_samples_report(ctx, "accuracy")
 
 
+def check_compliance(ctx: ScenarioContext) -> Outcome:
+    required = ctx.round.compliance_tests
+    present = sorted(p.name for p in ctx.dir.iterdir() if p.is_dir() and COMPLIANCE_TEST_DIR.match(p.name))
+    missing = [t for t in required if t not in present]
+    if missing:
+        return failed(f"required compliance test dirs missing: {', '.join(missing)}", ctx.dir)
+    extra = [t for t in present if t not in required]
+    if extra:
+        return Outcome("WARN", f"{', '.join(extra)} present but not required for this benchmark in "
+                               f"{ctx.round.version}; not verified by this audit", ctx.dir)
+    return passed(f"required compliance tests: {', '.join(required) or f'none in {ctx.round.version}'}", ctx.dir)
+
+
 CLOSED = ("closed",)
 
 RULES: tuple[Rule, ...] = (
@@ -181,6 +194,8 @@ RULES: tuple[Rule, ...] = (
     Rule("measurements", "scenario", "measurements.json has the required non-empty fields", check_measurements),
     Rule("user-conf", "scenario", "user.conf present and non-empty", check_user_conf),
     Rule("readme", "scenario", "README.md present and non-empty", check_readme),
+    Rule("compliance", "scenario", "compliance test dirs the round requires (none for this benchmark)",
+         check_compliance, divisions=CLOSED),
     Rule("failed-samples-performance", "scenario", "report samples the harness answered with an error",
          check_failed_samples_performance),
     Rule("failed-samples-accuracy", "scenario", "report samples the harness answered with an error",

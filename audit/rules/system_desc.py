@@ -13,7 +13,8 @@ def check_src_dir(ctx: SubmissionContext) -> Outcome:
     src = ctx.root / "src"
     if not src.is_dir():
         return failed("src/ missing (the code that produced the results)", src)
-    return check_that(any(src.iterdir()), "present" if any(src.iterdir()) else "empty", src)
+    has_files = any(src.iterdir())
+    return check_that(has_files, "present" if has_files else "empty", src)
 
 
 def check_results_present(ctx: SubmissionContext) -> Outcome:

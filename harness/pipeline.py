@@ -1,0 +1,191 @@
+"""The whole run behind run_submission.sh: validate the config, bring the system up, run each LoadGen test in
+its own process, tear down, lay out the submission tree (scored and truncated), and print the audit verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.assets import resolve_checkpoint, resolve_dataset
+from harness.cluster import Cluster
+from harness.loadgen_run import TRACE_FILE
+from harness.progress import format_table
+from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
+from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
+from harness.user_conf import write_user_conf
+
+logger = logging.getLogger(__name__)
+
+SUBMISSION_DIR = "submission"
+RUNS_DIR = "runs"
+CHILD_STOP_TIMEOUT_S = 10.0
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived: everything started is torn down before exiting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    system: str
+    scenario: Scenario
+    mode: Mode
+    output: Path
+    cache_dir: Path
+    ray_address: str | None = None
+    show_progress: bool = True
+    command_line: tuple[str, ...] = ()
+
+
+def say(message: str) -> None:
+    """A progress message for the person at the terminal."""
+    print(f"[q3vl] {message}", file=sys.stderr, flush=True)
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def run_submission(options: RunOptions) -> int:
+    """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything."""
+    config = load_system_config(options.system)
+    config.scenario(options.scenario.value)  # the scenario must be configured for this system
+    if not config.system.system_desc_path.is_file():
+        raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(config, options)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(config: SystemConfig, options: RunOptions) -> int:
+    output = options.output.resolve()
+    scenario = options.scenario
+    scenario_dir = output / RUNS_DIR / config.system.name / scenario.result_dir_name
+    user_conf = write_user_conf(config, scenario, scenario_dir / "user.conf")
+    say(f"system {config.system.name}, scenario {scenario.value}, mode {options.mode.value}; output in {output}")
+    say("preparing the checkpoint and the dataset")
+    resolve_checkpoint(config.model, options.cache_dir)
+    kind = DATASET_FOR_SCENARIO[scenario.value]
+    dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
+
+    say(f"starting the router and {config.workers.num_workers} workers (Ray)")
+    started = time.monotonic()
+    with Cluster(config, scenario_dir, options.cache_dir, options.ray_address) as cluster:
+        say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
+        for test in options.mode.tests:
+            say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
+            _run_test_process(options, test, cluster.router_address, scenario_dir)
+            if test is LoadGenMode.PERFORMANCE:
+                _plot(config, scenario, scenario_dir)
+        say("stopping the workers and the router")
+    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind)
+
+
+def _run_test_process(options: RunOptions, test: LoadGenMode, router: str, scenario_dir: Path) -> None:
+    """One LoadGen test per process: mlperf.conf is read only by a process's first FromConfig."""
+    command = [
+        sys.executable, "-m", "harness", "run-test",
+        "--system", options.system, "--scenario", options.scenario.value, "--test", test.value,
+        "--router", router, "--scenario-dir", str(scenario_dir), "--cache-dir", str(options.cache_dir),
+    ]
+    if not options.show_progress:
+        command.append("--no-progress")
+    child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
+    try:
+        rc = child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
+    if rc != 0:
+        raise RuntimeError(f"the LoadGen {test.value} test exited with status {rc}")
+
+
+def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
+    from harness.plot import plot_latencies
+
+    log_dir = log_dir_for(scenario_dir, LoadGenMode.PERFORMANCE)
+    target = config.scenario(scenario.value).target_latency_ms
+    png = plot_latencies(
+        log_dir / TRACE_FILE,
+        scenario_dir / "latency.png",
+        f"{config.system.name} {scenario.result_dir_name}",
+        target / 1000 if target else None,
+    )
+    say(f"latency plot: {png}")
+
+
+def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
+            dataset_dir: Path, kind: str) -> int:
+    from audit.accuracy import evaluate_accuracy_log
+    from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
+    from harness.dataset import load_catalogue
+
+    scenario = options.scenario.result_dir_name
+    accuracy = None
+    if LoadGenMode.ACCURACY in options.mode.tests:
+        log = log_dir_for(scenario_dir, LoadGenMode.ACCURACY) / "mlperf_log_accuracy.json"
+        accuracy = evaluate_accuracy_log(log, load_catalogue(dataset_dir, kind))
+    print(_summary_table(scenario_dir, options.mode, accuracy, options.scenario), flush=True)
+
+    tree = options.output.resolve() / SUBMISSION_DIR
+    say(f"laying out the submission tree in {tree}")
+    builder = SubmissionTreeBuilder(
+        tree, submitter=config.system.submitter, system_name=config.system.name, division=config.system.division
+    )
+    try:
+        with builder:
+            builder.add_system_description(config.system.system_desc_path)
+            builder.add_source(Path(__file__).resolve().parents[1])
+            for test in options.mode.tests:
+                log_dir = log_dir_for(scenario_dir, test)
+                if test is LoadGenMode.PERFORMANCE:
+                    builder.add_performance_run(scenario, log_dir)
+                else:
+                    builder.add_accuracy_run(scenario, log_dir, accuracy)
+                builder.add_readme(scenario, options.command_line or sys.argv, test.value)
+            builder.add_measurements(scenario, config.measurements.model_dump())
+            builder.add_user_conf(scenario, user_conf)
+    except IncompleteTree as exc:
+        say(f"submission tree not written: {exc}")
+        return 1
+    say("auditing the submission tree")
+    audit = subprocess.run([sys.executable, "-m", "audit", str(tree)], check=False)
+    return audit.returncode
+
+
+def _summary_table(scenario_dir: Path, mode: Mode, accuracy, scenario: Scenario) -> str:
+    import json
+
+    from audit.loadgen_logs import parse_detail_log
+    from audit.rules.rounds import FAILED_SAMPLES_FILE
+
+    rows = []
+    for test in mode.tests:
+        log_dir = log_dir_for(scenario_dir, test)
+        detail = parse_detail_log(log_dir / "mlperf_log_detail.txt")
+        failed_path = log_dir / FAILED_SAMPLES_FILE
+        failed = len(json.loads(failed_path.read_text())) if failed_path.is_file() else 0
+        if test is LoadGenMode.PERFORMANCE:
+            rate_key = "result_samples_per_second" if scenario is Scenario.OFFLINE else "result_completed_samples_per_sec"
+            p99 = detail.get("result_99.00_percentile_latency_ns")
+            rows.append([
+                test.value, detail.get("result_validity", "?"), f"{detail.get(rate_key, 0):.3f}",
+                f"{p99 / 1e9:.2f} s" if p99 is not None else "-", "-", failed,
+            ])
+        else:
+            f1 = f"{accuracy.category_f1:.4f} (target {accuracy.target(scenario.value):.4f})"
+            rows.append([test.value, "-", "-", "-", f1, failed])
+    return format_table(["test", "result", "samples/s", "p99 latency", "category F1", "failed samples"], rows)

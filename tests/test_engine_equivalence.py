@@ -1,0 +1,178 @@
+"""Greedy tokens of the engine equal transformers' own generate() on the same tiny checkpoint.
+
+The reference side uses only transformers (its PIL image processor, its model, its generate); the engine
+side uses only the engine's code path (workers.image_processing, the paged model, the scheduler).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.types import FinishReason, PromptInput, SamplingParams
+
+IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # small images keep the tests fast
+NEW_TOKENS = 8
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(arch, request):
+    return request.getfixturevalue(f"tiny_{arch}_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers' generate with its own image processor: (images, text ids) -> (prompt, new tokens)."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )
+
+    def run(images: list[bytes], text_ids: list[int], max_new_tokens: int = NEW_TOKENS):
+        ids = [IM_START, 872, 198]
+        kwargs = {}
+        if images:
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+            processed = processor(images=pil, return_tensors="pt")
+            for t, h, w in processed["image_grid_thw"].tolist():
+                ids += [VISION_START] + [IMAGE_PAD] * (t * h * w // 4) + [VISION_END]
+        ids += text_ids + [IM_END, 198, IM_START, 77091, 198]
+        input_ids = torch.tensor([ids])
+        if images:
+            kwargs = dict(
+                pixel_values=processed["pixel_values"],
+                image_grid_thw=processed["image_grid_thw"],
+                mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
+            )
+        with torch.no_grad():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                do_sample=False, **kwargs,
+            )
+        return PromptInput(ids, list(images)), out[0, len(ids):].tolist()
+
+    return run
+
+
+def make_engine(checkpoint, **overrides) -> LLMEngine:
+    settings = dict(
+        checkpoint=checkpoint, num_kv_blocks=256, block_size=16, max_model_len=1024,
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, PromptInput]]], max_tokens=NEW_TOKENS):
+    """Adds requests at the given step numbers and steps until all finish; returns tokens per request."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or any(s >= step for s in arrivals):
+        for rid, prompt in arrivals.pop(step, []):
+            tokens[rid] = []
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP), out.error
+        step += 1
+    return tokens
+
+
+def test_text_only_prompts_match_transformers(checkpoint, reference):
+    cases = {"short": [9707, 11, 1246], "longer": list(range(1000, 1040))}
+    expected = {rid: reference([], ids) for rid, ids in cases.items()}
+    engine = make_engine(checkpoint)
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in expected.items()]})
+    assert got == {rid: toks for rid, (_, toks) in expected.items()}
+
+
+def test_one_image_of_odd_size_matches_transformers(checkpoint, reference):
+    prompt, expected = reference([png(67, 45, seed=1)], [3838, 374, 419])
+    engine = make_engine(checkpoint)
+    assert run_to_completion(engine, {0: [("img", prompt)]}) == {"img": expected}
+
+
+def test_batch_of_requests_with_several_images_of_different_sizes_matches_transformers(checkpoint, reference):
+    cases = {
+        "two-images": reference([png(130, 90, seed=2), png(40, 200, seed=3)], [3838, 374]),
+        "one-image": reference([png(96, 96, seed=4)], [1, 2, 3]),
+        "text": reference([], [5, 6, 7, 8]),
+    }
+    engine = make_engine(checkpoint)
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
+def test_requests_added_while_others_decode_match_transformers(checkpoint, reference):
+    cases = {
+        "first": reference([png(64, 64, seed=5)], [11, 12]),
+        "second": reference([], [13, 14, 15]),
+        "third": reference([png(100, 50, seed=6)], [16]),
+    }
+    engine = make_engine(checkpoint)
+    arrivals = {0: [("first", cases["first"][0])], 3: [("second", cases["second"][0])], 5: [("third", cases["third"][0])]}
+    got = run_to_completion(engine, arrivals)
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
+def test_long_prompt_prefilled_in_chunks_matches_transformers(checkpoint, reference):
+    cases = {
+        "long-image": reference([png(160, 128, seed=7)], list(range(2000, 2030))),
+        "long-text": reference([], list(range(3000, 3050))),
+    }
+    engine = make_engine(checkpoint, max_num_batched_tokens=13)
+    chunked = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        out = original()
+        chunked.extend(c.num_tokens for c in out.chunks if not c.samples)
+        return out
+
+    engine.scheduler.schedule = spy
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert chunked, "the prompts were expected to be split over several steps"
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
+def test_kv_cache_too_small_for_all_requests_preempts_and_still_matches_transformers(checkpoint, reference):
+    cases = {f"r{i}": reference([png(64, 64, seed=10 + i)] if i % 2 else [], list(range(100 * i, 100 * i + 6)),
+                                max_new_tokens=12) for i in range(3)}
+    engine = make_engine(checkpoint, num_kv_blocks=10, block_size=4)
+    preempted = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        out = original()
+        preempted.extend(out.preempted)
+        return out
+
+    engine.scheduler.schedule = spy
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]}, max_tokens=12)
+    assert preempted, "the KV pool was sized to force preemption"
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+    assert engine.block_manager.num_free_blocks == 10

@@ -1,0 +1,162 @@
+"""System configs: every shipped YAML loads, and a bad one fails with one line naming the key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from harness.system_config import (
+    CONFIG_DIR,
+    ConfigError,
+    available_systems,
+    load_system_config,
+    parse_system_config,
+)
+
+SHIPPED = available_systems()
+
+
+def cpu_tiny() -> dict:
+    return yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+
+
+def error_for(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_system_config(data, "test.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_embedded_default_and_the_gpu_systems_are_shipped():
+    assert {"cpu-tiny", "h200x1", "h200x2", "h200x2-disagg", "h200x8", "gb300-nvl72", "vr-nvl72"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_yaml_loads_with_its_system_description(name):
+    config = load_system_config(name)
+    assert config.system.name == name
+    assert config.system.system_desc_path.is_file()
+    for scenario in ("offline", "server", "interactive"):
+        section = config.scenario(scenario)
+        assert section.performance_sample_count >= 1
+
+
+def test_nvl72_systems_use_all_72_gpus():
+    for name in ("gb300-nvl72", "vr-nvl72"):
+        assert load_system_config(name).workers.num_gpus == 72
+
+
+def test_h200x8_runs_two_tp4_instances():
+    (pool,) = load_system_config("h200x8").workers.pools
+    assert (pool.count, pool.gpus_per_worker, pool.tp, pool.ep) == (2, 4, 4, 4)
+
+
+def test_cpu_tiny_makes_its_checkpoint_and_catalogue():
+    config = load_system_config("cpu-tiny")
+    assert config.model.tiny_arch == "moe"
+    assert config.dataset("server").synthetic_count == config.scenario("server").performance_sample_count
+    assert config.dataset("interactive").synthetic_count == config.scenario("interactive").performance_sample_count
+
+
+def test_interactive_has_the_1500_ms_target_and_server_12_s():
+    config = load_system_config("cpu-tiny")
+    assert config.scenario("interactive").target_latency_ms == 1500
+    assert config.scenario("server").target_latency_ms == 12000
+
+
+def test_unknown_top_level_key_is_named():
+    data = cpu_tiny()
+    data["scenarioz"] = {}
+    assert "test.yaml: scenarioz: Extra inputs are not permitted" in error_for(data)
+
+
+def test_unknown_nested_key_is_named_with_its_path():
+    data = cpu_tiny()
+    data["scenarios"]["server"]["target_qsp"] = 3
+    assert "scenarios.server.target_qsp" in error_for(data)
+
+
+def test_bad_value_names_the_key():
+    data = cpu_tiny()
+    data["scenarios"]["offline"]["target_qps"] = -1
+    assert "scenarios.offline.target_qps" in error_for(data)
+
+
+def test_bad_pool_role_names_the_pool():
+    data = cpu_tiny()
+    data["workers"]["pools"][0]["role"] = "encoder"
+    assert "workers.pools.0.role" in error_for(data)
+
+
+def test_tp_must_match_the_gpus_of_a_worker():
+    data = cpu_tiny()
+    data["workers"]["pools"][0].update(gpus_per_worker=4, tp=2)
+    assert "workers.pools.0" in error_for(data) and "tp (2)" in error_for(data)
+
+
+def test_prefill_pool_without_decode_pool_is_rejected():
+    data = cpu_tiny()
+    data["workers"]["pools"] = [{"role": "prefill", "count": 1}]
+    assert "workers" in error_for(data) and "decode pool" in error_for(data)
+
+
+def test_engine_keys_are_validated_by_the_engine_config():
+    data = cpu_tiny()
+    data["engine"]["max_num_seqz"] = 4
+    assert "engine.max_num_seqz" in error_for(data)
+
+
+def test_router_keys_are_validated_by_the_router_config():
+    data = cpu_tiny()
+    data["router"]["policy"] = {"name": "random"}
+    assert "router.policy.name" in error_for(data)
+
+
+def test_interactive_needs_the_8k_dataset():
+    data = cpu_tiny()
+    del data["datasets"]["catalogue-8k"]
+    assert "datasets.catalogue-8k is required by scenarios.interactive" in error_for(data)
+
+
+def test_offline_has_no_latency_target():
+    data = cpu_tiny()
+    data["scenarios"]["offline"]["target_latency_ms"] = 100
+    assert "offline.target_latency_ms" in error_for(data)
+
+
+def test_bad_synthetic_dataset_names_the_key():
+    data = cpu_tiny()
+    data["datasets"]["product-catalogue"]["path"] = "synthetic:lots"
+    assert "datasets.product-catalogue.path" in error_for(data)
+
+
+def test_empty_measurement_field_is_named():
+    data = copy.deepcopy(cpu_tiny())
+    data["measurements"]["retraining"] = ""
+    assert "measurements.retraining" in error_for(data)
+
+
+def test_unknown_system_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown system 'nope' \\(known: .*cpu-tiny"):
+        load_system_config("nope")
+
+
+def test_unconfigured_scenario_is_named(tmp_path):
+    data = cpu_tiny()
+    del data["scenarios"]["offline"]
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(data))
+    config = load_system_config(path)
+    with pytest.raises(ConfigError, match="scenarios.offline is not configured"):
+        config.scenario("offline")
+
+
+def test_unreadable_yaml_is_one_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("system: [unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_system_config(path)
+    assert str(info.value).startswith(f"{path}: cannot read YAML") and "\n" not in str(info.value)

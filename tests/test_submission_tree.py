@@ -1,0 +1,190 @@
+"""The submission tree is built aside and appears only when complete; later runs merge their scenarios in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from audit.checker import audit_tree
+from audit.rules.rounds import MODEL
+from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder, scenario_dir_name
+from loadgen_fixtures import (MEASUREMENTS, SUBMITTER, SYSTEM, SYSTEM_JSON, accuracy_result, add_scenario,
+                              make_source_root, official_runs)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return official_runs(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    return make_source_root(tmp_path / "repo")
+
+
+def builder(out: Path) -> SubmissionTreeBuilder:
+    return SubmissionTreeBuilder(out, submitter=SUBMITTER, system_name=SYSTEM)
+
+
+def build(out: Path, runs, repo: Path, scenarios) -> Path:
+    with builder(out) as b:
+        b.add_system_description(SYSTEM_JSON)
+        b.add_source(repo)
+        for scenario in scenarios:
+            add_scenario(b, scenario, runs)
+    return out
+
+
+def results(out: Path) -> Path:
+    return out / "closed" / SUBMITTER / "results" / SYSTEM / MODEL
+
+
+def visible(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if not p.name.startswith("."))
+
+
+def test_tree_appears_only_at_commit_and_passes_the_audit(tmp_path, runs, repo):
+    out = tmp_path / "submission"
+    with builder(out) as b:
+        b.add_system_description(SYSTEM_JSON)
+        b.add_source(repo)
+        for scenario in ("Offline", "Server"):
+            add_scenario(b, scenario, runs)
+        assert not out.exists() and visible(tmp_path) == ["repo"]  # only a hidden .submission.partial-*
+    assert visible(tmp_path) == ["repo", "submission"]
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+    report = audit_tree(out)
+    assert report.accepted, "\n".join(report.lines())
+
+
+def test_exception_mid_build_leaves_no_tree_and_no_staging(tmp_path, runs, repo):
+    out = tmp_path / "submission"
+    with pytest.raises(RuntimeError, match="worker died"):
+        with builder(out) as b:
+            b.add_system_description(SYSTEM_JSON)
+            b.add_performance_run("Offline", runs[("Offline", "performance")])
+            raise RuntimeError("worker died")
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_exception_mid_build_leaves_the_existing_tree_as_it_was(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(KeyError):
+        with builder(out) as b:
+            b.add_performance_run("Server", runs[("Server", "performance")])
+            raise KeyError("interrupted")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_incomplete_tree_is_not_committed(tmp_path, runs, repo):
+    out = tmp_path / "submission"
+    with pytest.raises(IncompleteTree, match="README.md"):
+        with builder(out) as b:
+            b.add_system_description(SYSTEM_JSON)
+            b.add_source(repo)
+            b.add_performance_run("Offline", runs[("Offline", "performance")])
+            b.add_measurements("Offline", MEASUREMENTS)
+            b.add_user_conf("Offline", runs[("Offline", "performance")] / "user.conf")
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_second_scenario_run_merges_into_the_existing_tree(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    offline_log = (results(out) / "Offline" / "performance" / "run_1" / "mlperf_log_detail.txt").read_bytes()
+    with builder(out) as b:
+        add_scenario(b, "Server", runs)
+    assert visible(results(out)) == ["Offline", "Server"]
+    assert (results(out) / "Offline" / "performance" / "run_1" / "mlperf_log_detail.txt").read_bytes() == offline_log
+    assert audit_tree(out).accepted
+
+
+def test_rerun_replaces_a_run_and_keeps_other_readme_sections(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    with builder(out) as b:
+        b.add_accuracy_run("Offline", runs[("Offline", "accuracy")], accuracy_result(0.80))
+        b.add_readme("offline", ["./run_submission.sh", "--mode", "accuracy"], "accuracy")
+    acc = results(out) / "Offline" / "accuracy"
+    assert '{"f1": 0.8}' in (acc / "accuracy.txt").read_text()
+    readme = (results(out) / "Offline" / "README.md").read_text()
+    assert "## accuracy" in readme and "--mode accuracy" in readme
+    assert "## performance" in readme and "--scenario offline" in readme
+
+
+def test_runs_hold_only_loadgen_files_and_failed_samples_are_filed_in_the_scenario_dir(tmp_path, runs, repo):
+    perf_src = runs[("Server", "performance")]
+    (perf_src / "failed_samples.json").write_text(json.dumps([{"sample_index": 3, "error": "bad image"}]))
+    try:
+        out = build(tmp_path / "submission", runs, repo, ["Offline", "Server"])
+    finally:
+        (perf_src / "failed_samples.json").unlink()
+    server = results(out) / "Server"
+    assert visible(server / "performance" / "run_1") == ["mlperf_log_detail.txt", "mlperf_log_summary.txt"]
+    assert visible(server / "accuracy") == ["accuracy.txt", "mlperf_log_accuracy.json", "mlperf_log_detail.txt",
+                                            "mlperf_log_summary.txt"]
+    assert json.loads((server / "failed_samples_performance.json").read_text())[0]["sample_index"] == 3
+    assert not (server / "failed_samples_accuracy.json").exists()
+    # A rerun without failures removes the stale record.
+    with builder(out) as b:
+        b.add_performance_run("Server", perf_src)
+    assert not (server / "failed_samples_performance.json").exists()
+
+
+def test_accuracy_log_is_hashed_and_truncated(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    acc = results(out) / "Offline" / "accuracy"
+    assert (acc / "mlperf_log_accuracy.json").stat().st_size <= 10240
+    assert (runs[("Offline", "accuracy")] / "mlperf_log_accuracy.json").stat().st_size > 10240
+    assert (acc / "accuracy.txt").read_text().count("hash=") == 2  # evaluation's hash + the appended one
+
+
+def test_system_description_takes_the_trees_submitter_and_division(tmp_path, runs, repo):
+    out = tmp_path / "submission"
+    with SubmissionTreeBuilder(out, submitter="AcmeAI", system_name=SYSTEM, division="open") as b:
+        b.add_system_description(SYSTEM_JSON)
+        b.add_source(repo)
+        add_scenario(b, "Offline", runs)
+    desc = json.loads((out / "open" / "AcmeAI" / "systems" / f"{SYSTEM}.json").read_text())
+    assert (desc["submitter"], desc["division"]) == ("AcmeAI", "open")
+    assert json.loads(SYSTEM_JSON.read_text())["submitter"] == "Q3VLHarness"
+
+
+def test_source_copy_has_the_packages_without_caches(tmp_path):
+    out = tmp_path / "submission"
+    b = builder(out)
+    b.begin()
+    try:
+        src = b.add_source(REPO)
+        assert (src / "audit" / "checker.py").is_file()
+        assert (src / "pyproject.toml").is_file()
+        assert not list(src.rglob("__pycache__")) and not list(src.rglob("_generated"))
+        assert not (src / "tests").exists()
+    finally:
+        b.abort()
+    assert not out.exists()
+
+
+def test_scenario_names_are_normalised_and_unknown_ones_rejected():
+    assert scenario_dir_name("interactive") == "Interactive"
+    with pytest.raises(ValueError, match="SingleStream"):
+        scenario_dir_name("SingleStream")
+
+
+@pytest.mark.parametrize("system_json", sorted((REPO / "mlperf_configs" / "systems").glob("*.json")),
+                         ids=lambda p: p.stem)
+def test_shipped_system_descriptions_pass_the_system_rules(tmp_path, runs, repo, system_json):
+    out = tmp_path / "submission"
+    division = json.loads(system_json.read_text())["division"]
+    with SubmissionTreeBuilder(out, submitter=SUBMITTER, system_name=system_json.stem, division=division) as b:
+        b.add_system_description(system_json)
+        b.add_source(repo)
+        add_scenario(b, "Offline", runs)
+        add_scenario(b, "Server", runs)
+    report = audit_tree(out)
+    assert report.accepted, "\n".join(report.lines())

@@ -1,0 +1,169 @@
+"""WorkerServer around an engine (the instant engine here): sampling mapping, coalesced streaming, cancel,
+KV hold / pull / release, registration and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+from router.instant_engine import InstantEngine
+from router.transport import open_channel
+from router.wire import pb, pb_grpc
+from tests.router_fixtures import Cluster, collect, request, run
+from workers.kv_cache import KvExport
+from workers.server import WorkerServer, kv_from_chunks, kv_to_chunks
+
+
+class Worker:
+    """A WorkerServer on loopback with a stub to call it directly."""
+
+    def __init__(self, engine: InstantEngine | None = None, role: str = "aggregated"):
+        self.engine = engine or InstantEngine()
+        self.server = WorkerServer(self.engine, "wt", role)
+
+    async def __aenter__(self):
+        await self.server.start()
+        self.channel = open_channel(self.server.address)
+        self.stub = pb_grpc.WorkerServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.server.stop(0)
+
+
+def test_model_default_sampling_comes_from_the_engine_generation_defaults():
+    async def body():
+        async with Worker() as w:
+            req = request("d", max_tokens=5)
+            req.sampling.use_model_defaults = True
+            req.sampling.temperature = 0.0  # ignored: the defaults win
+            tokens, _ = await collect(w.stub.Generate(req))
+            seen = w.engine.sampling_seen["d"]
+            assert (seen.temperature, seen.top_p, seen.top_k, seen.max_tokens) == (0.7, 0.8, 20, 5)
+            assert len(tokens) == 5
+
+    run(body())
+
+
+def test_explicit_sampling_is_passed_through_and_bad_values_are_invalid_argument():
+    async def body():
+        async with Worker() as w:
+            req = request("e", max_tokens=3)
+            req.sampling.temperature, req.sampling.top_k, req.sampling.has_seed, req.sampling.seed = 0.5, 4, True, 9
+            await collect(w.stub.Generate(req))
+            seen = w.engine.sampling_seen["e"]
+            assert (seen.temperature, seen.top_p, seen.top_k, seen.seed) == (0.5, 1.0, 4, 9)
+            bad = request("bad")
+            bad.sampling.temperature = -1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(w.stub.Generate(bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    run(body())
+
+
+def test_tokens_produced_while_a_chunk_is_in_flight_are_coalesced():
+    async def body():
+        async with Worker() as w:
+            call = w.stub.Generate(request("c", max_tokens=200))
+            chunks = []
+            async for chunk in call:
+                chunks.append(chunk)
+                await asyncio.sleep(0.01)  # a slow reader lets tokens pile up
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert len(tokens) == 200 and len(chunks) < 100
+            assert chunks[-1].finish_reason == pb.LENGTH and chunks[-1].completion_tokens == 200
+
+    run(body())
+
+
+def test_cancelled_call_aborts_the_engine_request():
+    async def body():
+        async with Worker(InstantEngine(step_delay_s=0.02)) as w:
+            call = w.stub.Generate(request("x", max_tokens=500))
+            await call.read()
+            call.cancel()
+            for _ in range(100):
+                if "x" in w.engine.aborted:
+                    break
+                await asyncio.sleep(0.02)
+            assert "x" in w.engine.aborted
+
+    run(body())
+
+
+def test_prefill_only_holds_kv_until_pulled_layer_by_layer_then_releases_it():
+    async def body():
+        async with Worker(role="prefill") as w:
+            req = request("p", prompt_len=33, prefill_only=True)
+            _, chunks = await collect(w.stub.Generate(req))
+            handle = chunks[-1].kv_handle
+            assert handle.worker_address == w.server.address and handle.num_tokens == 33
+            assert handle.first_token_id == chunks[-1].token_ids[-1]
+            assert w.engine.held_kv == ["p"]
+            pulled = [c async for c in w.stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id))]
+            assert [c.layer for c in pulled] == [0, 1] and pulled[0].num_layers == 2
+            export = kv_from_chunks(pulled, handle.first_token_id)
+            assert export.keys[0][:, 0, 0].tolist() == list(req.prompt_token_ids)
+            assert w.engine.held_kv == []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(w.stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id)))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(body())
+
+
+def test_abort_of_a_held_transfer_releases_its_kv():
+    async def body():
+        async with Worker(role="prefill") as w:
+            _, chunks = await collect(w.stub.Generate(request("h", prefill_only=True)))
+            assert (await w.stub.Abort(pb.AbortRequest(request_id=chunks[-1].kv_handle.transfer_id))).found
+            assert w.engine.held_kv == []
+
+    run(body())
+
+
+def test_kv_chunks_round_trip_bfloat16_exactly():
+    keys = [torch.randn(7, 2, 8).to(torch.bfloat16) for _ in range(3)]
+    export = KvExport(num_tokens=7, first_token_id=5, mrope_position_delta=-3, keys=keys, values=[k * 2 for k in keys])
+    back = kv_from_chunks(kv_to_chunks(export), first_token_id=5)
+    assert back.mrope_position_delta == -3 and back.first_token_id == 5
+    assert all(torch.equal(a, b) for a, b in zip(back.keys + back.values, export.keys + export.values))
+    with pytest.raises(ValueError, match="layers"):
+        kv_from_chunks(kv_to_chunks(export)[:2], first_token_id=5)
+
+
+def test_decode_with_an_unreachable_kv_handle_is_unavailable():
+    async def body():
+        async with Worker(role="decode") as w:
+            req = request("u")
+            req.kv_handle.CopyFrom(pb.KvHandle(worker_address="127.0.0.1:1", transfer_id="t", first_token_id=3))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(w.stub.Generate(req, timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(body())
+
+
+def test_worker_registers_again_when_the_router_forgets_it():
+    async def body():
+        async with Cluster(roles=("aggregated",)) as c:
+            c.router.registry._entries.clear()  # as after a router restart
+            await c.client.wait_for_workers(1, timeout=5)
+            listing = await c.client.list_workers()
+            assert listing.workers[0].address == c.workers[0].address
+            assert listing.loads[0].total_kv_blocks == c.engines[0].total_kv_blocks
+
+    run(body())
+
+
+def test_non_loopback_listen_requires_a_token():
+    with pytest.raises(ValueError, match="token"):
+        WorkerServer(InstantEngine(), "w", "decode", listen="0.0.0.0:0")
+    with pytest.raises(ValueError, match="role"):
+        WorkerServer(InstantEngine(), "w", "encoder")

@@ -1,0 +1,163 @@
+"""AsyncEngine: runs an LLMEngine's step loop in a background thread and streams outputs to asyncio callers.
+
+Every engine call happens on that thread; results cross back with loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from workers.engine import LLMEngine
+from workers.kv_cache import KvExport
+from workers.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop was shut down while a request was in flight."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._load = engine.load()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling: SamplingParams,
+        *,
+        resume_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
+        kv_import: KvExport | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs until one has finished=True. Leaving the loop early (or the
+        caller being cancelled) aborts the request."""
+        loop = asyncio.get_running_loop()
+        # Image decoding and preprocessing run on a worker thread, off both the event loop and the engine.
+        prepared = await loop.run_in_executor(
+            None,
+            functools.partial(
+                self.engine.prepare_request, request_id, prompt, sampling,
+                resume_token_ids=resume_token_ids, prefill_only=prefill_only, kv_import=kv_import,
+            ),
+        )
+        stream = _Stream(loop)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already being generated")
+        self._streams[request_id] = stream
+        self._submit(functools.partial(self._add, prepared, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(functools.partial(self.engine.abort, request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancels a request; False if the engine does not know it."""
+        return await asyncio.wrap_future(self._submit(functools.partial(self.engine.abort, request_id)))
+
+    async def export_kv(self, request_id: str) -> KvExport:
+        """KV of a finished prefill_only request (KeyError if none is held under that id)."""
+        return await asyncio.wrap_future(self._submit(functools.partial(self.engine.export_kv, request_id)))
+
+    async def release(self, request_id: str) -> bool:
+        """Frees the KV blocks held for a finished prefill_only request."""
+        return await asyncio.wrap_future(self._submit(functools.partial(self.engine.release, request_id)))
+
+    def load(self) -> EngineLoad:
+        """The load snapshot taken after the latest step."""
+        return self._load
+
+    def shutdown(self) -> None:
+        """Stops the loop thread; open streams end with EngineStoppedError."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        for stream in list(self._streams.values()):
+            stream.put(EngineStoppedError("engine shut down"))
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set():
+            future.set_exception(EngineStoppedError("engine shut down"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def _add(self, prepared, stream: _Stream) -> None:
+        try:
+            self.engine.add_prepared(prepared)
+        except ValueError as exc:
+            stream.put(exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            outputs = self.engine.step()
+            self._load = self.engine.load()
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        self._run_commands()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(exc)
