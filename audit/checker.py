@@ -3,7 +3,6 @@ for qwen3-vl-235b-a22b: every rule in `audit.rules.RULES` yields one PASS/FAIL/W
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -12,8 +11,6 @@ from audit.rules import RULES
 from audit.rules.base import (Outcome, Rule, ScenarioContext, SubmissionContext, SystemContext, Unavailable,
                               failed)
 from audit.rules.rounds import DEFAULT_VERSION, DIVISIONS, ROUNDS
-
-log = logging.getLogger(__name__)
 
 # FAIL rejects the result; WARN is information that never rejects; SKIP means the rule could not run
 # because a file it needs is missing or unreadable (the rule that owns that file FAILs).

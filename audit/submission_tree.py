@@ -76,17 +76,33 @@ class SubmissionTreeBuilder:
             self.abort()
 
     def begin(self) -> None:
-        """Takes the output's lock and stages a copy of the existing tree (if any)."""
+        """Takes the output's lock, clears what a killed run left, and stages a copy of the existing tree."""
         if self._staging is not None:
             raise RuntimeError("SubmissionTreeBuilder.begin() called twice")
-        parent = self.output_dir.parent
+        parent, name = self.output_dir.parent, self.output_dir.name
         parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(parent / f".{self.output_dir.name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        self._lock_fd = os.open(parent / f".{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        self._staging = Path(tempfile.mkdtemp(prefix=f".{self.output_dir.name}.partial-", dir=parent))
-        os.chmod(self._staging, 0o755)  # mkdtemp makes it 0700; the committed tree is shared/uploaded
-        if self.output_dir.exists():
-            shutil.copytree(self.output_dir, self._staging, symlinks=True, dirs_exist_ok=True)
+        try:
+            self._recover_interrupted_runs(parent, name)
+            self._staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent))
+            os.chmod(self._staging, 0o755)  # mkdtemp makes it 0700; the committed tree is shared/uploaded
+            if self.output_dir.exists():
+                shutil.copytree(self.output_dir, self._staging, symlinks=True, dirs_exist_ok=True)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _recover_interrupted_runs(self, parent: Path, name: str) -> None:
+        # Holding the lock, no other builder is active: staging dirs are from killed runs, and a retired
+        # tree with no tree in place means a run died between commit's two renames.
+        for stale in parent.glob(f".{name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for retired in sorted(parent.glob(f".{name}.old-*")):
+            if not self.output_dir.exists() and (retired / "tree").is_dir():
+                log.warning("restoring %s from an interrupted commit", self.output_dir)
+                os.rename(retired / "tree", self.output_dir)
+            shutil.rmtree(retired, ignore_errors=True)
 
     def commit(self) -> Path:
         """Checks the staged tree is complete, then renames it into place; returns `output_dir`."""

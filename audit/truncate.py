@@ -3,10 +3,12 @@ accuracy.txt as a `hash=` line, then cut the log to its first and last 4 KiB whe
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 from audit.rules.rounds import ACCURACY_HASH_PATTERN, ACCURACY_LOG_VIEWABLE_SIZE, MAX_ACCURACY_LOG_SIZE, MODEL
@@ -74,3 +76,20 @@ def truncate_submission(tree: Path) -> list[Path]:
         if acc_dir.is_dir() and truncate_accuracy_dir(acc_dir):
             changed.append(acc_dir)
     return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m audit.truncate", description=__doc__)
+    parser.add_argument("tree", type=Path, help="submission tree: the directory holding closed/ and/or open/")
+    args = parser.parse_args(argv)
+    try:
+        changed = truncate_submission(args.tree)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(f"hashed/truncated {d}" for d in changed) or "nothing to do: every accuracy log done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ class WorkerSpec:
     role: str  # aggregated | prefill | decode
     router_address: str
     router_token: str | None
-    engine_factory: Callable[[], Any]  # returns the AsyncEngine this worker serves
+    engine_factory: Callable[[], ServedEngine]
     model_name: str = ""
     kv_block_size: int = 16
     max_model_len: int = 0
@@ -38,12 +39,21 @@ class WorkerSpec:
     listen_host: str = "127.0.0.1"
 
 
-def build_async_engine(engine_config) -> Any:
+@dataclasses.dataclass(frozen=True)
+class ServedEngine:
+    """An engine with the AsyncEngine interface and the sampling defaults of its checkpoint."""
+
+    async_engine: Any
+    generation_defaults: Any  # workers.types.SamplingParams from generation_config.json
+
+
+def build_engine(engine_config) -> ServedEngine:
     """The product engine: LLMEngine in its AsyncEngine step-loop wrapper."""
     from workers.async_engine import AsyncEngine
     from workers.engine import LLMEngine
 
-    return AsyncEngine(LLMEngine(engine_config))
+    engine = LLMEngine(engine_config)
+    return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
 
 
 class ModelWorker:
@@ -56,7 +66,8 @@ class ModelWorker:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-server", daemon=True)
         self._thread.start()
-        self._engine = spec.engine_factory()
+        served = spec.engine_factory()
+        self._engine = served.async_engine
         self._server = WorkerServer(
             self._engine,
             spec.worker_id,
@@ -68,6 +79,7 @@ class ModelWorker:
             kv_block_size=spec.kv_block_size,
             max_model_len=spec.max_model_len,
             heartbeat_interval_s=spec.heartbeat_interval_s,
+            generation_defaults=served.generation_defaults,
         )
         asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
         logger.info("worker %s (%s) serving on %s", spec.worker_id, spec.role, self._server.address)
@@ -143,9 +155,19 @@ class WorkerFleet:
             ray.get(instance.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
 
     def addresses(self, timeout_s: float) -> dict[str, str]:
-        """worker_id -> gRPC address, once every actor has finished building its engine."""
-        refs = {instance.worker_id: instance.actor.address.remote() for instance in self.instances}
-        return {worker_id: ray.get(ref, timeout=timeout_s) for worker_id, ref in refs.items()}
+        """worker_id -> gRPC address, once every actor has (re)built its engine; waits out restarts."""
+        deadline = time.monotonic() + timeout_s
+        return {instance.worker_id: self._address(instance, deadline) for instance in self.instances}
+
+    @staticmethod
+    def _address(instance: _Instance, deadline: float) -> str:
+        while True:
+            try:
+                return ray.get(instance.actor.address.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            except ray.exceptions.ActorUnavailableError:  # restarting: its constructor is running again
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def kill(self, worker_id: str) -> None:
         """Kills one actor's process; Ray restarts it (used to test recovery)."""
@@ -163,5 +185,5 @@ class WorkerFleet:
         self.instances.clear()
 
 
-def engine_factory_for(engine_config) -> Callable[[], Any]:
-    return functools.partial(build_async_engine, engine_config)
+def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:
+    return functools.partial(build_engine, engine_config)

@@ -162,6 +162,7 @@ def official_runs(root: Path, scenarios=("Offline", "Server", "Interactive")) ->
 
 
 def accuracy_result(f1: float):
+    # Imported here: this file is also the LoadGen subprocess's script, which should stay light.
     from audit.accuracy import AccuracyResult
 
     return AccuracyResult(category_f1=f1, hierarchical_precision=f1, hierarchical_recall=f1, brand_score=0.9,

@@ -160,7 +160,7 @@ def test_breaking_one_thing_fails_exactly_its_rule(tree, rule_id, scenario, brea
 
 
 def test_every_rejecting_rule_has_a_breakage_test():
-    informational = {"failed-samples-performance", "failed-samples-accuracy"}
+    informational = {"failed-samples-performance", "failed-samples-accuracy", "compliance"}
     assert {r.id for r in RULES} - informational <= {b[0] for b in BREAKAGES}
 
 
@@ -194,6 +194,16 @@ def test_failed_samples_are_reported_as_warnings_without_rejecting(tree):
     [warning] = [f for f in report.findings if f.status == "WARN"]
     assert (warning.rule_id, warning.scenario) == ("failed-samples-performance", "Server")
     assert "#7" in warning.reason
+
+
+def test_compliance_dirs_are_not_required_and_extra_ones_are_reported(tree):
+    report = audit_tree(tree)
+    assert all("none in v6.1" in f.reason for f in report.findings if f.rule_id == "compliance")
+    (scen(tree, "Offline") / "TEST01").mkdir()
+    report = audit_tree(tree)
+    assert report.accepted
+    [warning] = [f for f in report.findings if f.status == "WARN"]
+    assert (warning.rule_id, warning.scenario) == ("compliance", "Offline") and "TEST01" in warning.reason
 
 
 def test_v6_0_rules_reject_v6_1_seeds_and_the_interactive_scenario(tree):

@@ -69,3 +69,14 @@ def test_truncate_submission_visits_every_scenario_accuracy_dir(tmp_path):
     dirs = [make_accuracy_dir(results / s / "accuracy", big_log()) for s in ("Offline", "Server")]
     assert truncate_submission(tmp_path) == dirs
     assert truncate_submission(tmp_path) == []
+
+
+def test_cli_truncates_a_tree_and_reports_when_nothing_is_left(tmp_path, capsys):
+    from audit.truncate import main
+
+    acc = make_accuracy_dir(tmp_path / "closed" / "Org" / "results" / "s" / "qwen3-vl-235b-a22b" / "Server"
+                            / "accuracy", big_log())
+    assert main([str(tmp_path)]) == 0
+    assert str(acc) in capsys.readouterr().out
+    assert main([str(tmp_path)]) == 0
+    assert "nothing to do" in capsys.readouterr().out

@@ -188,3 +188,16 @@ def test_shipped_system_descriptions_pass_the_system_rules(tmp_path, runs, repo,
         add_scenario(b, "Server", runs)
     report = audit_tree(out)
     assert report.accepted, "\n".join(report.lines())
+
+
+def test_leftovers_of_a_killed_run_are_cleared_and_an_interrupted_swap_is_undone(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    (tmp_path / ".submission.partial-dead").mkdir()  # killed while staging
+    retired = tmp_path / ".submission.old-dead"  # killed between commit's two renames
+    retired.mkdir()
+    out.rename(retired / "tree")
+    with builder(out) as b:
+        add_scenario(b, "Server", runs)
+    assert visible(results(out)) == ["Offline", "Server"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".submission.") and
+            not p.name.endswith(".lock")] == []

@@ -1,5 +1,5 @@
-"""Rules on the files of one scenario dir: the LoadGen run dirs hold exactly the allowed files, errors in
-the detail logs, accuracy.txt (F1 and hash), the truncated accuracy log, measurements, user.conf, README."""
+"""Rules on the files of one scenario dir: LoadGen run dirs hold exactly the allowed files, no LoadGen
+errors, accuracy.txt (F1, hash), the truncated accuracy log, measurements, user.conf, README, compliance."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Literal
 from audit.loadgen_logs import LogParseError, parse_summary_log
 from audit.rules.base import (Outcome, Rule, ScenarioContext, Unavailable, check_that, failed, passed,
                               read_json_object)
-from audit.rules.rounds import (ACCURACY_F1_PATTERN, COMPLIANCE_TEST_DIR, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
-                                ACCURACY_REQUIRED_FILES, FILED_FAILED_SAMPLES, MAX_ACCURACY_LOG_SIZE,
-                                MEASUREMENTS_REQUIRED_FIELDS, PERF_RUN_OPTIONAL_FILES,
+from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
+                                ACCURACY_REQUIRED_FILES, COMPLIANCE_TEST_DIR, FILED_FAILED_SAMPLES,
+                                MAX_ACCURACY_LOG_SIZE, MEASUREMENTS_REQUIRED_FIELDS, PERF_RUN_OPTIONAL_FILES,
                                 PERF_RUN_REQUIRED_FILES)
 
 

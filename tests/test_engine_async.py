@@ -1,0 +1,74 @@
+"""AsyncEngine: the step loop runs on its own thread; asyncio callers stream, abort, and hand KV over."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.types import FinishReason, PromptInput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe_checkpoint):
+    async_engine = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128)))
+    yield async_engine
+    async_engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int, **kw):
+    return [out async for out in engine.generate(rid, PromptInput(ids), SamplingParams(max_tokens=max_tokens), **kw)]
+
+
+def test_concurrent_generates_stream_the_same_tokens_as_one_at_a_time(engine):
+    async def main():
+        alone = await collect(engine, "alone", [1, 2, 3], 6)
+        together = await asyncio.gather(collect(engine, "a", [1, 2, 3], 6), collect(engine, "b", [9, 8], 4))
+        return alone, together
+
+    alone, (a, b) = asyncio.run(main())
+    assert [t for o in alone for t in o.new_token_ids] == [t for o in a for t in o.new_token_ids]
+    assert a[-1].finished and a[-1].num_generated_tokens == 6 and b[-1].num_generated_tokens == 4
+    assert engine.load().steps > 0
+
+
+def test_leaving_a_stream_early_aborts_the_request(engine):
+    async def main():
+        async for _ in engine.generate("early", PromptInput([1, 2]), SamplingParams(max_tokens=50)):
+            break
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if engine.load().running_requests == 0 and engine.load().waiting_requests == 0:
+                return True
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_abort_ends_the_stream_with_abort(engine):
+    async def main():
+        outs = []
+        async for out in engine.generate("cut", PromptInput([1, 2]), SamplingParams(max_tokens=100)):
+            outs.append(out)
+            if len(outs) == 2:
+                assert await engine.abort("cut")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason is FinishReason.ABORT and outs[-1].num_generated_tokens < 100
+
+
+def test_prefill_only_kv_is_exported_and_released_through_the_async_api(engine):
+    async def main():
+        outs = await collect(engine, "pf", [1, 2, 3, 4, 5], 10, prefill_only=True)
+        export = await engine.export_kv("pf")
+        released = await engine.release("pf")
+        with pytest.raises(KeyError):
+            await engine.export_kv("pf")
+        return outs, export, released
+
+    outs, export, released = asyncio.run(main())
+    assert export.num_tokens == 5 and export.first_token_id == outs[-1].new_token_ids[0] and released

@@ -1,0 +1,118 @@
+"""Disaggregation and replay: a prefill engine's exported KV continues on a second engine exactly as one
+engine would have decoded, and resumed tokens continue a request without being streamed again."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.kv_cache import KvExport
+from workers.types import FinishReason, PromptInput, SamplingParams
+
+IMAGE_PAD = 151655
+GREEDY = SamplingParams(max_tokens=10)
+
+
+def image_prompt() -> PromptInput:
+    pixels = np.random.default_rng(0).integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    # 70x90 with min_pixels 4096 resizes to 64x96: 2 x 3 = 6 visual tokens.
+    return PromptInput([151644, 872, 198, 151652] + [IMAGE_PAD] * 6 + [151653, 3838, 374, 151645, 198], [buf.getvalue()])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_moe_checkpoint):
+    def make(**kw):
+        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4,
+                                      max_model_len=256, min_pixels=4096, max_pixels=65536, **kw))
+    return make(), make(), make(dtype="bfloat16")
+
+
+def drain(engine: LLMEngine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_prefill_only_samples_one_token_and_holds_kv_until_released(engines):
+    prefill, _, _ = engines
+    free = prefill.block_manager.num_free_blocks
+    prefill.add_request("p", image_prompt(), GREEDY, prefill_only=True)
+    (last,) = drain(prefill)["p"]
+    assert last.finished and last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert len(last.new_token_ids) == 1
+    assert prefill.block_manager.num_free_blocks < free
+    export = prefill.export_kv("p")
+    assert export.num_tokens == len(image_prompt().token_ids)
+    assert export.first_token_id == last.new_token_ids[0]
+    assert prefill.release("p")
+    assert prefill.block_manager.num_free_blocks == free
+    with pytest.raises(KeyError):
+        prefill.export_kv("p")
+
+
+def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(engines):
+    prefill, decode, _ = engines
+    decode.add_request("whole", image_prompt(), GREEDY)
+    expected = tokens(drain(decode)["whole"])
+
+    prefill.add_request("split", image_prompt(), GREEDY, prefill_only=True)
+    first = tokens(drain(prefill)["split"])
+    export = prefill.export_kv("split")
+    prefill.release("split")
+    # Over the wire the KV travels as raw bytes per layer.
+    received = KvExport.from_layer_bytes(
+        num_tokens=export.num_tokens, first_token_id=export.first_token_id,
+        mrope_position_delta=export.mrope_position_delta, num_kv_heads=export.num_kv_heads,
+        head_dim=export.head_dim, dtype_name=export.dtype_name,
+        layers=[export.layer_bytes(i) for i in range(export.num_layers)],
+    )
+    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
+    rest = drain(decode)["split"]
+    assert first + tokens(rest) == expected
+    assert rest[-1].num_generated_tokens == GREEDY.max_tokens - 1
+
+
+def test_kv_import_into_an_engine_of_another_dtype_is_converted(engines):
+    prefill, _, decode_bf16 = engines
+    prefill.add_request("x", image_prompt(), GREEDY, prefill_only=True)
+    drain(prefill)
+    export = prefill.export_kv("x")
+    prefill.release("x")
+    decode_bf16.add_request("x", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
+    (*_, last) = drain(decode_bf16)["x"]
+    assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3
+
+
+def test_kv_import_for_a_different_prompt_is_rejected(engines):
+    prefill, decode, _ = engines
+    prefill.add_request("y", PromptInput([1, 2, 3, 4, 5]), GREEDY, prefill_only=True)
+    drain(prefill)
+    export = prefill.export_kv("y")
+    prefill.release("y")
+    decode.add_request("y", PromptInput([1, 2, 3]), GREEDY, kv_import=export)
+    (out,) = drain(decode)["y"]
+    assert out.finish_reason is FinishReason.ERROR and "covers 5 tokens" in out.error
+
+
+def test_resumed_request_continues_after_its_resume_tokens_without_streaming_them(engines):
+    _, decode, _ = engines
+    prompt = PromptInput([151644, 872, 198, 1, 2, 3, 151645, 198])
+    decode.add_request("full", prompt, GREEDY)
+    expected = tokens(drain(decode)["full"])
+    decode.add_request("resumed", prompt, SamplingParams(max_tokens=6), resume_token_ids=expected[:4])
+    outs = drain(decode)["resumed"]
+    assert tokens(outs) == expected[4:]
+    assert outs[-1].num_generated_tokens == 6

@@ -1,0 +1,73 @@
+"""Sampling: greedy, temperature with top-k/top-p, and per-request seeds that make tokens independent of
+the batch a request happens to share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sampler import Sampler
+from workers.types import PromptInput, SamplingParams
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(2, 1)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    top_k = SamplingParams(temperature=1.0, top_k=2)
+    top_p = SamplingParams(temperature=1.0, top_p=0.5)  # p(4.0) = 0.64 > 0.5: only the best token
+    for _ in range(20):
+        a, b = sampler.sample(logits, ["k", "p"], [top_k, top_p])
+        assert a in (0, 1) and b == 0
+
+
+def test_greedy_picks_the_argmax():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    assert sampler.sample(torch.tensor([[0.1, 2.0, 0.3]]), ["g"], [SamplingParams()]) == [1]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe_checkpoint):
+    return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128))
+
+
+def generate(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    got = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, PromptInput(ids), params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    return got
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(engine):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=1234)
+    alone = generate(engine, {"s": ([1, 2, 3], seeded)})["s"]
+    batch = generate(engine, {
+        "noise": ([7, 8, 9, 10], SamplingParams(temperature=1.0, max_tokens=12)),
+        "s": ([1, 2, 3], seeded),
+    })["s"]
+    assert alone == batch and len(alone) == 12
+
+
+def test_different_seeds_give_different_tokens(engine):
+    runs = generate(engine, {
+        f"seed{s}": ([1, 2, 3], SamplingParams(temperature=1.5, max_tokens=12, seed=s)) for s in range(3)
+    })
+    assert len({tuple(t) for t in runs.values()}) > 1
+
+
+def test_top_k_of_one_equals_greedy(engine):
+    got = generate(engine, {
+        "greedy": ([4, 5, 6], SamplingParams(max_tokens=8)),
+        "k1": ([4, 5, 6], SamplingParams(temperature=0.8, top_k=1, max_tokens=8)),
+    })
+    assert got["greedy"] == got["k1"]
+
+
+def test_generation_defaults_come_from_generation_config(engine):
+    defaults = engine.generation_defaults
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.7, 0.8, 20)
+    assert engine.eos_token_ids == {151645, 151643}

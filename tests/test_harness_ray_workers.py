@@ -1,0 +1,103 @@
+"""Workers as Ray actors (with the router's model-free InstantEngine): they register with the router, serve
+through it, and an actor that dies is restarted by Ray and registers again at its new address."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import ray
+
+from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, init_ray
+from harness.system_config import PoolSection, RaySection
+from router.client import RouterClient
+from router.config import RouterConfig
+from router.instant_engine import InstantEngine
+from router.server import RouterServer
+from router.wire import pb
+
+
+def instant_engine() -> ServedEngine:
+    engine = InstantEngine(step_delay_s=0.001)
+    return ServedEngine(engine, engine.generation_defaults)
+
+
+@pytest.fixture(scope="module")
+def router():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = RouterServer(RouterConfig(health={"heartbeat_interval_s": 0.2, "down_after_s": 1.0}))
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+
+    def call(coro_fn):
+        async def run():
+            async with RouterClient(server.address) as client:
+                return await coro_fn(client)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=60)
+
+    yield server.address, call
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(router):
+    address, _ = router
+    started = init_ray(RaySection(num_cpus=2, num_gpus=0, object_store_memory_mb=80), address=None)
+    template = WorkerSpec(
+        worker_id="", role="aggregated", router_address=address, router_token=None,
+        engine_factory=instant_engine, heartbeat_interval_s=0.2,
+    )
+    pools = [PoolSection(role="prefill", count=1, cpus_per_worker=0.5),
+             PoolSection(role="decode", count=1, cpus_per_worker=0.5)]
+    fleet = WorkerFleet(pools, template)
+    fleet.start()
+    yield fleet
+    fleet.stop()
+    if started:
+        ray.shutdown()
+
+
+def registered(call) -> dict[str, tuple[str, int, bool]]:
+    listing = call(lambda c: c.list_workers())
+    return {w.worker_id: (w.address, w.role, ok) for w, ok in zip(listing.workers, listing.healthy)}
+
+
+def wait_for(predicate, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+@pytest.mark.slow
+def test_actors_register_serve_and_come_back_after_a_crash(router, fleet):
+    _, call = router
+    addresses = fleet.addresses(timeout_s=60)
+    assert set(addresses) == {"prefill-0", "decode-0"}
+    workers = wait_for(lambda: (w := registered(call)) and len(w) == 2 and all(ok for *_, ok in w.values()) and w)
+    assert workers["prefill-0"][1] == pb.PREFILL and workers["decode-0"][1] == pb.DECODE
+    assert {w[0] for w in workers.values()} == set(addresses.values())
+
+    async def generate(client):
+        request = pb.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
+                                     sampling=pb.SamplingParams(max_tokens=5))
+        return [chunk async for chunk in client.generate(request)]
+
+    chunks = call(generate)
+    assert sum(len(c.token_ids) for c in chunks) == 5 and chunks[-1].finish_reason == pb.LENGTH
+
+    old_address = addresses["decode-0"]
+    fleet.kill("decode-0")
+    new_address = wait_for(lambda: (a := fleet.addresses(timeout_s=60)["decode-0"]) != old_address and a)
+    wait_for(lambda: registered(call).get("decode-0", ("", 0, False))[0] == new_address)
+    assert registered(call)["decode-0"][2]
