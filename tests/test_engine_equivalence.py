@@ -176,3 +176,14 @@ def test_kv_cache_too_small_for_all_requests_preempts_and_still_matches_transfor
     assert preempted, "the KV pool was sized to force preemption"
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
     assert engine.block_manager.num_free_blocks == 10
+
+
+@pytest.mark.gpu
+def test_engine_runs_on_cuda_in_bfloat16_with_the_kv_pool_sized_from_free_memory(checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = make_engine(checkpoint, device="cuda", num_kv_blocks=None, gpu_memory_utilization=0.5)
+    assert engine.load().total_kv_blocks > 0
+    prompt = PromptInput([IM_START, VISION_START] + [IMAGE_PAD] * 4 + [VISION_END, 5, 6], [png(64, 64, seed=0)])
+    got = run_to_completion(engine, {0: [("cuda", prompt), ("text", PromptInput([1, 2, 3]))]})
+    assert len(got["cuda"]) == NEW_TOKENS and len(got["text"]) == NEW_TOKENS

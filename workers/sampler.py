@@ -35,27 +35,29 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
-            probs = _filtered_probs(logits[idx], [params[i] for i in rows])
+            probs, candidates, top_k = _candidates(logits[idx], [params[i] for i in rows])
             for j, i in enumerate(rows):
                 gen = self._generator(request_ids[i], params[i])
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+                # Draw over the row's own top-k only, so the draw does not depend on its batch mates.
+                tokens[i] = candidates[j, torch.multinomial(probs[j, : top_k[j]], 1, generator=gen)[0]]
         return tokens.tolist()
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to each row's top-k and top-p nucleus."""
+def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Per row, the probabilities [B, C] of candidate tokens [B, C] (best first) and its top-k: softmax
+    of logits / temperature over the row's top-k, cut to the top-p nucleus (the best token always stays)."""
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    logits = logits / temperature
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if max(top_k) < vocab:
+        values, candidates = logits.topk(max(top_k), dim=-1)  # sorted; cheap when every row has a top-k
+    else:
+        values, candidates = logits.sort(dim=-1, descending=True)
+    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    values = values / temperature
+    ranks = torch.arange(values.shape[1], device=dev).unsqueeze(0)
+    drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+    probs = values.masked_fill(drop, float("-inf")).softmax(dim=-1)
     top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    drop = ranks >= top_k.unsqueeze(1)
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p
+    return values.masked_fill(drop, float("-inf")).softmax(dim=-1), candidates, top_k

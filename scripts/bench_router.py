@@ -1,0 +1,278 @@
+"""Router overhead with instant workers: sustained requests/s through one router process and the latency it
+adds, round_robin vs least_loaded, gRPC and HTTP, side by side with vllm-router (Rust) when installed.
+
+Prints one JSON object. `python scripts/bench_router.py [--seconds 3] [--concurrency 64]` (default run < 60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly
+OUTPUT_TOKENS = 45     # NVL72's reported average output length
+NVL72_QPS = 2323       # Vera Rubin NVL72 server-scenario queries/s to compare one router process with
+TEXT = " ".join(["describe"] * 300)  # HTTP prompt text (tokenized by the router on every request)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- helper processes ----------------------------------------------------------------------------
+
+
+async def serve_grpc_workers(router: str, count: int) -> None:
+    """Instant-engine WorkerServers registered with `router`; the first's address goes to stdout."""
+    from router.instant_engine import InstantEngine
+    from workers.server import WorkerServer
+
+    servers = [WorkerServer(InstantEngine(), f"instant{i}", "aggregated", router) for i in range(count)]
+    for server in servers:
+        await server.start()
+    print(servers[0].address, flush=True)
+    await _wait_for_signal()
+
+
+async def serve_http_workers(ports: list[int]) -> None:
+    """Instant OpenAI-compatible HTTP workers (what vllm-router fronts)."""
+    from aiohttp import web
+
+    content = " ".join(["tok"] * OUTPUT_TOKENS)
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": 0, "model": "instant",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": OUTPUT_TOKENS,
+                      "total_tokens": PROMPT_TOKENS + OUTPUT_TOKENS},
+        })
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "instant", "object": "model"}]})
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/chat/completions", chat), web.get("/health", ok), web.get("/v1/models", ok)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await _wait_for_signal()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+class Procs:
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], lines: int = 1) -> list[str]:
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        self.procs.append(proc)
+        return [proc.stdout.readline().strip() for _ in range(lines)]
+
+    def start_binary(self, args: list[str]) -> None:
+        self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict:
+    """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles."""
+    latencies: list[float] = []
+    errors = 0
+    end = time.monotonic() + seconds
+
+    async def client() -> None:
+        nonlocal errors
+        while time.monotonic() < end:
+            t = time.monotonic()
+            try:
+                await send()
+            except Exception:  # noqa: BLE001 - counted, the run goes on
+                errors += 1
+                continue
+            latencies.append(time.monotonic() - t)
+
+    start = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed = time.monotonic() - start
+    latencies.sort()
+    pct = lambda q: round(1000 * latencies[min(int(q * len(latencies)), len(latencies) - 1)], 3) if latencies else None
+    return {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "completed": len(latencies), "errors": errors}
+
+
+def grpc_request():
+    from router.wire import pb
+
+    return pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[(i * 7) % 5000 for i in range(PROMPT_TOKENS)],
+                              sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def http_sender(session, url: str, headers: dict | None = None) -> Callable[[], Awaitable[None]]:
+    body = {"model": "instant", "messages": [{"role": "user", "content": TEXT}], "max_tokens": OUTPUT_TOKENS}
+
+    async def send() -> None:
+        async with session.post(url, json=body, headers=headers) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+
+    return send
+
+
+async def bench_our_router(policy: str, args, procs: Procs) -> dict:
+    import aiohttp
+
+    from router.client import RouterClient
+    from router.transport import open_channel
+    from router.wire import pb_grpc
+
+    grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                                        "--policy", policy], lines=2)
+    address, http = grpc_line.split()[-1], http_line.split()[-1]
+    (worker_address,) = procs.start([__file__, "--grpc-workers", address, "--workers", str(args.workers)])
+    result: dict = {}
+    async with RouterClient(address) as client, open_channel(worker_address) as channel:
+        await client.wait_for_workers(args.workers, timeout=30)
+        stub = pb_grpc.WorkerServiceStub(channel)
+        via_router = lambda: drain(client.generate(grpc_request()))
+        direct = lambda: drain(stub.Generate(grpc_request()))
+        solo_router = await closed_loop(via_router, 1, args.seconds / 2)
+        solo_direct = await closed_loop(direct, 1, args.seconds / 2)
+        result["grpc_added_latency_ms"] = {
+            "p50": round(solo_router["p50_ms"] - solo_direct["p50_ms"], 3),
+            "p99": round(solo_router["p99_ms"] - solo_direct["p99_ms"], 3),
+            "router_p50_ms": solo_router["p50_ms"], "direct_p50_ms": solo_direct["p50_ms"],
+        }
+        result["grpc_direct_to_worker"] = await closed_loop(direct, args.concurrency, args.seconds)
+        result["grpc"] = await closed_loop(via_router, args.concurrency, args.seconds)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+            result["http"] = await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions"),
+                                               args.concurrency, args.seconds)
+    procs.stop()
+    return result
+
+
+async def bench_vllm_router(args, procs: Procs) -> dict:
+    import aiohttp
+
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(binary).exists():
+        return {"skipped": "vllm-router is not installed (.venv/bin/pip install vllm-router)"}
+    ports = [free_port() for _ in range(args.workers)]
+    procs.start([__file__, "--http-workers", *map(str, ports)])
+    port = free_port()
+    procs.start_binary([binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "power_of_two",
+                        "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports], "--log-level", "error"])
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+        send = http_sender(session, url)
+        for _ in range(100):  # wait for it to accept requests
+            try:
+                await send()
+                break
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(0.2)
+        else:
+            procs.stop()
+            return {"skipped": "vllm-router did not come up within 20 s"}
+        direct = http_sender(session, f"http://127.0.0.1:{ports[0]}/v1/chat/completions")
+        solo_router = await closed_loop(send, 1, args.seconds / 2)
+        solo_direct = await closed_loop(direct, 1, args.seconds / 2)
+        result = {
+            "policy": "power_of_two",
+            "http_added_latency_ms": {"p50": round(solo_router["p50_ms"] - solo_direct["p50_ms"], 3),
+                                      "p99": round(solo_router["p99_ms"] - solo_direct["p99_ms"], 3)},
+            "http": await closed_loop(send, args.concurrency, args.seconds),
+        }
+    procs.stop()
+    return result
+
+
+async def bench(args) -> dict:
+    procs = Procs()
+    try:
+        out: dict = {
+            "setup": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "workers": args.workers,
+                      "concurrency": args.concurrency, "seconds_per_point": args.seconds, "cpus": os.cpu_count(),
+                      "note": "instant workers; load generator, router and workers share this machine's CPUs"},
+        }
+        for policy in ("round_robin", "least_loaded"):
+            out[policy] = await bench_our_router(policy, args, procs)
+        out["vllm_router"] = await bench_vllm_router(args, procs)
+    finally:
+        procs.stop()
+    best = max(out[p]["grpc"]["requests_per_s"] for p in ("round_robin", "least_loaded"))
+    out["nvl72"] = {
+        "target_queries_per_s": NVL72_QPS,
+        "one_router_process_queries_per_s": best,
+        "fraction_of_target": round(best / NVL72_QPS, 3),
+        "router_processes_needed": int(-(-NVL72_QPS // max(best, 1))),
+        "what_it_takes": "streams are coalesced per chunk, so cost is per request, not per token: run "
+                         "N router processes (one per core, SO_REUSEPORT or one per harness shard) with "
+                         "load sync or softmax temperature against herding, or move the hot path to a "
+                         "compiled frontend (vllm-router/Dynamo style)",
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measurement time per point")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--grpc-workers", metavar="ROUTER", help=argparse.SUPPRESS)
+    parser.add_argument("--http-workers", nargs="+", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.grpc_workers:
+        asyncio.run(serve_grpc_workers(args.grpc_workers, args.workers))
+    elif args.http_workers:
+        asyncio.run(serve_http_workers(args.http_workers))
+    else:
+        print(json.dumps(asyncio.run(bench(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
