@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
 from workers.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
@@ -108,6 +109,14 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         """The load snapshot taken after the latest step."""
         return self._load
+
+    @property
+    def generation_defaults(self) -> SamplingParams:
+        return self.engine.generation_defaults
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
 
     def shutdown(self) -> None:
         """Stops the loop thread; open streams end with EngineStoppedError."""

@@ -7,7 +7,6 @@ layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-me
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-log = logging.getLogger(__name__)
 
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
