@@ -25,10 +25,11 @@ SERVICE_NAME = "q3vl.v1.RouterService"
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
-    def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher):
+    def __init__(self, config: RouterConfig, registry: Registry, dispatcher: Dispatcher, on_registered):
         self.config = config
         self.registry = registry
         self.dispatcher = dispatcher
+        self._on_registered = on_registered  # async callback: health must say SERVING as soon as a worker is in
 
     async def Generate(self, request, context):
         try:
@@ -46,6 +47,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.dispatcher.admission.notify()
+        await self._on_registered()
         return pb.RegisterReply(accepted=True, heartbeat_interval_s=self.config.health.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
@@ -84,7 +86,7 @@ class RouterServer:
         self._server = grpc.aio.server(
             interceptors=interceptors, options=server_options(config.limits.max_message_bytes)
         )
-        pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(config, self.registry, self.dispatcher), self._server)
+        pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(config, self.registry, self.dispatcher, self._update_health), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = add_listener(self._server, config.listen, config.tls)
         await self._server.start()

@@ -22,6 +22,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoint: Path = Field(description="Directory holding config.json, generation_config.json and *.safetensors.")
+    load_format: Literal["safetensors", "random"] = Field(
+        "safetensors", description="'random' builds the model from config.json alone with random weights "
+        "(performance runs of real shapes without a checkpoint on disk)."
+    )
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:N'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activation and weight dtype; 'auto' is bfloat16 on CUDA, float32 on CPU."
@@ -42,6 +46,10 @@ class EngineConfig(BaseModel):
     max_pixels: int = Field(MAX_PIXELS, ge=1, description="smart_resize upper bound on pixels per image.")
     enable_prefix_caching: bool = Field(
         False, description="Reuse KV blocks of identical prompt prefixes (forbidden by MLPerf; off by default)."
+    )
+    enforce_eager: bool = Field(
+        False, description="Never replay CUDA graphs (by default decode-only steps on CUDA replay graphs captured "
+        "at bucketed batch sizes up to max_num_seqs)."
     )
     seed: int = Field(0, description="Seed of the generator used by sampled requests that carry no seed of their own.")
 

@@ -173,6 +173,22 @@ def _expert_tensor(name: str, tensor: torch.Tensor, expected: torch.Size) -> tor
     raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} fits neither {tuple(expected)} nor its transpose")
 
 
+RANDOM_INIT_STD = 0.02
+
+
+@torch.no_grad()
+def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_INIT_STD) -> None:
+    """Fills every parameter in place where it lives: matrices ~N(0, std), norm weights 1, biases 0."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, param in module.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.fill_(1.0)
+
+
 def load_text_weights(model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype) -> None:
     """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place."""
     params = dict(model.named_parameters())

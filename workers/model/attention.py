@@ -1,7 +1,8 @@
-"""Attention over the paged KV cache: write this step's K/V into their slots, attend per sequence.
+"""Attention over the paged KV cache: write this step's K/V into their slots, then attend.
 
-The reference backend gathers each sequence's blocks and calls SDPA; a fused paged kernel can replace
-`paged_attention` with the same arguments.
+Single-query rows (decodes) go to one Triton kernel over the block tables on CUDA; longer chunks use
+SDPA per sequence (directly on the chunk's own K/V when it has no earlier context). The per-sequence
+SDPA loop is also the reference path on CPU.
 """
 
 from __future__ import annotations
@@ -11,19 +12,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.model import paged_decode
+
 
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go and what each sequence attends to.
 
-    Tokens of sequence i are rows query_starts[i]:query_starts[i+1] of the flat batch; after this
-    step the sequence holds context_lens[i] tokens of KV in blocks block_tables[i]."""
+    Sequences 0..num_decodes-1 have one query row each (rows 0..num_decodes-1); after them come the
+    multi-row chunks. Tokens of sequence i are rows query_starts[i]:query_starts[i+1] of the flat batch;
+    after this step it holds context_lens[i] tokens of KV in blocks block_tables[i]. Inside a CUDA graph
+    every sequence is a decode and the host lists are empty."""
 
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each token
-    query_starts: list[int]  # [B + 1]
-    context_lens: list[int]  # [B]
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with anything
+    context_lens: torch.Tensor  # [B] int32, on the device
     block_size: int
+    num_decodes: int
+    query_starts: list[int]  # [B + 1], host
+    context_lens_host: list[int]  # [B], host
 
 
 def write_kv(
@@ -41,22 +48,42 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads, head_dim]; causal within each sequence's context."""
+    """q [T, heads, head_dim], this step's k/v [T, kv_heads, head_dim] (already in the cache) -> [T, heads,
+    head_dim]; causal within each sequence's context."""
     out = torch.empty_like(q)
+    first = 0
+    nd = meta.num_decodes
+    if nd and paged_decode.supports(q, k_cache):
+        paged_decode.decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale, out[:nd]
+        )
+        first = nd
     starts = meta.query_starts
-    for i, ctx in enumerate(meta.context_lens):
+    for i in range(first, len(meta.context_lens_host)):
+        ctx = meta.context_lens_host[i]
         lo, hi = starts[i], starts[i + 1]
         n = hi - lo
-        k = gather_kv(k_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
-        v = gather_kv(v_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
-        mask = None
-        if n > 1:
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        qi = q[lo:hi].transpose(0, 1).unsqueeze(0)
+        if n == ctx and n > 1:  # a first chunk: its own K/V are the whole context
+            o = F.scaled_dot_product_attention(
+                qi, k[lo:hi].transpose(0, 1).unsqueeze(0), v[lo:hi].transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+        else:
+            ki = gather_kv(k_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
+            vi = gather_kv(v_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
+            mask = None
+            if n > 1:
+                q_pos = torch.arange(ctx - n, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
     return out

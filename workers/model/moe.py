@@ -5,6 +5,8 @@ Experts are held as transformers holds them in memory: gate_up_proj [E, 2I, H], 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,40 @@ class MoeRouter(nn.Module):
         return top_w.to(logits.dtype), top_i
 
 
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, K] rows grouped by expert, b [E, K, N], offs [E] int32 cumulative row counts -> [M, N].
+
+    torch._grouped_mm where it runs (CUDA bf16 on sm90+, or torch's CPU kernel); else a loop over
+    groups (a reference path that syncs on offs, so not CUDA-graph safe)."""
+    if _native_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[expert]
+        start = end
+    return out
+
+
+def _native_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if a.is_cuda:
+        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    return _cpu_grouped_mm_works()
+
+
+@functools.cache
+def _cpu_grouped_mm_works() -> bool:
+    try:
+        a = torch.ones(2, 16)
+        torch._grouped_mm(a, torch.ones(1, 16, 16), offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 class MoeExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -33,25 +69,18 @@ class MoeExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        """Token-expert pairs sorted by expert; one GEMM pair per expert that was hit."""
-        k = top_i.shape[1]
-        flat_expert = top_i.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of_pair = order // k
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            tokens = token_of_pair[start : start + count]
-            start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            y = y * top_w.reshape(-1)[pairs, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        """Token-expert pairs sorted by expert, two grouped GEMMs, then each token's k outputs weighted and
+        summed. Sync-free (offsets by histc, not bincount), so it can be captured in a CUDA graph."""
+        tokens, k = top_i.shape
+        flat = top_i.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[order // k]
+        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+        y = torch.empty_like(ys).index_copy_(0, order, ys)
+        return (y.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
 
 
 class SparseMoeBlock(nn.Module):
