@@ -31,7 +31,7 @@ def run_parser() -> argparse.ArgumentParser:
             "Run the MLPerf Inference qwen3-vl-235b-a22b benchmark end to end: bring up the router and the "
             "Ray workers, run LoadGen, lay out the MLCommons submission tree under OUTPUT/submission and "
             "audit it. Exit status: 0 when the audit accepts the submission, 1 when it rejects it, "
-            "2 on a usage or configuration error."
+            "2 on a usage or configuration error, 3 when the run itself failed, 130 when interrupted."
         ),
     )
     parser.add_argument("--scenario", required=True, choices=[s.value for s in Scenario],
@@ -114,3 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(f"{parser.prog}: interrupted by {exc}; everything started was stopped", file=sys.stderr)
         return 130
+    except Exception as exc:  # the traceback for the developer, one line for everyone else
+        logging.getLogger("harness").debug("run failed", exc_info=True)
+        print(f"{parser.prog}: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,6 @@ import ray
 import yaml
 from PIL import Image
 
-from harness.assets import resolve_checkpoint
 from harness.ray_workers import WorkerFleet, WorkerSpec, engine_factory_for, init_ray
 from harness.system_config import SystemConfig, engine_config, router_config
 from router.client import RouterClient
@@ -90,7 +88,7 @@ def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     return lines[0].decode(errors="replace").strip() if lines else ""
 
 
-def warmup_prompt() -> PromptInput:
+def warmup_prompt(min_pixels: int, max_pixels: int) -> PromptInput:
     """A short chat with one small image: exercises the vision tower and the text tower of every worker."""
     image = io.BytesIO()
     Image.new("RGB", (256, 256), (200, 120, 40)).save(image, format="PNG")
@@ -98,7 +96,7 @@ def warmup_prompt() -> PromptInput:
         {"type": "image", "image": image.getvalue()},
         {"type": "text", "text": "Describe this product in one word."},
     ]}]
-    return encode_chat(messages, load_tokenizer())
+    return encode_chat(messages, load_tokenizer(), min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 async def wait_until_registered(client: RouterClient, worker_ids: list[str], timeout_s: float) -> pb.WorkerList:
@@ -147,11 +145,11 @@ async def warm_up(client: RouterClient, listing: pb.WorkerList, token: str | Non
 class Cluster:
     """Context manager: router process + Ray worker fleet, registered, healthy and warm inside the block."""
 
-    def __init__(self, config: SystemConfig, run_dir: Path, cache_dir: Path, ray_address: str | None,
+    def __init__(self, config: SystemConfig, checkpoint: Path, run_dir: Path, ray_address: str | None,
                  ready_timeout_s: float = 900.0) -> None:
         self._config = config
+        self._checkpoint = checkpoint
         self._run_dir = run_dir
-        self._cache_dir = cache_dir
         self._ray_address = ray_address
         self._ready_timeout_s = ready_timeout_s
         self._router = RouterProcess(config, run_dir)
@@ -174,8 +172,7 @@ class Cluster:
         self.stop()
 
     def _start(self) -> None:
-        checkpoint = resolve_checkpoint(self._config.model, self._cache_dir)
-        engine = engine_config(self._config, checkpoint)
+        engine = engine_config(self._config, self._checkpoint)
         logger.info("starting the router")
         address = self._router.start()
         logger.info("router listening on %s; starting Ray", address)
@@ -186,7 +183,7 @@ class Cluster:
             router_address=address,
             router_token=self._router.token,
             engine_factory=engine_factory_for(engine),
-            model_name=str(checkpoint),
+            model_name=str(self._checkpoint),
             kv_block_size=engine.block_size,
             max_model_len=engine.max_model_len,
             heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
@@ -195,14 +192,14 @@ class Cluster:
         logger.info("starting %d workers", self._config.workers.num_workers)
         self._fleet.start()
         self._fleet.addresses(self._ready_timeout_s)  # every engine built
-        asyncio.run(self._wait_ready())
+        asyncio.run(self._wait_ready(engine))
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, engine) -> None:
         client = RouterClient(self._router.address, self._router.token)
         try:
             listing = await wait_until_registered(client, self._fleet.worker_ids, self._ready_timeout_s)
             logger.info("%d workers registered and healthy; warming up", len(listing.workers))
-            await warm_up(client, listing, self._router.token, warmup_prompt())
+            await warm_up(client, listing, self._router.token, warmup_prompt(engine.min_pixels, engine.max_pixels))
         except grpc.aio.AioRpcError as exc:
             raise RuntimeError(f"router at {self._router.address} failed: {exc.code().name}: {exc.details()}") from None
         finally:
@@ -217,11 +214,3 @@ class Cluster:
             ray.shutdown()
             self._started_ray = False
         self._router.stop()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

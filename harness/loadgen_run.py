@@ -10,7 +10,7 @@ from pathlib import Path
 import mlperf_loadgen as lg
 
 from audit.rules.rounds import FAILED_SAMPLES_FILE
-from harness.assets import resolve_checkpoint, resolve_dataset
+from harness.assets import resolve_dataset
 from harness.dataset import load_catalogue
 from harness.progress import Progress
 from harness.prompt import PromptBuilder
@@ -18,7 +18,7 @@ from harness.qsl import StoreQSL
 from harness.sample_store import SampleStore
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
-from harness.system_config import DATASET_FOR_SCENARIO, engine_config, load_system_config
+from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config
 from harness.user_conf import load_test_settings
 from workers.tokenizer import load_tokenizer
 
@@ -44,10 +44,10 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
     section = config.scenario(spec.scenario.value)
     kind = DATASET_FOR_SCENARIO[spec.scenario.value]
     dataset = config.dataset(spec.scenario.value)
-    engine = engine_config(config, resolve_checkpoint(config.model, spec.cache_dir))
+    min_pixels, max_pixels = image_pixel_limits(config)
     catalogue = load_catalogue(resolve_dataset(dataset, kind, spec.cache_dir), kind)
     tokenizer = load_tokenizer()
-    store = SampleStore(catalogue, PromptBuilder(tokenizer, dataset.prompt_variant, engine.min_pixels, engine.max_pixels))
+    store = SampleStore(catalogue, PromptBuilder(tokenizer, dataset.prompt_variant, min_pixels, max_pixels))
     settings = load_test_settings(spec.scenario_dir / "user.conf", spec.scenario, spec.test)
 
     log_dir = log_dir_for(spec.scenario_dir, spec.test)

@@ -72,13 +72,13 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     user_conf = write_user_conf(config, scenario, scenario_dir / "user.conf")
     say(f"system {config.system.name}, scenario {scenario.value}, mode {options.mode.value}; output in {output}")
     say("preparing the checkpoint and the dataset")
-    resolve_checkpoint(config.model, options.cache_dir)
+    checkpoint = resolve_checkpoint(config.model, options.cache_dir)
     kind = DATASET_FOR_SCENARIO[scenario.value]
     dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
 
     say(f"starting the router and {config.workers.num_workers} workers (Ray)")
     started = time.monotonic()
-    with Cluster(config, scenario_dir, options.cache_dir, options.ray_address) as cluster:
+    with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
         say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
         for test in options.mode.tests:
             say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")

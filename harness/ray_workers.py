@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -102,21 +103,29 @@ class _Instance:
 
 
 def init_ray(settings: RaySection, address: str | None) -> bool:
-    """Joins `address`, or starts an embedded local Ray; returns whether this process started Ray."""
+    """Joins `address`, or starts an embedded local Ray; returns whether this process started Ray.
+
+    ray.init installs its own SIGTERM handler (it aborts the process); the caller's handlers are put back
+    so that SIGTERM still tears everything down in order.
+    """
     if ray.is_initialized():
         return False
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        return False
-    store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
-    ray.init(
-        num_cpus=settings.num_cpus,
-        num_gpus=settings.num_gpus,
-        object_store_memory=store,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    return True
+    else:
+        store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
+        ray.init(
+            num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
+            object_store_memory=store,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return address is None
 
 
 class WorkerFleet:

@@ -266,6 +266,12 @@ def engine_config(config: SystemConfig, checkpoint: Path):
     )
 
 
+def image_pixel_limits(config: SystemConfig) -> tuple[int, int]:
+    """(min_pixels, max_pixels) the workers resize images to; prompts must size images the same way."""
+    engine = engine_config(config, Path(config.model.checkpoint))  # the limits do not depend on the checkpoint
+    return engine.min_pixels, engine.max_pixels
+
+
 def router_config(config: SystemConfig, listen: str):
     """The router's RouterConfig: the `router` section listening on `listen`."""
     from router.config import RouterConfig

@@ -19,11 +19,6 @@ from router.server import RouterServer
 from router.wire import pb
 
 
-def instant_engine() -> ServedEngine:
-    engine = InstantEngine(step_delay_s=0.001)
-    return ServedEngine(engine, engine.generation_defaults)
-
-
 @pytest.fixture(scope="module")
 def router():
     loop = asyncio.new_event_loop()
@@ -50,6 +45,11 @@ def router():
 def fleet(router):
     address, _ = router
     started = init_ray(RaySection(num_cpus=2, num_gpus=0, object_store_memory_mb=80), address=None)
+
+    def instant_engine() -> ServedEngine:  # nested: Ray ships it by value (tests/ is not importable there)
+        engine = InstantEngine(step_delay_s=0.001)
+        return ServedEngine(engine, engine.generation_defaults)
+
     template = WorkerSpec(
         worker_id="", role="aggregated", router_address=address, router_token=None,
         engine_factory=instant_engine, heartbeat_interval_s=0.2,

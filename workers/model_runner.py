@@ -6,21 +6,24 @@ block tables, visual rows), runs the vision tower and the text tower, and sample
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 
 from workers.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.kv_cache import KvCache, KvExport
 from workers.model.attention import AttentionMetadata
+from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch
 from workers.model.mm_inputs import MultiModalInput
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
 from workers.model.vision import VisionEncoder
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
-from workers.weights import ModelConfig, load_text_weights
+from workers.weights import ModelConfig, init_random_weights, load_text_weights
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,12 @@ def build_text_model(config: EngineConfig, model_config: ModelConfig, device: to
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype)
+    if config.load_format == "random":
+        init_random_weights(model, config.seed)
+        if model_config.tie_word_embeddings:
+            model.lm_head.weight = model.language_model.embed_tokens.weight
+    else:
+        load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype)
     model.init_rotary(device)
     return model.eval()
 
@@ -49,17 +57,22 @@ class ModelRunner:
         self.block_size = config.block_size
         text = model_config.text
         self.model = build_text_model(config, model_config, self.device, self.dtype)
-        self.vision = VisionEncoder(model_config, config.checkpoint, self.device, self.dtype)
+        checkpoint = None if config.load_format == "random" else config.checkpoint
+        self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed)
         self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads, text.head_dim)
         num_blocks = config.num_kv_blocks or (self._blocks_from_memory() if config.is_cuda else CPU_DEFAULT_KV_BLOCKS)
-        self.kv = self._new_kv_cache(num_blocks)
+        # One block more than the block manager hands out: padded rows of a CUDA-graph batch write there.
+        self.num_kv_blocks = num_blocks
+        self.kv = self._new_kv_cache(num_blocks + 1)
         self.sampler = Sampler(self.device, config.seed)
         self._encoded: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.graphs: DecodeGraphs | None = None
+        if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                cdiv(config.max_model_len, self.block_size), scratch_block=num_blocks,
+            )
         log.info("model runner ready: %s %s, %d KV blocks of %d tokens", self.device, self.dtype, num_blocks, self.block_size)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.kv.num_blocks
 
     def _new_kv_cache(self, num_blocks: int) -> KvCache:
         layers, block_size, heads, head_dim = self._kv_shape
@@ -72,47 +85,63 @@ class ModelRunner:
         """Runs one scheduled step; returns the sampled token of every chunk that samples."""
         for seq in out.kv_imports:
             self.kv.write(seq.block_table, seq.kv_import.keys, seq.kv_import.values)
-        chunks = out.chunks
-        input_ids, positions, slots, starts, tables = [], [], [], [0], []
-        for chunk in chunks:
-            seq, lo, hi = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            input_ids.append(torch.tensor(seq.token_ids[lo:hi], dtype=torch.long))
-            positions.append(self._positions(seq, lo, hi))
-            idx = torch.arange(lo, hi)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            slots.append(table[idx // self.block_size] * self.block_size + idx % self.block_size)
-            starts.append(starts[-1] + chunk.num_tokens)
-            tables.append(seq.block_table)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
-            query_starts=starts,
-            context_lens=[c.start + c.num_tokens for c in chunks],
-            block_tables=block_tables.to(self.device),
-            block_size=self.block_size,
-        )
-        visual = self._visual_rows(chunks, starts)
-        hidden = self.model(
-            torch.cat(input_ids).to(self.device), torch.cat(positions, dim=1).to(self.device), meta, self.kv.layers, visual
-        )
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
+        batch = self._prepare(chunks)
+        visual = self._visual_rows(chunks, batch.query_starts)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
+        rows = [batch.query_starts[i + 1] - 1 for i, _ in sampling]
+        if self.graphs is not None and visual is None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+            if len(rows) != batch.num_tokens:
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:
+            meta = batch.metadata(self.device, self.block_size)
+            hidden = self.model(
+                batch.input_ids.to(self.device), batch.positions.to(self.device), meta, self.kv.layers, visual
+            )
+            if not sampling:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         if not sampling:
             return {}
-        rows = torch.tensor([starts[i + 1] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
         ids = [seq.request_id for _, seq in sampling]
         tokens = self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])
         return dict(zip(ids, tokens))
 
-    def _positions(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
-        """[3, hi - lo] MRoPE positions: the prompt's own layout, then index + delta on all axes."""
-        mm: MultiModalInput | None = seq.mm
-        split = min(max(lo, seq.num_prompt_tokens if mm is not None else lo), hi)
-        tail = torch.arange(split, hi).expand(3, -1) + seq.mrope_position_delta
-        if split == lo:
-            return tail
-        return torch.cat([mm.positions[:, lo:split], tail], dim=1)
+    def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        """The flat batch of one step, built with array operations rather than per-sequence tensors."""
+        n = len(chunks)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+        los = np.fromiter((c.start for c in chunks), np.int64, n)
+        deltas = np.fromiter((c.seq.mrope_position_delta for c in chunks), np.int64, n)
+        starts = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=starts[1:])
+        total = int(starts[-1])
+        ids = np.fromiter(
+            itertools.chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks), np.int64, total
+        )
+        seq_of_row = np.repeat(np.arange(n), lens)
+        index = np.arange(total) - starts[:-1][seq_of_row] + los[seq_of_row]  # token index within its sequence
+        positions = np.broadcast_to(index + deltas[seq_of_row], (3, total)).copy()
+        for i, c in enumerate(chunks):
+            mm: MultiModalInput | None = c.seq.mm
+            if mm is not None and c.start < c.seq.num_prompt_tokens:  # prompt rows keep the prompt's MRoPE layout
+                split = min(c.seq.num_prompt_tokens, c.start + c.num_tokens)
+                positions[:, starts[i] : starts[i] + split - c.start] = mm.positions[:, c.start : split].numpy()
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = np.zeros((n, width), np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.seq.block_table)] = c.seq.block_table
+        slots = tables[seq_of_row, index // self.block_size].astype(np.int64) * self.block_size + index % self.block_size
+        return StepBatch(
+            input_ids=torch.from_numpy(ids),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(tables),
+            context_lens=(los + lens).tolist(),
+            query_starts=starts.tolist(),
+            num_decodes=int((lens == 1).sum()),
+        )
 
     def _visual_rows(self, chunks: list[ScheduledChunk], starts: list[int]) -> VisualRows | None:
         """Visual embeddings for the <|image_pad|> rows of this step, encoding images on first need."""
@@ -187,10 +216,12 @@ class ModelRunner:
         scratch = self._new_kv_cache(cdiv(num_tokens, self.block_size))
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
-            query_starts=[0, num_tokens],
-            context_lens=[num_tokens],
             block_tables=torch.arange(scratch.num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             block_size=self.block_size,
+            num_decodes=0,
+            query_starts=[0, num_tokens],
+            context_lens_host=[num_tokens],
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(3, -1)

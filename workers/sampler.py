@@ -36,10 +36,17 @@ class Sampler:
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             probs, candidates, top_k = _candidates(logits[idx], [params[i] for i in rows])
+            # Rows without a seed share one generator and one draw; a seeded row draws over its own top-k
+            # only, so its tokens do not depend on its batch mates.
+            shared = [j for j, i in enumerate(rows) if params[i].seed is None]
+            if shared:
+                pick = torch.tensor(shared, device=logits.device)
+                choice = torch.multinomial(probs[pick], 1, generator=self._shared)
+                tokens[idx[pick]] = candidates[pick].gather(1, choice).squeeze(1)
             for j, i in enumerate(rows):
-                gen = self._generator(request_ids[i], params[i])
-                # Draw over the row's own top-k only, so the draw does not depend on its batch mates.
-                tokens[i] = candidates[j, torch.multinomial(probs[j, : top_k[j]], 1, generator=gen)[0]]
+                if params[i].seed is not None:
+                    gen = self._generator(request_ids[i], params[i])
+                    tokens[i] = candidates[j, torch.multinomial(probs[j, : top_k[j]], 1, generator=gen)[0]]
         return tokens.tolist()
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from workers.model import paged_decode
 
@@ -77,13 +78,16 @@ def paged_attention(
                 qi, k[lo:hi].transpose(0, 1).unsqueeze(0), v[lo:hi].transpose(0, 1).unsqueeze(0),
                 is_causal=True, scale=scale, enable_gqa=True,
             )
-        else:
+        else:  # a later chunk or a decode: attend to the gathered blocks, causal aligned to the end
             ki = gather_kv(k_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
             vi = gather_kv(v_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
-            mask = None
-            if n > 1:
-                q_pos = torch.arange(ctx - n, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            if n == 1:
+                o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=True)
+            else:  # heads expanded: the fused kernels take a lower-right causal bias but not GQA with it
+                group = q.shape[1] // k.shape[1]
+                o = F.scaled_dot_product_attention(
+                    qi, ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1),
+                    attn_mask=causal_lower_right(n, ctx), scale=scale,
+                )
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
     return out

@@ -1,0 +1,530 @@
+"""Engine speed on random weights of a real Qwen3-VL shape (no checkpoint on disk), with the transformers
+baseline on the same workload; prints one JSON object (and writes it to --out).
+
+Our engine and the baseline each hold a full copy of the weights, so on CUDA each runs in its own
+subprocess, one after the other. `--shape tiny` is a CPU smoke mode with tiny dims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import io
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
+USER, ASSISTANT, NEWLINE = 872, 77091, 198
+PRESETS = {"30b-a3b": "qwen3-vl-30b-a3b", "235b-a22b": "qwen3-vl-235b-a22b", "tiny": "qwen3-vl-30b-a3b"}
+NO_EOS = [-1]  # generation_config eos for the bench: every request runs to max_tokens
+
+log = logging.getLogger("bench_engine")
+
+
+@dataclass
+class Workload:
+    """What is measured; `tiny` shrinks every size so the CPU smoke mode takes seconds."""
+
+    samples: int = 256
+    image_size: int = 1024  # square JPEG side in pixels: 1024 -> 1,024 visual tokens
+    text_tokens: int = 700
+    output_tokens: int = 45
+    prefill_requests: int = 32
+    prefill_len: int = 2048
+    decode_batches: list[int] = field(default_factory=lambda: [1, 64, 256])
+    decode_context: int = 1024
+    decode_steps: int = 32
+    vision_images: int = 16  # images of 1024 patches (32 x 32) encoded in one batch
+    vision_grid: int = 32
+    baseline_batch: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    @classmethod
+    def tiny(cls, samples: int) -> Workload:
+        return cls(
+            samples=samples, image_size=128, text_tokens=32, output_tokens=4, prefill_requests=4, prefill_len=64,
+            decode_batches=[1, 4], decode_context=32, decode_steps=3, vision_images=2, vision_grid=8,
+            baseline_batch=samples, max_num_seqs=16, max_num_batched_tokens=512,
+        )
+
+
+def write_config(shape: str, num_layers: int | None, out_dir: Path) -> None:
+    """config.json (+ side configs) of the shape; generation never stops at an EOS."""
+    from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, write_side_configs
+
+    overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
+    if num_layers:
+        overrides["text_config.num_hidden_layers"] = num_layers
+    config = released_config(PRESETS[shape], overrides)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_side_configs(out_dir)
+    gen_path = out_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen.update(eos_token_id=NO_EOS, do_sample=False)
+    gen_path.write_text(json.dumps(gen))
+
+
+def jpeg(size: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (size // 8, size // 8, 3), dtype=np.uint8)  # smooth-ish, photo-sized JPEG
+    image = Image.fromarray(small).resize((size, size), Image.BICUBIC)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def catalogue_prompts(w: Workload, seed: int = 0) -> list[tuple[list[int], bytes]]:
+    """(token ids with the <|image_pad|> run expanded, JPEG bytes) per sample."""
+    from workers.vision_geometry import image_geometry
+
+    rng = np.random.default_rng(seed)
+    images = [jpeg(w.image_size, seed + i) for i in range(min(8, w.samples))]
+    out = []
+    for i in range(w.samples):
+        data = images[i % len(images)]
+        visual = image_geometry(data).num_tokens
+        text = rng.integers(1000, 100000, w.text_tokens).tolist()
+        ids = [IM_START, USER, NEWLINE, VISION_START] + [IMAGE_PAD] * visual + [VISION_END] + text
+        ids += [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
+        out.append((ids, data))
+    return out
+
+
+class Sync:
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+
+    def __call__(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+# ---- our engine ---------------------------------------------------------------------------------------
+
+
+class GpuTimeSplit:
+    """CUDA events around the vision tower and every step: GPU-side time of vision / prefill / decode."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.torch = torch
+        self.cuda = engine.config.is_cuda
+        self.steps: list[tuple[str, object, object]] = []
+        self.vision: list[tuple[object, object]] = []
+        runner = engine.runner
+        execute, encode = runner.execute, runner.vision.encode
+
+        def timed_execute(out):
+            kind = "decode" if all(c.num_tokens == 1 for c in out.chunks) else "prefill"
+            start, end = self._event(), self._event()
+            result = execute(out)
+            end.record() if self.cuda else None
+            self.steps.append((kind, start, end))
+            return result
+
+        def timed_encode(*args):
+            start, end = self._event(), self._event()
+            result = encode(*args)
+            end.record() if self.cuda else None
+            self.vision.append((start, end))
+            return result
+
+        runner.execute, runner.vision.encode = timed_execute, timed_encode
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = self.torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self.vision.clear()
+
+    def split(self, wall_s: float) -> dict[str, float]:
+        if not self.cuda:
+            return {}
+        self.torch.cuda.synchronize()
+        ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        vision = sum(ms(a, b) for a, b in self.vision) / 1e3
+        prefill = sum(ms(a, b) for k, a, b in self.steps if k == "prefill") / 1e3 - vision
+        decode = sum(ms(a, b) for k, a, b in self.steps if k == "decode") / 1e3
+        return {
+            "vision_s": round(vision, 3), "prefill_s": round(prefill, 3), "decode_s": round(decode, 3),
+            "idle_s": round(wall_s - vision - prefill - decode, 3), "wall_s": round(wall_s, 3),
+        }
+
+
+def moe_layer_times(model) -> dict[str, float]:
+    """Microseconds of one MoE layer (router + experts) replayed in a CUDA graph, per token count and path."""
+    import torch
+
+    from workers.model import moe
+
+    mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
+    hidden = mlp.gate.weight.shape[1]
+    times = {}
+    for tokens in (1, 2, 64, 256, 8192):
+        for path, limit in (("gathered", 10**9), ("grouped_mm", 0)):
+            if path == "gathered" and tokens * mlp.gate.top_k > moe.GATHER_MAX_PAIRS:
+                continue
+            saved, moe.GATHER_MAX_PAIRS = moe.GATHER_MAX_PAIRS, limit
+            try:
+                x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
+                with torch.inference_mode():
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        mlp(x)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        mlp(x)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                graph.replay()
+                start.record()
+                for _ in range(20):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times[f"{path}_T{tokens}"] = round(start.elapsed_time(end) * 1e3 / 20, 1)
+            finally:
+                moe.GATHER_MAX_PAIRS = saved
+    return times
+
+
+def run_until_done(engine, sync) -> tuple[float, list[float]]:
+    step_times = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        s = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - s)
+    sync()
+    return time.perf_counter() - t0, step_times
+
+
+def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
+    import torch
+
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.types import PromptInput, SamplingParams
+
+    sync = Sync(args.device)
+    cfg = EngineConfig(
+        checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
+        max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=4096,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        num_kv_blocks=None if args.device.startswith("cuda") else 4096,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    sync()
+    log.info("engine built in %.1f s", time.perf_counter() - t0)
+    result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
+                    "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None}
+    rng = np.random.default_rng(1)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
+    counter = iter(range(10**9))
+
+    def add_text(length: int, max_tokens: int) -> None:
+        engine.add_request(f"r{next(counter)}", PromptInput(rng.integers(1000, 100000, length).tolist()), greedy(max_tokens))
+
+    # warm-up: one short prefill + decodes (compiles Triton kernels, cuBLAS handles)
+    for _ in range(2):
+        add_text(64, 4)
+    run_until_done(engine, sync)
+
+    # vision tower, one batch of same-size images
+    vision = engine.runner.vision
+    g = w.vision_grid
+    patches = torch.randn(w.vision_images * g * g, 1536)
+    grid = torch.tensor([[1, g, g]] * w.vision_images)
+    vision.encode(patches, grid)
+    sync()
+    times = []
+    for _ in range(3):
+        s = time.perf_counter()
+        vision.encode(patches, grid)
+        sync()
+        times.append(time.perf_counter() - s)
+    result["vision_ms_per_image"] = round(statistics.median(times) * 1e3 / w.vision_images, 3)
+    result["vision_patches_per_image"] = g * g
+
+    if args.device.startswith("cuda"):
+        result["moe_layer_us"] = moe_layer_times(engine.runner.model)
+
+    # prefill throughput: text prompts, max_num_batched_tokens chunks, one sampled token each
+    for _ in range(w.prefill_requests):
+        add_text(w.prefill_len, 1)
+    wall, steps = run_until_done(engine, sync)
+    tokens = w.prefill_requests * w.prefill_len
+    result["prefill_tokens_per_s"] = round(tokens / wall, 1)
+    result["prefill_step_ms_median"] = round(statistics.median(steps) * 1e3, 2)
+    log.info("vision and prefill done: %s", result)
+
+    # decode throughput at fixed batch sizes and ~decode_context tokens of context
+    decode = {}
+    for batch in w.decode_batches:
+        if batch > w.max_num_seqs:
+            continue
+        for _ in range(batch):
+            add_text(w.decode_context, w.decode_steps + 2)
+        while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        sync()
+        times = []
+        for _ in range(w.decode_steps):
+            s = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - s)
+        run_until_done(engine, sync)
+        step = statistics.median(times)
+        decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1)}
+        log.info("decode batch %d: %s", batch, decode[str(batch)])
+    result["decode"] = decode
+
+    # catalogue-like workload, offline: all samples added at once
+    prompts = catalogue_prompts(w)
+    split = GpuTimeSplit(engine)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        prepared = list(pool.map(
+            lambda item: engine.prepare_request(f"c{item[0]}", PromptInput(item[1][0], [item[1][1]]),
+                                                greedy(w.output_tokens)),
+            enumerate(prompts),
+        ))
+    prepare_s = time.perf_counter() - t0
+    for p in prepared:
+        if p.sequence is None:
+            raise RuntimeError(f"catalogue sample {p.request_id} rejected: {p.error}")
+        engine.add_prepared(p)
+    generated = 0
+    t1 = time.perf_counter()
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    engine_s = time.perf_counter() - t1
+    if generated != w.samples * w.output_tokens:
+        raise RuntimeError(f"catalogue run generated {generated} tokens, expected {w.samples * w.output_tokens}")
+    result["catalogue"] = {
+        "samples": w.samples, "prompt_tokens": len(prompts[0][0]), "output_tokens": w.output_tokens,
+        "preprocess_s": round(prepare_s, 3), "engine_s": round(engine_s, 3),
+        "samples_per_s": round(w.samples / (prepare_s + engine_s), 3),
+        "samples_per_s_engine_only": round(w.samples / engine_s, 3),
+        "gpu_time_split": split.split(engine_s),
+    }
+    if args.device.startswith("cuda"):
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        free, total = torch.cuda.mem_get_info()
+        result["device_memory_used_gib"] = round((total - free) / 2**30, 2)
+    return result
+
+
+# ---- transformers baseline ------------------------------------------------------------------------------
+
+
+def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
+    import torch
+    import transformers
+    from PIL import Image
+    from transformers import GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    from workers.tiny_checkpoint import PREPROCESSOR_CONFIG
+    from workers.weights import init_random_weights
+
+    sync = Sync(args.device)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    hf_config = transformers.AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    with no_init_weights(), torch.device(args.device):
+        model = transformers.Qwen3VLMoeForConditionalGeneration._from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    init_random_weights(model, seed=0)
+    model.eval()
+    result: dict = {"transformers": transformers.__version__, "experts_implementation":
+                    getattr(model.config.text_config, "_experts_implementation", None)}
+    proc_kwargs = {k: v for k, v in PREPROCESSOR_CONFIG.items() if k not in ("image_processor_type", "processor_class")}
+    try:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl_fast import Qwen2VLImageProcessorFast as proc_cls
+        processor = proc_cls(**proc_kwargs)
+    except ImportError:  # no torchvision (the CPU smoke mode)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
+        processor = proc_cls(**proc_kwargs)
+    result["image_processor"] = proc_cls.__name__
+    prompts = catalogue_prompts(w)[: w.baseline_batch]
+    gen = dict(max_new_tokens=w.output_tokens, min_new_tokens=w.output_tokens, do_sample=False, pad_token_id=0)
+
+    def generate(items) -> None:
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for _, data in items]
+        processed = processor(images=images, return_tensors="pt")
+        input_ids = torch.tensor([ids for ids, _ in items], device=args.device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids),
+                pixel_values=processed["pixel_values"].to(args.device, dtype),
+                image_grid_thw=processed["image_grid_thw"].to(args.device),
+                mm_token_type_ids=(input_ids == IMAGE_PAD).int(), **gen,
+            )
+        assert out.shape[1] == input_ids.shape[1] + w.output_tokens
+
+    generate(prompts[:2])  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    generate(prompts)
+    sync()
+    wall = time.perf_counter() - t0
+    log.info("baseline generate: %.1f s for %d samples", wall, len(prompts))
+    result["generate"] = {"batch": len(prompts), "wall_s": round(wall, 3), "samples_per_s": round(len(prompts) / wall, 3),
+                          "note": "images through the transformers image processor, greedy, fixed output length"}
+    try:
+        # the same prompts with every <|image_pad|> replaced by a text token: same length, no image
+        text_ids = [[1000 if t == IMAGE_PAD else t for t in ids] for ids, _ in prompts]
+        cb_config = GenerationConfig(max_new_tokens=w.output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            outs = model.generate_batch(inputs=text_ids, generation_config=cb_config)
+        sync()
+        wall = time.perf_counter() - t0
+        generated = sum(len(getattr(o, "generated_tokens", None) or []) for o in outs.values())
+        result["generate_batch"] = {"requests": len(text_ids), "wall_s": round(wall, 3),
+                                    "samples_per_s": round(len(text_ids) / wall, 3), "outputs": len(outs),
+                                    "generated_tokens": generated, "expected_tokens": len(text_ids) * w.output_tokens,
+                                    "note": "continuous batching API, text-only token ids of the same prompt length"}
+    except Exception as exc:  # noqa: BLE001 - the baseline API differs across transformers versions
+        result["generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if args.device.startswith("cuda"):
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return result
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
+    p.add_argument("--num-layers", type=int, default=None, help="fewer text layers for quick runs")
+    p.add_argument("--samples", type=int, default=None, help="catalogue samples (default 256; tiny 4)")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
+    p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
+    p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cpu" if args.shape == "tiny" else "cuda"
+    return args
+
+
+def workload(args) -> Workload:
+    if args.shape == "tiny":
+        return Workload.tiny(args.samples or 4)
+    return Workload(samples=args.samples or 256)
+
+
+def _subprocess(argv: list[str], part: str, config_dir: Path, timeout_s: float) -> dict:
+    """Runs one part in a fresh process (so each holds the GPU alone) and returns its JSON."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    cmd = [sys.executable, __file__, *argv, "--part", part, "--config-dir", str(config_dir), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr or ""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"timed out after {timeout_s} s", "stderr_tail": tail[-3000:]}
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.part != "all" else logging.WARNING, stream=sys.stderr)
+    w = workload(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_dir = args.config_dir or Path(tmp)
+        if args.config_dir is None:
+            write_config(args.shape, args.num_layers, config_dir)
+        if args.part == "ours":
+            result = bench_ours(args, w, config_dir)
+        elif args.part == "baseline":
+            result = bench_baseline(args, w, config_dir)
+        else:
+            result = {
+                "shape": args.shape, "num_layers": args.num_layers or json.loads((config_dir / "config.json").read_text())
+                ["text_config"]["num_hidden_layers"], "device": _device_name(args.device),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": asdict(w),
+            }
+            if args.device.startswith("cuda"):
+                result["ours"] = _subprocess(argv_without_out(argv), "ours", config_dir, args.part_timeout)
+                if args.out is not None:  # keep ours even if the baseline never finishes
+                    args.out.write_text(json.dumps(result, indent=1) + "\n")
+                if not args.skip_baseline:
+                    result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir, args.part_timeout)
+            else:
+                result["ours"] = bench_ours(args, w, config_dir)
+                if not args.skip_baseline:
+                    result["baseline"] = bench_baseline(args, w, config_dir)
+    text = json.dumps(result, indent=None if args.part != "all" else 1)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    if args.part == "all":
+        print(text)
+    return result
+
+
+def argv_without_out(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        if a.startswith("--out="):
+            continue
+        out.append(a)
+    return out
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""scripts/bench_engine.py's CPU smoke mode runs our engine on random tiny weights and reports every figure."""
+
+from __future__ import annotations
+
+import json
+
+from scripts import bench_engine
+
+
+def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--out", str(out)])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == result == json.loads(out.read_text())
+    assert {"shape", "num_layers", "device", "date", "workload", "ours"} <= set(result)
+    ours = result["ours"]
+    assert {"prefill_tokens_per_s", "decode", "vision_ms_per_image", "catalogue", "kv_blocks"} <= set(ours)
+    assert set(ours["decode"]) == {"1", "4"}
+    assert all(d["tokens_per_s"] > 0 for d in ours["decode"].values())
+    catalogue = ours["catalogue"]
+    assert catalogue["samples"] == 2 and catalogue["samples_per_s"] > 0
+    assert catalogue["prompt_tokens"] == 64 + 32 + 10  # 128x128 JPEG raised to 64 visual tokens, 32 text, 10 template

@@ -1,0 +1,130 @@
+"""The flat batch of one step (StepBatch) and CUDA graphs that replay decode-only steps (DecodeGraphs).
+
+A decode-only step of n sequences replays the graph of the smallest captured batch size >= n; padded
+rows write their K/V into a scratch block and are never sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers.kv_cache import KvCache
+from workers.model import paged_decode
+from workers.model.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 512
+
+
+@dataclass
+class StepBatch:
+    """Host tensors of one step: chunk i is rows query_starts[i]:query_starts[i+1]; the first
+    num_decodes chunks are single rows."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [3, T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    context_lens: list[int]  # [B]
+    query_starts: list[int]  # [B + 1]
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+    def metadata(self, device: torch.device, block_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            context_lens=torch.tensor(self.context_lens, dtype=torch.int32).to(device, non_blocking=True),
+            block_size=block_size,
+            num_decodes=self.num_decodes,
+            query_starts=self.query_starts,
+            context_lens_host=self.context_lens,
+        )
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """Logits of decode-only steps by graph replay. Inputs live in static buffers of max_batch rows."""
+
+    @staticmethod
+    def supported(dtype: torch.dtype) -> bool:
+        return paged_decode.triton is not None and dtype in (torch.bfloat16, torch.float16)
+
+    def __init__(self, model: torch.nn.Module, kv: KvCache, max_batch: int, max_blocks: int, scratch_block: int):
+        device = kv.tensor.device
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_batch = max_batch
+        self.scratch_slot = scratch_block * kv.block_size
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.full((max_batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.sizes = graph_batch_sizes(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def fits(self, batch: StepBatch) -> bool:
+        n = len(batch.context_lens)
+        return batch.num_decodes == n and n <= self.max_batch and batch.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size],
+            block_size=self.block_size,
+            num_decodes=size,
+            query_starts=[],
+            context_lens_host=[],
+        )
+        hidden = self.model(self.input_ids[:size], self.positions[:, :size], meta, self.kv.layers)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(size)  # warm-up: compiles kernels, creates handles
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only batch of n sequences (a view into the graph's output)."""
+        n = len(batch.context_lens)
+        size = next(s for s in self.sizes if s >= n)
+        width = batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:, :n].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        self.context_lens[:n].copy_(torch.tensor(batch.context_lens, dtype=torch.int32), non_blocking=True)
+        if size > n:  # padded rows: no real slot may be written, and their attention reads one scratch row
+            self.slot_mapping[n:size].fill_(self.scratch_slot)
+            self.context_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].fill_(self.scratch_slot // self.block_size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
