@@ -154,7 +154,7 @@ class Cluster:
         self._ready_timeout_s = ready_timeout_s
         self._router = RouterProcess(config, run_dir)
         self._fleet: WorkerFleet | None = None
-        self._started_ray = False
+        self._connected_ray = False
 
     @property
     def router_address(self) -> str:
@@ -176,7 +176,7 @@ class Cluster:
         logger.info("starting the router")
         address = self._router.start()
         logger.info("router listening on %s; starting Ray", address)
-        self._started_ray = init_ray(self._config.ray, self._ray_address)
+        self._connected_ray = init_ray(self._config.ray, self._ray_address)
         template = WorkerSpec(
             worker_id="",
             role="aggregated",
@@ -206,11 +206,11 @@ class Cluster:
             await client.close()
 
     def stop(self) -> None:
-        """Idempotent: actors, Ray (if this process started it), then the router."""
+        """Idempotent: actors, Ray (stopped if embedded, disconnected if joined), then the router."""
         if self._fleet is not None:
             self._fleet.stop()
             self._fleet = None
-        if self._started_ray and ray.is_initialized():
+        if self._connected_ray and ray.is_initialized():
             ray.shutdown()
-            self._started_ray = False
+            self._connected_ray = False
         self._router.stop()

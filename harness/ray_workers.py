@@ -103,7 +103,8 @@ class _Instance:
 
 
 def init_ray(settings: RaySection, address: str | None) -> bool:
-    """Joins `address`, or starts an embedded local Ray; returns whether this process started Ray.
+    """Joins `address`, or starts an embedded local Ray; returns whether this call connected (the caller
+    then owns `ray.shutdown()`: it disconnects from a joined cluster, it stops an embedded one).
 
     ray.init installs its own SIGTERM handler (it aborts the process); the caller's handlers are put back
     so that SIGTERM still tears everything down in order.
@@ -125,7 +126,7 @@ def init_ray(settings: RaySection, address: str | None) -> bool:
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    return address is None
+    return True
 
 
 class WorkerFleet:
