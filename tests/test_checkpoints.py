@@ -190,3 +190,16 @@ def test_config_override_of_an_unknown_key_names_it():
     with pytest.raises(KeyError, match="text_config.num_layers"):
         released_config("qwen3-vl-30b-a3b", {"text_config.num_layers": 2})
 
+
+
+def test_building_a_tiny_checkpoint_does_not_change_what_later_calls_expect(tmp_path):
+    """transformers mutates nested config dicts it is given; the stamp a later process computes must still
+    match, or every new process would rebuild (and swap out) a checkpoint others are reading."""
+    import json
+
+    from workers import tiny_checkpoint
+
+    before = json.dumps(tiny_checkpoint._expected_stamp("moe", 0, 1), sort_keys=True)
+    tiny_checkpoint.make_tiny_checkpoint(tmp_path / "ckpt", arch="moe", seed=0)
+    after = json.dumps(tiny_checkpoint._expected_stamp("moe", 0, 1), sort_keys=True)
+    assert before == after

@@ -147,7 +147,7 @@ def released_config(preset: str, overrides: Mapping[str, Any] | None = None) -> 
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
             raise KeyError(f"config override {dotted!r}: no such key in preset {preset!r}")
-        node[leaf] = value
+        node[leaf] = copy.deepcopy(value)  # transformers mutates nested dicts (rope_scaling) it is given
     return config
 
 
