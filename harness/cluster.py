@@ -30,26 +30,46 @@ from workers.types import PromptInput
 logger = logging.getLogger(__name__)
 
 ROUTER_START_TIMEOUT_S = 60.0
+ROUTER_POLL_S = 0.5
+MAX_ROUTER_RESTARTS = 5
 WARMUP_MAX_TOKENS = 4
 
 
 class RouterProcess:
-    """`python -m router --config <run_dir>/router.yaml`, its output in <run_dir>/router.log."""
+    """`python -m router --config <run_dir>/router.yaml`, its output in <run_dir>/router.log.
+
+    Supervised once started: if it dies, it is started again on the same address (workers re-register,
+    the SUT re-sends what was not answered), up to MAX_ROUTER_RESTARTS times.
+    """
 
     def __init__(self, config: SystemConfig, run_dir: Path) -> None:
+        self._system = config
         self._config = router_config(config, "127.0.0.1:0")
         self._run_dir = run_dir
         self._process: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
         self.address = ""
+        self.restarts = 0
 
     @property
     def token(self) -> str | None:
         return self._config.token
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
     def start(self) -> str:
+        self.address = self._launch(self._config)
+        self._supervisor = threading.Thread(target=self._supervise, name="router-supervisor", daemon=True)
+        self._supervisor.start()
+        return self.address
+
+    def _launch(self, config) -> str:
         self._run_dir.mkdir(parents=True, exist_ok=True)
         conf = self._run_dir / "router.yaml"
-        conf.write_text(yaml.safe_dump(self._config.model_dump(mode="json", exclude_none=True)))
+        conf.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
         log = (self._run_dir / "router.log").open("ab")
         self._process = subprocess.Popen(
             [sys.executable, "-m", "router", "--config", str(conf), "--log-level", "INFO"],
@@ -61,22 +81,52 @@ class RouterProcess:
         line = _read_line(self._process, ROUTER_START_TIMEOUT_S)
         prefix = "router listening on "
         if not line.startswith(prefix):
-            self.stop()
+            self._terminate()
             raise RuntimeError(f"router did not start (see {self._run_dir / 'router.log'}): {line or 'no output'}")
-        self.address = line[len(prefix):].strip()
-        return self.address
+        return line[len(prefix):].strip()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(ROUTER_POLL_S):
+            process = self._process
+            if process is None or process.poll() is None:
+                continue
+            if self.restarts >= MAX_ROUTER_RESTARTS:
+                logger.error("router exited with status %s; not restarting it again (%d restarts)",
+                             process.returncode, self.restarts)
+                return
+            self.restarts += 1
+            logger.warning("router exited with status %s; restarting it on %s (restart %d)",
+                           process.returncode, self.address, self.restarts)
+            self._close_stdout(process)
+            try:
+                self._launch(router_config(self._system, self.address))
+            except Exception as exc:  # e.g. the port was taken meanwhile: the next poll tries again
+                logger.error("router restart failed: %s", exc)
 
     def stop(self) -> None:
-        if self._process is None or self._process.poll() is not None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
+        self._terminate()
+
+    def _terminate(self) -> None:
+        process = self._process
+        if process is None:
             return
-        self._process.send_signal(signal.SIGTERM)
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        if self._process.stdout is not None:
-            self._process.stdout.close()
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._close_stdout(process)
+
+    @staticmethod
+    def _close_stdout(process: subprocess.Popen) -> None:
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
@@ -173,10 +223,13 @@ class Cluster:
 
     def _start(self) -> None:
         engine = engine_config(self._config, self._checkpoint)
+        logger.info("starting Ray")
+        self._connected_ray = init_ray(self._config.ray, self._ray_address)
+        have = ray.cluster_resources()
+        self._config.workers.check_fits(have.get("GPU", 0), have.get("CPU", 0), "the Ray cluster")
         logger.info("starting the router")
         address = self._router.start()
-        logger.info("router listening on %s; starting Ray", address)
-        self._connected_ray = init_ray(self._config.ray, self._ray_address)
+        logger.info("router listening on %s", address)
         template = WorkerSpec(
             worker_id="",
             role="aggregated",

@@ -170,12 +170,12 @@ class Catalogue(Sequence[CatalogueSample]):
             out: list[GroundTruth] = []
             files = dict.fromkeys((g.file, g.path) for g in self._groups)
             for file, _ in files:
-                table = file.read(columns=list(GROUND_TRUTH_COLUMNS))
+                rows = _to_pylist(file.read(columns=list(GROUND_TRUTH_COLUMNS)), len(out))
                 out.extend(
                     GroundTruth(category=r["ground_truth_category"], brand=r["ground_truth_brand"],
                                 is_secondhand=bool(r["ground_truth_is_secondhand"]),
                                 categories=list(r["potential_product_categories"] or []))
-                    for r in table.to_pylist())
+                    for r in rows)
             self._ground_truth = out
         return self._ground_truth
 
@@ -194,7 +194,7 @@ class Catalogue(Sequence[CatalogueSample]):
         if self._cached is None or self._cached[0] != g:
             group = self._groups[g]
             table = group.file.read_row_group(group.group, columns=list(COLUMNS))
-            self._cached = (g, table.to_pylist())
+            self._cached = (g, _to_pylist(table, group.start))
         return self._cached[1]
 
     def _rows_of_group(self, g: int) -> Iterator[CatalogueSample]:
@@ -222,6 +222,38 @@ class Catalogue(Sequence[CatalogueSample]):
             gt_is_secondhand=bool(row["ground_truth_is_secondhand"]),
             gt_category=row["ground_truth_category"],
         )
+
+
+def _to_pylist(table: pa.Table, first_index: int) -> list[dict[str, Any]]:
+    """Rows as dicts. Parquet does not enforce UTF-8 in string columns; text that is not valid UTF-8 is
+    decoded with U+FFFD for the bad bytes (a warning names the sample and column) instead of failing the
+    whole row group, so the sample is still served."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    as_bytes = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    fields = [pa.field(f.name, as_bytes.get(f.type, f.type)) if not pa.types.is_list(f.type)
+              else pa.field(f.name, pa.list_(as_bytes.get(f.type.value_type, f.type.value_type)))
+              for f in table.schema]
+    text = {f.name for f, b in zip(table.schema, fields) if f.type != b.type}
+    rows = table.cast(pa.schema(fields)).to_pylist()
+    for k, row in enumerate(rows):
+        for name in text:
+            row[name] = _decode_lenient(row[name], first_index + k, name)
+    return rows
+
+
+def _decode_lenient(value: Any, index: int, column: str) -> Any:
+    if isinstance(value, list):
+        return [_decode_lenient(v, index, column) for v in value]
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        logger.warning("sample %d: %s is not valid UTF-8 (%s); bad bytes replaced by U+FFFD", index, column, exc.reason)
+        return value.decode("utf-8", errors="replace")
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> None:

@@ -68,6 +68,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
             router_address=spec.router_address,
             max_tokens=config.requests.max_tokens,
             timeout_s=config.requests.timeout_s,
+            reconnect_s=config.requests.reconnect_s,
             token=config.router.get("token"),
             report_first_token=settings.use_token_latencies,
         ),
@@ -82,6 +83,8 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
         qsl.close()
         progress.close()
         failed.close()
+    if sut.resent:
+        logger.warning("%d queries were sent again after the router became unreachable", sut.resent)
     if failed.count:
         logger.warning("%d samples failed; see %s", failed.count, log_dir / FAILED_SAMPLES_FILE)
     return log_dir

@@ -1,5 +1,8 @@
 """The LoadGen SUT: each query becomes one RouterService.Generate stream, run on a dedicated asyncio
-event-loop thread so issue_queries never blocks LoadGen; every issued query is completed exactly once."""
+event-loop thread so issue_queries never blocks LoadGen; every issued query is completed exactly once.
+
+When the router is unreachable (it died and is being restarted) a query not yet answered is sent again,
+resuming after the tokens it already received, for up to `reconnect_s` without progress."""
 
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ class SUTSettings:
     timeout_s: float = 7200.0
     token: str | None = None
     report_first_token: bool = False  # LoadGen's use_token_latencies (off for this benchmark)
+    reconnect_s: float = 0.0  # how long a query waits for an unreachable router to come back (0: fails at once)
+    reconnect_interval_s: float = 0.5
 
 
 class FailedSamplesLog:
@@ -90,6 +95,7 @@ class RouterSUT:
         self._failed = failed_samples
         self.progress = progress
         self._outstanding: dict[int, int] = {}  # LoadGen query id -> qsl index, until completed
+        self.resent = 0  # queries sent again because the router was unreachable
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
@@ -147,15 +153,44 @@ class RouterSUT:
             self.progress.completed(time.monotonic() - issued_at, ok=error is None)
 
     async def _generate(self, query_id: int, index: int, prompt: PromptInput) -> list[int]:
-        request = pb.GenerateRequest(
-            request_id=f"q{query_id}-s{index}",
+        """The query's tokens; while the router is UNAVAILABLE, re-sends it with the tokens received so far."""
+        tokens: list[int] = []
+        attempt = 0
+        progress_at = time.monotonic()
+        deadline = progress_at + self._settings.timeout_s
+        while True:
+            before = len(tokens)
+            try:
+                return await self._stream(self._request(query_id, index, prompt, tokens, attempt), query_id, tokens)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                if len(tokens) > before:
+                    progress_at = time.monotonic()
+                retry_at = time.monotonic() + self._settings.reconnect_interval_s
+                if retry_at - progress_at > self._settings.reconnect_s or retry_at >= deadline:
+                    raise
+                attempt += 1
+                self.resent += 1
+                logger.warning("query %d (sample %d): router unavailable (%s); sending it again (attempt %d, "
+                               "%d tokens kept)", query_id, index, exc.details(), attempt + 1, len(tokens))
+                await asyncio.sleep(self._settings.reconnect_interval_s)
+
+    def _request(self, query_id: int, index: int, prompt: PromptInput, tokens: list[int], attempt: int
+                 ) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            request_id=f"q{query_id}-s{index}" + (f"-r{attempt}" if attempt else ""),
             prompt_token_ids=prompt.token_ids,
             images=prompt.images,
-            sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens),
+            resume_token_ids=tokens,
+            sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens - len(tokens)),
             deadline_s=self._settings.timeout_s,
         )
-        tokens: list[int] = []
-        finished = False
+
+    async def _stream(self, request: pb.GenerateRequest, query_id: int, tokens: list[int]) -> list[int]:
+        """Streams one attempt, appending to `tokens`; returns them once a finish reason arrives."""
+        if request.sampling.max_tokens <= 0:
+            return tokens  # every token arrived before the router went away, only the final chunk did not
         async for chunk in self._client.generate(request):
             if chunk.token_ids and not tokens and self._settings.report_first_token:
                 self._first_token(query_id, chunk.token_ids[0])
@@ -163,10 +198,8 @@ class RouterSUT:
             if chunk.finish_reason in (pb.ERROR, pb.ABORT):
                 raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
             if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                finished = True
-        if not finished:
-            raise SampleFailed("router stream ended without a finish reason")
-        return tokens
+                return tokens
+        raise SampleFailed("router stream ended without a finish reason")
 
     def _first_token(self, query_id: int, token_id: int) -> None:
         data = array.array("B", self._decode([token_id]).encode("utf-8"))

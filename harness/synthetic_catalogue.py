@@ -2,6 +2,7 @@
 
 Profiles: `small` (tiny images of every format/mode, fast), `mixed` (adds multi-megapixel images),
 `realistic` (all JPEG, image sizes and text lengths drawn from the real dataset's statistics).
+`bad_samples` plants faulty rows at chosen indices (fault tests); without it the output is unchanged.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 import logging
 import math
 import random
-from collections.abc import Sequence
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 Profile = Literal["small", "mixed", "realistic"]
 PROFILES: tuple[str, ...] = ("small", "mixed", "realistic")
+BadSample = Literal["undecodable", "empty_image", "bomb", "cmyk", "16bit", "long_prompt", "bad_utf8"]
+BAD_SAMPLES: tuple[str, ...] = ("undecodable", "empty_image", "bomb", "cmyk", "16bit", "long_prompt", "bad_utf8")
+BOMB_SIDE = 30_000  # a 30,000 x 30,000 PNG: 900 Mpixel, about 110 KB on disk
+LONG_PROMPT_CHARS = 200_000  # tens of thousands of tokens, beyond any max_model_len we configure
+BAD_UTF8_MARK = "\x00BAD-UTF8\x00"  # replaced by invalid UTF-8 bytes in the written parquet
 ROW_GROUP_SIZE = 8
 TRAIN_FRACTION = 0.8
 
@@ -216,6 +224,54 @@ def synthetic_sample(seed: int, index: int, profile: str = "small") -> dict:
     }
 
 
+def _bomb_png(side: int = BOMB_SIDE) -> bytes:
+    """A valid 1-bit grayscale PNG of side x side pixels, all black: a decompression bomb built cheaply
+    (each row is a filter byte and side/8 zero bytes, deflated as a stream)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = bytes(1 + (side + 7) // 8)
+    deflate = zlib.compressobj(9)
+    body = b"".join(deflate.compress(row * 1000) for _ in range(side // 1000))
+    body += deflate.compress(row * (side % 1000)) + deflate.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
+def _plant_bad_sample(row: dict, kind: str, rng: np.random.Generator) -> dict:
+    """`row` with the fault `kind`: a broken or hostile image, an over-long prompt or invalid UTF-8 text.
+    cmyk and 16bit are unusual but valid images (they must be served, not failed)."""
+    row = dict(row)
+    if kind == "undecodable":
+        row["product_image"] = {"bytes": b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4, "path": None}
+    elif kind == "empty_image":
+        row["product_image"] = {"bytes": b"", "path": None}
+    elif kind == "bomb":
+        row["product_image"] = {"bytes": _bomb_png(), "path": None}
+    elif kind == "cmyk":
+        row["product_image"] = {"bytes": _encode(_image(rng, (96, 64), "CMYK"), "JPEG"), "path": None}
+    elif kind == "16bit":
+        gray = np.asarray(_image(rng, (64, 96), "L"), dtype=np.uint16) * 257
+        row["product_image"] = {"bytes": _encode(Image.fromarray(gray), "PNG"), "path": None}
+    elif kind == "long_prompt":
+        row["product_description"] = (" ".join(SENTENCES) + " ") * (LONG_PROMPT_CHARS // len(" ".join(SENTENCES)))
+    elif kind == "bad_utf8":
+        row["product_title"] = f"{row['product_title']} {BAD_UTF8_MARK}"
+    else:
+        raise ValueError(f"unknown bad sample kind {kind!r}; expected one of {BAD_SAMPLES}")
+    return row
+
+
+def _with_invalid_utf8(table: pa.Table) -> pa.Table:
+    """Parquet string columns should hold UTF-8 but nothing enforces it: a foreign writer can store any
+    bytes. BAD_UTF8_MARK in product_title becomes the bytes 0xff 0xfe (a bare string view, not validated)."""
+    column = table.column("product_title").combine_chunks()
+    raw = [None if v is None else v.encode().replace(BAD_UTF8_MARK.encode(), b"\xff\xfe") for v in column.to_pylist()]
+    bad = pa.array(raw, pa.binary()).view(pa.string())
+    return table.set_column(table.schema.get_field_index("product_title"), "product_title", bad)
+
+
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("product_title", pa.string()),
@@ -249,6 +305,8 @@ def _split_sizes(n: int, splits: Sequence[str]) -> list[int]:
 
 def _write_shard(path: Path, rows: list[dict], row_group_size: int) -> None:
     table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
+    if any(BAD_UTF8_MARK in (row["product_title"] or "") for row in rows):
+        table = _with_invalid_utf8(table)
     tmp = path.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp, row_group_size=row_group_size)
     tmp.replace(path)
@@ -261,14 +319,22 @@ def write_synthetic_catalogue(
     dataset: DatasetKind = "product-catalogue",
     profile: Profile = "small",
     row_group_size: int = ROW_GROUP_SIZE,
+    bad_samples: Mapping[int, BadSample] | None = None,
 ) -> Path:
-    """Writes data/<split>-NNNNN-of-MMMMM.parquet (train 2 shards when it can, test 1) and returns out_dir."""
+    """Writes data/<split>-NNNNN-of-MMMMM.parquet (train 2 shards when it can, test 1) and returns out_dir.
+
+    `bad_samples` maps sample indices to a fault from BAD_SAMPLES planted in that row (fault tests).
+    """
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; expected one of {PROFILES}")
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(DATASETS)}")
+    bad_samples = dict(bad_samples or {})
+    for index, kind in bad_samples.items():
+        if not 0 <= index < n_samples or kind not in BAD_SAMPLES:
+            raise ValueError(f"bad_samples[{index}] = {kind!r}: need an index below {n_samples} and one of {BAD_SAMPLES}")
     root = Path(out_dir)
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -278,6 +344,9 @@ def write_synthetic_catalogue(
     index = 0
     for split, size in zip(splits, _split_sizes(n_samples, splits)):
         rows = [synthetic_sample(seed, i, profile) for i in range(index, index + size)]
+        for i, kind in bad_samples.items():
+            if index <= i < index + size:
+                rows[i - index] = _plant_bad_sample(rows[i - index], kind, np.random.default_rng([seed, i]))
         index += size
         n_shards = 2 if split == "train" and size >= 2 else 1
         bounds = [round(k * size / n_shards) for k in range(n_shards + 1)]

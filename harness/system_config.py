@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -137,6 +138,16 @@ class WorkersSection(_Strict):
     def num_gpus(self) -> int:
         return sum(pool.count * pool.gpus_per_worker for pool in self.pools)
 
+    @property
+    def num_cpus(self) -> float:
+        return sum(pool.count * pool.cpus_per_worker for pool in self.pools)
+
+    def check_fits(self, gpus: float | None, cpus: float | None, where: str) -> None:
+        """ConfigError when the pools need more GPUs or CPUs than `where` has (None: not known)."""
+        for name, need, have in (("GPU", self.num_gpus, gpus), ("CPU", self.num_cpus, cpus)):
+            if have is not None and need > have:
+                raise ConfigError(f"workers.pools need {need:g} {name}s in all; {where} has {have:g}")
+
 
 class ScenarioSection(_Strict):
     """LoadGen settings written to user.conf for one scenario (times in ms)."""
@@ -179,6 +190,7 @@ class RequestsSection(_Strict):
 
     max_tokens: PositiveInt = 150
     timeout_s: PositiveFloat = 7200.0
+    reconnect_s: NonNegativeFloat = 60.0  # a query re-sent while the router is unreachable (restarting), this long
 
 
 class RaySection(_Strict):

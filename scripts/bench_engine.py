@@ -178,40 +178,38 @@ class GpuTimeSplit:
 
 
 def moe_layer_times(model) -> dict[str, float]:
-    """Microseconds of one MoE layer (router + experts) replayed in a CUDA graph, per token count and path."""
+    """Microseconds of one MoE layer (router + experts) replayed in a CUDA graph, per token count, for the
+    fused Triton kernels and for the torch._grouped_mm path."""
     import torch
 
     from workers.model import moe
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
     hidden = mlp.gate.weight.shape[1]
+    paths = {"fused": mlp.experts.forward, "grouped_mm": mlp.experts.grouped}
     times = {}
     for tokens in (1, 2, 64, 256, 8192):
-        for path, limit in (("gathered", 10**9), ("grouped_mm", 0)):
-            if path == "gathered" and tokens * mlp.gate.top_k > moe.GATHER_MAX_PAIRS:
-                continue
-            saved, moe.GATHER_MAX_PAIRS = moe.GATHER_MAX_PAIRS, limit
-            try:
-                x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
-                with torch.inference_mode():
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        mlp(x)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        mlp(x)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
+        for path, experts in paths.items():
+            layer = lambda: experts(x, *mlp.gate(x))  # noqa: E731
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    layer()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    layer()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(20):
                 graph.replay()
-                start.record()
-                for _ in range(20):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times[f"{path}_T{tokens}"] = round(start.elapsed_time(end) * 1e3 / 20, 1)
-            finally:
-                moe.GATHER_MAX_PAIRS = saved
+            end.record()
+            torch.cuda.synchronize()
+            times[f"{path}_T{tokens}"] = round(start.elapsed_time(end) * 1e3 / 20, 1)
+            del graph
     return times
 
 

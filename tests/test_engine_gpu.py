@@ -135,19 +135,50 @@ def test_triton_paged_decode_matches_sdpa_over_gathered_blocks():
         assert err < 1e-2, (n, float(err))
 
 
-def test_grouped_mm_moe_on_cuda_matches_the_reference_loop(monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def _random_moe_block(num_experts, top_k, hidden, inter, seed):
     from workers.model import moe
 
-    torch.manual_seed(0)
-    block = moe.SparseMoeBlock(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128).cuda().bfloat16()
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(seed)
+    block = moe.SparseMoeBlock(num_experts, top_k, hidden, inter).cuda().bfloat16()
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.05)
+    return block
+
+
+def _float64_moe(block, x, top_w, top_i):
+    """sum_k w * down(silu(gate x) * up x) in float64, expert by expert."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for expert in top_i.unique().tolist():
+        token, slot = (top_i == expert).nonzero(as_tuple=True)
+        gate, up = (x[token].double() @ block.experts.gate_up_proj[expert].double().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ block.experts.down_proj[expert].double().T
+        out.index_add_(0, token, y * top_w[token, slot].double().unsqueeze(-1))
+    return out
+
+
+def test_grouped_mm_moe_on_cuda_matches_float64():
+    block = _random_moe_block(16, 4, 256, 128, seed=0)
     x = torch.randn(77, 256, device="cuda").bfloat16()
-    assert moe._native_grouped_mm(x, block.experts.down_proj)
-    native = block(x).double()
-    monkeypatch.setattr(moe, "_native_grouped_mm", lambda a, b: False)
-    ref = block(x).double()
-    assert (native - ref).norm() / ref.norm() < 1e-2
+    top_w, top_i = block.gate(x)
+    ref = _float64_moe(block, x, top_w, top_i)
+    got = block.experts.grouped(x, top_w, top_i).double()
+    assert (got - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 700, 3000])
+def test_fused_triton_moe_matches_float64_at_30b_shapes(tokens):
+    """Every tile configuration (decode to prefill sizes) of the fused kernels, 30B-A3B expert shapes."""
+    from workers.model import fused_moe
+
+    block = _random_moe_block(128, 8, 2048, 768, seed=tokens)
+    x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+    top_w, top_i = block.gate(x)
+    ref = _float64_moe(block, x, top_w, top_i)
+    e = block.experts
+    got = fused_moe.fused_experts(x, top_w, top_i, e.gate_up_proj, e.down_proj)
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).norm() / ref.norm() < 1e-2
+    assert (got - e.grouped(x, top_w, top_i)).double().norm() / ref.norm() < 1e-2

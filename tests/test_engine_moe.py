@@ -54,8 +54,17 @@ def test_experts_that_get_no_tokens_are_skipped():
     torch.testing.assert_close(out, torch.cat([a[:3] @ b[1], a[3:] @ b[3]]))
 
 
-def test_gathered_small_batch_path_matches_a_per_token_loop():
-    block = make_block(seed=3)
-    x = torch.randn(2, 32)
-    top_w, top_i = block.gate(x)
-    torch.testing.assert_close(block.experts._gathered(x, top_w, top_i.reshape(-1)), naive_moe(block, x), rtol=1e-5, atol=1e-5)
+def test_align_pairs_groups_every_pair_by_expert_in_padded_blocks():
+    from workers.model.fused_moe import align_pairs
+
+    torch.manual_seed(0)
+    top_i = torch.stack([torch.randperm(6)[:2] for _ in range(9)])  # 9 tokens, top-2 of 6 experts
+    sorted_ids, block_expert = align_pairs(top_i, num_experts=6, block_m=4)
+    flat = top_i.reshape(-1)
+    assert sorted(i for i in sorted_ids.tolist() if i < 18) == list(range(18))
+    for b, expert in enumerate(block_expert.tolist()):
+        ids = [i for i in sorted_ids[b * 4 : b * 4 + 4].tolist() if i < 18]
+        if expert == 6:
+            assert ids == []
+        else:
+            assert all(flat[i] == expert for i in ids)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import fused_moe
+
 
 class MoeRouter(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, top_k: int):
@@ -25,9 +27,6 @@ class MoeRouter(nn.Module):
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return top_w.to(logits.dtype), top_i
-
-
-GATHER_MAX_PAIRS = 8  # token-expert pairs up to which CUDA uses _gathered (batch 1 at top-8: 100 vs 115 us)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -72,12 +71,16 @@ class MoeExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path."""
+        if fused_moe.supports(x):
+            return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj)
+        return self.grouped(x, top_w, top_i)
+
+    def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Token-expert pairs sorted by expert, two grouped GEMMs, then each token's k outputs weighted and
         summed. Sync-free (offsets by histc, not bincount), so it can be captured in a CUDA graph."""
         tokens, k = top_i.shape
         flat = top_i.reshape(-1)
-        if x.is_cuda and tokens * k <= GATHER_MAX_PAIRS:
-            return self._gathered(x, top_w, flat)
         order = torch.argsort(flat, stable=True)
         counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
         offs = counts.cumsum(0).to(torch.int32)
@@ -86,16 +89,6 @@ class MoeExperts(nn.Module):
         ys = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
         y = torch.empty_like(ys).index_copy_(0, order, ys)
         return (y.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
-
-
-    def _gathered(self, x: torch.Tensor, top_w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """Few pairs (small decode batches): copy the chosen experts' weights and run batched GEMVs, which
-        streams them faster than grouped GEMM tiles sized for many tokens."""
-        tokens, k = top_w.shape
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [P, H, 1]
-        gate, up = torch.bmm(self.gate_up_proj[flat], xs).squeeze(-1).chunk(2, dim=-1)
-        ys = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        return (ys.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
 
 
 class SparseMoeBlock(nn.Module):
