@@ -13,7 +13,10 @@ _SYNTHETIC_STAMP = ".synthetic-complete"
 
 
 def resolve_checkpoint(model: ModelSection, cache_dir: Path) -> Path:
-    """The checkpoint directory; a tiny:* checkpoint is written into cache_dir the first time."""
+    """The checkpoint directory; a tiny:* checkpoint is written into cache_dir the first time; a simulated:*
+    checkpoint has none (its name passes through)."""
+    if model.simulated_hardware is not None:
+        return Path(model.checkpoint)
     if model.tiny_arch is not None:
         from workers.tiny_checkpoint import make_tiny_checkpoint
 

@@ -18,8 +18,8 @@ import ray
 import yaml
 from PIL import Image
 
-from harness.ray_workers import WorkerFleet, WorkerSpec, engine_factory_for, init_ray
-from harness.system_config import SystemConfig, engine_config, router_config
+from harness.ray_workers import WorkerFleet, WorkerSpec, engine_factory_for, init_ray, simulated_factory_for_pool
+from harness.system_config import SystemConfig, engine_config, router_config, simulation_config
 from router.client import RouterClient
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
@@ -33,6 +33,7 @@ ROUTER_START_TIMEOUT_S = 60.0
 ROUTER_POLL_S = 0.5
 MAX_ROUTER_RESTARTS = 5
 WARMUP_MAX_TOKENS = 4
+SIMULATED_CPUS_PER_PROCESS = 0.01  # simulated workers sleep; they must not claim the cores LoadGen needs
 
 
 class RouterProcess:
@@ -226,7 +227,9 @@ class Cluster:
         logger.info("starting Ray")
         self._connected_ray = init_ray(self._config.ray, self._ray_address)
         have = ray.cluster_resources()
-        self._config.workers.check_fits(have.get("GPU", 0), have.get("CPU", 0), "the Ray cluster")
+        simulated = self._config.model.simulated_hardware
+        if simulated is None:
+            self._config.workers.check_fits(have.get("GPU", 0), have.get("CPU", 0), "the Ray cluster")
         logger.info("starting the router")
         address = self._router.start()
         logger.info("router listening on %s", address)
@@ -241,7 +244,14 @@ class Cluster:
             max_model_len=engine.max_model_len,
             heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
         )
-        self._fleet = WorkerFleet(self._config.workers.pools, template)
+        if simulated is None:
+            self._fleet = WorkerFleet(self._config.workers.pools, template)
+        else:  # model-free workers timed by workers.sim: many per process, no GPUs
+            sim = simulation_config(self._config)
+            self._fleet = WorkerFleet(
+                self._config.workers.pools, template, factory_for_pool=simulated_factory_for_pool(engine, sim, simulated),
+                workers_per_actor=sim.workers_per_process, use_gpus=False, cpus_per_actor=SIMULATED_CPUS_PER_PROCESS,
+            )
         logger.info("starting %d workers", self._config.workers.num_workers)
         self._fleet.start()
         self._fleet.addresses(self._ready_timeout_s)  # every engine built

@@ -57,7 +57,7 @@ def run_submission(options: RunOptions) -> int:
     config.scenario(options.scenario.value)  # the scenario must be configured for this system
     if not config.system.system_desc_path.is_file():
         raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
-    if options.ray_address is None:
+    if options.ray_address is None and config.model.simulated_hardware is None:  # simulated workers need no GPUs
         config.workers.check_fits(config.ray.num_gpus, config.ray.num_cpus, "the embedded Ray (section ray)")
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

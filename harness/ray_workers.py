@@ -58,40 +58,53 @@ def build_engine(engine_config) -> ServedEngine:
 
 
 class ModelWorker:
-    """The actor body. Everything happens in __init__ so that a Ray restart brings the worker back."""
+    """The actor body. Everything happens in __init__ so that a Ray restart brings the worker back.
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    `colocated` specs are served by the same process on their own ports (simulated workers: many per process)."""
+
+    def __init__(self, spec: WorkerSpec, *colocated: WorkerSpec) -> None:
         from workers.server import WorkerServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-server", daemon=True)
         self._thread.start()
-        served = spec.engine_factory()
-        self._engine = served.async_engine
-        self._server = WorkerServer(
-            self._engine,
-            spec.worker_id,
-            spec.role,
-            router_address=spec.router_address,
-            listen=f"{spec.listen_host}:0",
-            token=spec.router_token,
-            model_name=spec.model_name,
-            kv_block_size=spec.kv_block_size,
-            max_model_len=spec.max_model_len,
-            heartbeat_interval_s=spec.heartbeat_interval_s,
-            generation_defaults=served.generation_defaults,
-        )
-        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
-        logger.info("worker %s (%s) serving on %s", spec.worker_id, spec.role, self._server.address)
+        self._engines = []
+        self._servers: dict[str, Any] = {}
+        for one in (spec, *colocated):
+            served = one.engine_factory()
+            self._engines.append(served.async_engine)
+            server = WorkerServer(
+                served.async_engine,
+                one.worker_id,
+                one.role,
+                router_address=one.router_address,
+                listen=f"{one.listen_host}:0",
+                token=one.router_token,
+                model_name=one.model_name,
+                kv_block_size=one.kv_block_size,
+                max_model_len=one.max_model_len,
+                heartbeat_interval_s=one.heartbeat_interval_s,
+                generation_defaults=served.generation_defaults,
+            )
+            asyncio.run_coroutine_threadsafe(server.start(), self._loop).result()
+            self._servers[one.worker_id] = server
+            logger.info("worker %s (%s) serving on %s", one.worker_id, one.role, server.address)
+        self._server = self._servers[spec.worker_id]
 
     def address(self) -> str:
         return self._server.address
 
+    def addresses(self) -> dict[str, str]:
+        """worker_id -> address of every worker this process serves."""
+        return {worker_id: server.address for worker_id, server in self._servers.items()}
+
     def stop(self) -> None:
-        """Stops serving (deregisters by going silent) and shuts the engine down."""
-        asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop).result()
-        self._engine.shutdown()
+        """Stops serving (deregisters by going silent) and shuts the engines down."""
+        for server in self._servers.values():
+            asyncio.run_coroutine_threadsafe(server.stop(), self._loop).result()
+        for engine in self._engines:
+            engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
@@ -100,6 +113,7 @@ class _Instance:
     worker_id: str
     actor: Any
     group: PlacementGroup
+    colocated: tuple[str, ...] = ()  # further workers served by the same actor
 
 
 def init_ray(settings: RaySection, address: str | None) -> bool:
@@ -132,56 +146,70 @@ def init_ray(settings: RaySection, address: str | None) -> bool:
 class WorkerFleet:
     """Every worker of every pool, started as restartable actors; `stop()` releases actors and GPUs."""
 
-    def __init__(self, pools: list[PoolSection], template: WorkerSpec) -> None:
-        """`template` gives every worker's spec; its worker_id and role are replaced per worker."""
+    def __init__(self, pools: list[PoolSection], template: WorkerSpec, *,
+                 factory_for_pool: Callable[[PoolSection], Callable[[], ServedEngine]] | None = None,
+                 workers_per_actor: int = 1, use_gpus: bool = True, cpus_per_actor: float | None = None) -> None:
+        """`template` gives every worker's spec; its worker_id and role are replaced per worker, and its engine
+        factory by `factory_for_pool(pool)` when given. `workers_per_actor` > 1 and `use_gpus=False` are for
+        simulated workers (many per process, no GPUs); `cpus_per_actor` then replaces the pools' cpus_per_worker."""
         self._pools = pools
         self._template = template
+        self._factory_for_pool = factory_for_pool
+        self._workers_per_actor = workers_per_actor
+        self._use_gpus = use_gpus
+        self._cpus_per_actor = cpus_per_actor
         self.instances: list[_Instance] = []
 
     @property
     def worker_ids(self) -> list[str]:
-        return [instance.worker_id for instance in self.instances]
+        return [wid for instance in self.instances for wid in (instance.worker_id, *instance.colocated)]
 
     def start(self) -> None:
         actor_class = ray.remote(ModelWorker)
         for pool in self._pools:
-            for i in range(pool.count):
-                worker_id = f"{pool.role}-{i}"
-                bundle = {"CPU": pool.cpus_per_worker}
-                if pool.gpus_per_worker:
-                    bundle["GPU"] = pool.gpus_per_worker
-                group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{worker_id}")
-                self.instances.append(_Instance(worker_id, None, group))
-                spec = dataclasses.replace(self._template, worker_id=worker_id, role=pool.role)
+            gpus = pool.gpus_per_worker if self._use_gpus else 0
+            cpus = self._cpus_per_actor or pool.cpus_per_worker
+            template = self._template
+            if self._factory_for_pool is not None:
+                template = dataclasses.replace(template, engine_factory=self._factory_for_pool(pool))
+            for first in range(0, pool.count, self._workers_per_actor):
+                ids = [f"{pool.role}-{i}" for i in range(first, min(first + self._workers_per_actor, pool.count))]
+                bundle = {"CPU": cpus, **pool.resources}
+                if gpus:
+                    bundle["GPU"] = gpus
+                group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{ids[0]}")
+                self.instances.append(_Instance(ids[0], None, group, tuple(ids[1:])))
+                specs = [dataclasses.replace(template, worker_id=wid, role=pool.role) for wid in ids]
                 self.instances[-1].actor = actor_class.options(
-                    name=f"q3vl-{worker_id}",
-                    num_cpus=pool.cpus_per_worker,
-                    num_gpus=pool.gpus_per_worker,
+                    name=f"q3vl-{ids[0]}",
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    resources=dict(pool.resources),
                     max_restarts=-1,
                     max_concurrency=4,  # address() must answer while another call waits
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-                ).remote(spec)
+                ).remote(*specs)
         for instance in self.instances:
             ray.get(instance.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
 
     def addresses(self, timeout_s: float) -> dict[str, str]:
         """worker_id -> gRPC address, once every actor has (re)built its engine; waits out restarts."""
         deadline = time.monotonic() + timeout_s
-        return {instance.worker_id: self._address(instance, deadline) for instance in self.instances}
+        return {wid: address for instance in self.instances for wid, address in self._addresses(instance, deadline).items()}
 
     @staticmethod
-    def _address(instance: _Instance, deadline: float) -> str:
+    def _addresses(instance: _Instance, deadline: float) -> dict[str, str]:
         while True:
             try:
-                return ray.get(instance.actor.address.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                return ray.get(instance.actor.addresses.remote(), timeout=max(deadline - time.monotonic(), 0.1))
             except ray.exceptions.ActorUnavailableError:  # restarting: its constructor is running again
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
 
     def kill(self, worker_id: str) -> None:
-        """Kills one actor's process; Ray restarts it (used to test recovery)."""
-        actor = next(i.actor for i in self.instances if i.worker_id == worker_id)
+        """Kills one actor's process (and the workers colocated with it); Ray restarts it (used to test recovery)."""
+        actor = next(i.actor for i in self.instances if worker_id in (i.worker_id, *i.colocated))
         ray.kill(actor, no_restart=False)
 
     def stop(self) -> None:
@@ -197,3 +225,17 @@ class WorkerFleet:
 
 def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:
     return functools.partial(build_engine, engine_config)
+
+
+def build_simulated_engine(engine_config, simulation, hardware: str, tp: int) -> ServedEngine:
+    """A model-free engine timed by the step model of `hardware` (workers.sim), in the same AsyncEngine loop."""
+    from workers.async_engine import AsyncEngine
+    from workers.sim.engine import SimulatedEngine, build_step_model
+
+    engine = SimulatedEngine(engine_config, simulation, build_step_model(hardware, simulation, tp))
+    return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
+
+
+def simulated_factory_for_pool(engine_config, simulation, hardware: str) -> Callable[[PoolSection], Callable[[], ServedEngine]]:
+    """Per pool: simulated engines as wide (tp) as the pool's instances."""
+    return lambda pool: functools.partial(build_simulated_engine, engine_config, simulation, hardware, pool.tp)

@@ -24,6 +24,7 @@ from pydantic import (
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "mlperf_configs"
 TINY_PREFIX = "tiny:"
+SIMULATED_PREFIX = "simulated:"  # simulated:<hardware profile>: model-free workers timed by workers.sim
 SYNTHETIC_PREFIX = "synthetic:"
 
 DatasetKind = Literal["product-catalogue", "catalogue-8k"]
@@ -54,7 +55,8 @@ class SystemSection(_Strict):
 
 
 class ModelSection(_Strict):
-    """The checkpoint: a local HF directory, or "tiny:moe" / "tiny:dense" (made on first use)."""
+    """The checkpoint: a local HF directory, "tiny:moe" / "tiny:dense" (made on first use), or
+    "simulated:<hardware profile>" (simulated workers, mlperf_configs/hardware/<profile>.yaml)."""
 
     checkpoint: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
@@ -64,7 +66,17 @@ class ModelSection(_Strict):
     def _known_tiny_arch(cls, value: str) -> str:
         if value.startswith(TINY_PREFIX) and value[len(TINY_PREFIX):] not in ("moe", "dense"):
             raise ValueError(f"tiny checkpoint must be tiny:moe or tiny:dense, got {value!r}")
+        if value.startswith(SIMULATED_PREFIX):
+            from workers.sim.step_model import load_hardware
+
+            load_hardware(value[len(SIMULATED_PREFIX):])
         return value
+
+    @property
+    def simulated_hardware(self) -> str | None:
+        if self.checkpoint.startswith(SIMULATED_PREFIX):
+            return self.checkpoint[len(SIMULATED_PREFIX):]
+        return None
 
     @property
     def tiny_arch(self) -> Literal["moe", "dense"] | None:
@@ -105,6 +117,9 @@ class PoolSection(_Strict):
     cpus_per_worker: PositiveFloat = 1.0
     tp: PositiveInt = 1
     ep: PositiveInt = 1
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="custom Ray resources per worker (e.g. a node label) to place it by"
+    )
 
     @model_validator(mode="after")
     def _parallelism_fits_gpus(self) -> PoolSection:
@@ -215,6 +230,7 @@ class SystemConfig(_Strict):
     engine: dict[str, Any] = Field(default_factory=dict)
     workers: WorkersSection
     router: dict[str, Any] = Field(default_factory=dict)
+    simulation: dict[str, Any] = Field(default_factory=dict)  # workers.sim.engine.SimulationConfig
     scenarios: ScenariosSection
     measurements: MeasurementsSection
     requests: RequestsSection = RequestsSection()
@@ -262,6 +278,7 @@ def _validate_components(config: SystemConfig, source: str) -> None:
     for section, build in (
         ("engine", lambda: engine_config(config, Path("checkpoint"))),
         ("router", lambda: router_config(config, "127.0.0.1:0")),
+        ("simulation", lambda: simulation_config(config)),
     ):
         try:
             build()
@@ -282,6 +299,13 @@ def image_pixel_limits(config: SystemConfig) -> tuple[int, int]:
     """(min_pixels, max_pixels) the workers resize images to; prompts must size images the same way."""
     engine = engine_config(config, Path(config.model.checkpoint))  # the limits do not depend on the checkpoint
     return engine.min_pixels, engine.max_pixels
+
+
+def simulation_config(config: SystemConfig):
+    """The simulated workers' SimulationConfig (defaults when the section is absent)."""
+    from workers.sim.config import SimulationConfig
+
+    return SimulationConfig.model_validate(config.simulation)
 
 
 def router_config(config: SystemConfig, listen: str):

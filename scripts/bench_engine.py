@@ -213,6 +213,21 @@ def moe_layer_times(model) -> dict[str, float]:
     return times
 
 
+def profile_steps(engine, n: int, out: Path) -> int:
+    """Runs n engine steps under torch.profiler; writes the CUDA-time table to out; returns tokens generated."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    generated = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    out.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    return generated
+
+
 def run_until_done(engine, sync) -> tuple[float, list[float]]:
     step_times = []
     t0 = time.perf_counter()
@@ -322,8 +337,12 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         engine.add_prepared(p)
     generated = 0
     t1 = time.perf_counter()
+    steps = 0
     while engine.has_unfinished():
+        if args.profile_out is not None and steps == 20:  # two mixed prefill+decode steps, mid-run
+            generated += profile_steps(engine, 2, args.profile_out)
         generated += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
     sync()
     engine_s = time.perf_counter() - t1
     if generated != w.samples * w.output_tokens:
@@ -432,6 +451,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler table of two catalogue steps")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -176,7 +176,8 @@ class ModelRunner:
         """One vision-tower pass over all images of the given sequences."""
         if not seqs:
             return
-        pixel_values = torch.cat([s.mm.pixel_values for s in seqs])
+        # Each image's patches go to the device on their own: no host-side concatenation of large float32 arrays.
+        pixel_values = torch.cat([s.mm.pixel_values.to(self.device, non_blocking=True) for s in seqs])
         grid_thw = torch.cat([s.mm.grid_thw for s in seqs])
         embeds, deepstack = self.vision.encode(pixel_values, grid_thw)
         sizes = [len(s.mm.image_rows) for s in seqs]

@@ -7,7 +7,10 @@ weight. Every shape is fixed by the token count, so both run inside CUDA graphs 
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,9 +30,29 @@ class TileConfig:
     num_stages: int
 
 
-def tile_config(num_pairs: int, gated: bool) -> TileConfig:
-    """Tiles by token-expert pairs: small BLOCK_M while each expert sees few rows (decode streams weights),
-    128-row tiles once experts see hundreds of rows (prefill is compute-bound)."""
+TUNED_DIR = Path(__file__).with_name("fused_moe_configs")  # {device name}.json, written by scripts/tune_fused_moe.py
+
+
+def shape_key(num_experts: int, n: int, k: int, gated: bool) -> str:
+    return f"E={num_experts},N={n},K={k},{'gated' if gated else 'down'}"
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, list[tuple[int, TileConfig]]]:
+    path = TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
+    if not path.is_file():
+        return {}
+    table = json.loads(path.read_text())
+    return {key: [(pairs, TileConfig(*cfg)) for pairs, cfg in rows] for key, rows in table.items()}
+
+
+def tile_config(num_pairs: int, gated: bool, shape: str | None = None, device_name: str | None = None) -> TileConfig:
+    """Tiles by token-expert pairs: the tuned table of this device and shape where there is one (the entry
+    of the smallest tuned pair count >= num_pairs, else the largest), else small BLOCK_M while each expert
+    sees few rows (decode streams weights) and large tiles once experts see hundreds of rows (prefill)."""
+    rows = _tuned(device_name).get(shape) if shape and device_name else None
+    if rows:
+        return next((cfg for pairs, cfg in rows if pairs >= num_pairs), rows[-1][1])
     if num_pairs <= 64:
         return TileConfig(16, 64, 128, 4, 4)
     if num_pairs <= 4096:
@@ -46,19 +69,20 @@ def supports(x: torch.Tensor) -> bool:
 def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair ids (token * k + slot) grouped by expert, each group padded to a multiple of block_m with the
     id P (= number of pairs, an invalid row), and the expert of every block_m rows (num_experts: empty).
-    Sizes depend only on P: the worst case P + E * (block_m - 1) rows."""
+    Sizes depend only on P: the worst case P + E * (block_m - 1) rows. No sort: a pair's rank within its
+    expert is a running count over a one-hot [P, E] matrix."""
     flat = top_i.reshape(-1)
     num_pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
+    one_hot = flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)
+    running = one_hot.to(torch.int32).cumsum(0)
+    counts = running[-1].to(torch.int64)
+    rank = running.gather(1, flat.unsqueeze(1)).squeeze(1) - 1
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    sorted_expert = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
-    dest = (padded_end - padded)[sorted_expert] + rank
+    dest = (padded_end - padded)[flat] + rank
     num_blocks = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.index_put_((dest,), order.to(torch.int32))
+    sorted_ids.index_put_((dest,), torch.arange(num_pairs, dtype=torch.int32, device=flat.device))
     block_start = torch.arange(num_blocks, device=flat.device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
     return sorted_ids, block_expert
@@ -155,7 +179,9 @@ def fused_experts(
     if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
         raise ValueError("fused_experts needs row-major activations and expert weights")
     num_pairs = tokens * k
-    cfg1, cfg2 = tile_config(num_pairs, gated=True), tile_config(num_pairs, gated=False)
+    device = torch.cuda.get_device_name(x.device)
+    cfg1 = tile_config(num_pairs, True, shape_key(num_experts, two_i // 2, hidden, True), device)
+    cfg2 = tile_config(num_pairs, False, shape_key(num_experts, hidden, two_i // 2, False), device)
     ids1, experts1 = align_pairs(top_i, num_experts, cfg1.block_m)
     ids2, experts2 = (ids1, experts1) if cfg2.block_m == cfg1.block_m else align_pairs(top_i, num_experts, cfg2.block_m)
     act = x.new_empty(num_pairs, two_i // 2)

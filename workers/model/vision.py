@@ -1,15 +1,56 @@
-"""The Qwen3-VL vision tower: transformers' own vision module, loaded with the checkpoint's model.visual.* weights.
+"""The Qwen3-VL vision tower: transformers' own vision module, loaded with the checkpoint's model.visual.* weights,
+with its per-image attention loop replaced by one SDPA call per run of equal-size images.
 
 encode() turns pixel patches of several images into main embeddings plus the DeepStack features.
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_random_weights, iter_tensors
+
+
+class BatchedVisionAttention(nn.Module):
+    """Bidirectional attention within each image, on the tower's own qkv/proj weights. Images of one size
+    that follow each other share one batched SDPA call; the runs come from the host (no device sync)."""
+
+    def __init__(self, attn: nn.Module, rotary):
+        super().__init__()
+        self.qkv, self.proj = attn.qkv, attn.proj
+        self.num_heads, self.scaling = attn.num_heads, attn.scaling
+        self.rotary = rotary
+        self.runs: list[tuple[int, int]] = []  # (frame length, number of frames) in order, set per encode
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens=None, position_embeddings=None, **kwargs) -> torch.Tensor:
+        if position_embeddings is None:
+            raise RuntimeError("this transformers version does not pass position_embeddings to vision attention")
+        seq = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = self.rotary(q, k, *position_embeddings)
+        out = torch.empty_like(q)
+        start = 0
+        for length, count in self.runs:
+            end = start + length * count
+            qs, ks, vs = (t[start:end].view(count, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.scaling)
+            out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, -1)
+            start = end
+        if start != seq:
+            raise RuntimeError(f"vision attention planned for {start} patches, got {seq}")
+        return self.proj(out.reshape(seq, -1))
+
+
+def frame_runs(grid_thw: torch.Tensor) -> list[tuple[int, int]]:
+    """(patches per frame, consecutive frames of that size) for grid_thw [n, 3] (t frames of h*w each)."""
+    lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+    return [(length, len(list(group))) for length, group in itertools.groupby(lengths)]
 
 
 class VisionEncoder:
@@ -37,6 +78,10 @@ class VisionEncoder:
                     f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})"
                 )
         self.model = model.to(device=device, dtype=dtype).eval()
+        rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb_vision
+        self.attentions = [BatchedVisionAttention(block.attn, rotary) for block in model.blocks]
+        for block, attn in zip(model.blocks, self.attentions):
+            block.attn = attn
         self.device = device
         self.dtype = dtype
         self.spatial_merge_unit = model_config.spatial_merge_size**2
@@ -44,6 +89,9 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P], grid_thw [n, 3] -> (embeds [tokens, H], DeepStack [[tokens, H], ...])."""
+        runs = frame_runs(grid_thw)
+        for attn in self.attentions:
+            attn.runs = runs
         out = self.model(
             pixel_values.to(device=self.device, dtype=self.dtype), grid_thw=grid_thw.to(self.device), return_dict=True
         )

@@ -1,0 +1,238 @@
+"""Hostile network input against the real router process (`python -m router`): malformed protobuf, oversized
+messages, calls without the token on a non-local bind, remote image URLs, and a flood beyond admission."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import yaml
+from PIL import Image
+
+from router.client import RouterClient
+from router.instant_engine import InstantEngine
+from router.transport import call_metadata
+from router.wire import pb
+from tests.router_fixtures import request, run
+from workers.server import WorkerServer
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "s3cret-token"
+MAX_MESSAGE = 1024 * 1024
+LIMITS = {"max_inflight_total": 4, "max_inflight_per_worker": 4, "max_queue": 8, "max_message_bytes": MAX_MESSAGE}
+FLOOD = 400  # requests per flood round, all at once
+GENERATE = "/q3vl.v1.RouterService/Generate"
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    """The router process bound to 0.0.0.0 (so it needs the token), reached only via 127.0.0.1."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    config = {"listen": "0.0.0.0:0", "http_listen": "127.0.0.1:0", "token": TOKEN, "limits": LIMITS,
+              "health": {"heartbeat_interval_s": 0.2, "down_after_s": 2.0}}
+    (tmp / "router.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--config", str(tmp / "router.yaml")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=open(tmp / "router.log", "w"), text=True)
+    try:
+        port = int(proc.stdout.readline().split(":")[-1])
+        http_port = int(proc.stdout.readline().split(":")[-1])
+        yield {"address": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}", "pid": proc.pid}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Workers:
+    """Two instant-engine workers (a test double for the engine) registered with the router process."""
+
+    def __init__(self, address: str, step_delay_s: float = 0.002):
+        self.engines = [InstantEngine(step_delay_s=step_delay_s) for _ in range(2)]
+        self.servers = [WorkerServer(e, f"w{i}", "aggregated", address, token=TOKEN, heartbeat_interval_s=0.2)
+                        for i, e in enumerate(self.engines)]
+        self.client = RouterClient(address, token=TOKEN)
+
+    async def __aenter__(self) -> Workers:
+        for server in self.servers:
+            await server.start()
+        await self.client.wait_for_workers(2, timeout=20)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        for server in self.servers:
+            await server.stop(0)
+
+
+async def served(client: RouterClient, rid: str, max_tokens: int = 4) -> list[int]:
+    tokens = []
+    async for chunk in client.generate(request(rid, max_tokens=max_tokens)):
+        tokens.extend(chunk.token_ids)
+        assert chunk.finish_reason in (pb.FINISH_REASON_UNSPECIFIED, pb.LENGTH, pb.STOP)
+    return tokens
+
+
+def test_malformed_protobuf_bytes_are_refused_and_the_router_keeps_serving(router):
+    async def body():
+        async with Workers(router["address"]) as w:
+            channel = grpc.aio.insecure_channel(router["address"])
+            raw = channel.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            for garbage in (b"\xff" * 64, b"\x0a\xff\xff\xff\xff\x0f", random.Random(0).randbytes(4096)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in raw(garbage, metadata=call_metadata(TOKEN)):
+                        pass
+                # grpc.aio answers a request it cannot parse with UNKNOWN ("Error parsing message ...").
+                assert err.value.code() != grpc.StatusCode.OK and "Error parsing message" in err.value.details()
+            await channel.close()
+            assert len(await served(w.client, "after-garbage")) == 4
+
+    run(body())
+
+
+def test_messages_over_the_configured_maximum_get_resource_exhausted(router):
+    async def body():
+        async with Workers(router["address"]) as w:
+            big = request("too-big", images=[os.urandom(MAX_MESSAGE + 1024)])
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in w.client.generate(big)]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(await served(w.client, "after-big")) == 4
+
+    run(body())
+
+
+def test_calls_without_or_with_a_wrong_token_on_a_non_local_bind_are_unauthenticated(router):
+    async def body():
+        async with Workers(router["address"]):
+            for token in (None, "wrong"):
+                async with RouterClient(router["address"], token=token) as stranger:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stranger.list_workers()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        [c async for c in stranger.generate(request(f"stranger-{token}"))]
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    # A worker registration from a stranger is refused too (nobody can hijack traffic).
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stranger._stub.RegisterWorker(pb.WorkerInfo(worker_id="evil", address="127.0.0.1:1"),
+                                                            metadata=call_metadata(token))
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    run(body())
+
+
+class RecordingHandler(http.server.BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        RecordingHandler.hits.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def post_chat(base: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_remote_image_urls_get_400_and_are_never_fetched(router):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for scheme in ("http", "https"):
+            url = f"{scheme}://127.0.0.1:{server.server_port}/product.jpg"
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                     {"type": "text", "text": "What is this?"}]}]
+            status, reply = post_chat(router["http"], {"model": "q3vl", "messages": messages, "max_tokens": 4})
+            assert status == 400, reply
+            assert "remote image URLs are not fetched" in reply["error"]["message"]
+        assert RecordingHandler.hits == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def png_data_url() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_a_flood_beyond_admission_is_refused_fast_and_the_router_stays_healthy_with_bounded_memory(router):
+    async def flood(client: RouterClient, round_: int) -> tuple[int, int]:
+        async def one(i: int) -> str:
+            try:
+                await served(client, f"flood-{round_}-{i}")
+                return "ok"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(FLOOD))), 60)
+        assert set(outcomes) <= {"ok", "RESOURCE_EXHAUSTED"}, set(outcomes)
+        return outcomes.count("ok"), outcomes.count("RESOURCE_EXHAUSTED")
+
+    async def body():
+        async with Workers(router["address"], step_delay_s=0.01) as w:
+            await flood(w.client, 0)  # warms allocator pools and caches
+            before = rss_kib(router["pid"])
+            totals = [await flood(w.client, r) for r in range(1, 4)]
+            after = rss_kib(router["pid"])
+            assert all(ok >= LIMITS["max_inflight_total"] and refused > 0 for ok, refused in totals), totals
+            assert after - before < 20 * 1024, f"router RSS grew {before} -> {after} KiB over {3 * FLOOD} requests"
+            listing = await w.client.list_workers()
+            assert all(listing.healthy)
+            assert len(await served(w.client, "after-flood")) == 4
+
+    run(body(), timeout=240)
+
+
+def test_http_flood_gets_429_and_health_stays_ok(router):
+    async def body():
+        async with Workers(router["address"], step_delay_s=0.05) as w:
+            held = [asyncio.ensure_future(served(w.client, f"hold-{i}", max_tokens=100)) for i in range(12)]
+            await asyncio.sleep(0.5)  # 4 in flight + 8 queued for seconds: admission is full
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}},
+                                                     {"type": "text", "text": "Describe it."}]}]
+            status, reply = await asyncio.to_thread(
+                post_chat, router["http"], {"model": "q3vl", "messages": messages, "max_tokens": 4})
+            assert status == 429, reply
+            await asyncio.gather(*held)
+            with urllib.request.urlopen(f"{router['http']}/health", timeout=10) as health:
+                assert json.loads(health.read())["status"] == "healthy"
+
+    run(body(), timeout=60)

@@ -1,0 +1,31 @@
+"""The harness on a two-node Ray cluster (two raylets on this machine, each with its own resource label): the
+prefill pool is placed on one node, the decode pool on the other, and a run joins it via --ray-address.
+
+ray.cluster_utils.Cluster starts the same head and worker-node processes as `ray start --head` /
+`ray start --address`, but tracks them, so the teardown stops only this test's processes (`ray stop` would
+stop every Ray on the machine)."""
+
+import pytest
+
+from scripts.sim_sweep import run_point, simulated_system
+
+
+@pytest.mark.slow
+def test_a_simulated_run_spans_two_ray_nodes(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 4},
+                                                            "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, resources={"node_b": 4})
+        cluster.wait_for_nodes()
+        config = simulated_system("sim-2node", "h200", workers=2, layout="disaggregated", policy="round_robin",
+                                  prefill_fraction=0.5, qps={"server": 2.0}, duration_ms=4000, samples=8,
+                                  simulation={"model": "qwen3-vl-30b-a3b", "workers_per_process": 1})
+        prefill, decode = config["workers"]["pools"]
+        prefill["resources"], decode["resources"] = {"node_a": 1}, {"node_b": 1}
+        point = run_point(config, "server", tmp_path, timeout_s=150, ray_address=cluster.address)
+        assert point.get("valid"), point
+        assert point["completed_qps"] > 1.0
+    finally:
+        cluster.shutdown()

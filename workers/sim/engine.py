@@ -1,0 +1,204 @@
+"""SimulatedEngine: LLMEngine's interface and its real Scheduler/BlockManager, with no model: each step lasts what
+the step model says (slept in real time, or reported for a virtual clock) and emits deterministic tokens.
+
+Wrapped in workers.async_engine.AsyncEngine it serves WorkerServer like the real engine, so the real router and
+harness can drive many simulated workers on one machine. Outputs end with EOS after `output_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+import torch
+
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig
+from workers.kv_cache import KvExport
+from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from workers.sequence import Sequence
+from workers.sim.config import SimulationConfig
+from workers.sim.step_model import StepModel, StepWork
+from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
+
+IMAGE_PAD_ID = 151655
+EOS_ID = 151645
+EOS_IDS = frozenset({151645, 151643})
+VOCAB = 150_000  # generated ids stay below Qwen's special ids
+
+
+def next_token(context_len: int, salt: int) -> int:
+    return (context_len * 104_729 + salt * 7919) % VOCAB
+
+
+class SimulatedEngine:
+    """One simulated engine instance. `realtime=False` never sleeps: a driver reads `last_step_s`."""
+
+    def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool = True):
+        self.config = config
+        self.sim = sim
+        self.step_model = step_model
+        self.realtime = realtime
+        blocks = config.num_kv_blocks or max(step_model.kv_capacity_tokens(config.gpu_memory_utilization)
+                                             // config.block_size, 1)
+        self.block_manager = BlockManager(blocks, config.block_size, enable_prefix_caching=False)
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
+            self.block_manager, EOS_IDS,
+        )
+        self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
+        self.eos_token_ids = EOS_IDS
+        self.last_step_s = 0.0
+        self.busy_s = 0.0
+        self._pending: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+        self._steps = 0
+
+    # ---- admission (same contract as LLMEngine) ---------------------------------------------------
+
+    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
+                        resume_token_ids: Seq[int] = (), prefill_only: bool = False,
+                        kv_import: KvExport | None = None) -> Sequence | RequestOutput:
+        token_ids = list(prompt.token_ids) + list(resume_token_ids)
+        if len(token_ids) + (kv_import is not None) > self.config.max_model_len:
+            return RequestOutput(request_id, [], True, FinishReason.ERROR,
+                                 f"context of {len(token_ids)} tokens exceeds max_model_len {self.config.max_model_len}",
+                                 len(prompt.token_ids))
+        if kv_import is not None:
+            if kv_import.num_tokens != len(token_ids):
+                return RequestOutput(request_id, [], True, FinishReason.ERROR,
+                                     f"imported KV covers {kv_import.num_tokens} tokens, the prompt has {len(token_ids)}",
+                                     len(prompt.token_ids))
+            if self.realtime and self.sim.model_kv_transfer:
+                time.sleep(self.kv_transfer_s(kv_import.num_tokens) * self.sim.time_scale)
+            token_ids.append(kv_import.first_token_id)
+        return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
+                        sampling=sampling, arrival=-1, prefill_only=prefill_only, mm=_image_runs(prompt.token_ids),
+                        kv_import=kv_import)
+
+    def add_prepared(self, prepared: Sequence | RequestOutput) -> None:
+        rid = prepared.request_id
+        if self.scheduler.find(rid) is not None:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if isinstance(prepared, RequestOutput):
+            self._pending.append(prepared)
+            return
+        if prepared.sampling.max_tokens < 1 and not prepared.prefill_only:
+            self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, prepared.num_prompt_tokens))
+            return
+        prepared.arrival = next(self._arrivals)
+        self.scheduler.add(prepared)
+
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, **kwargs) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, sampling, **kwargs))
+
+    def kv_transfer_s(self, num_tokens: int) -> float:
+        """One direction of NVLink for the request's KV cache."""
+        hw = self.step_model.hardware
+        return num_tokens * self.step_model.model.kv_bytes_per_token(self.sim.kv_dtype) / (hw.nvlink_gb_s / 2 * 1e9)
+
+    # ---- control ---------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        was_running = not seq.is_finished
+        self.scheduler.abort(request_id)
+        if was_running:
+            self._pending.append(_output(seq))
+        return True
+
+    def export_kv(self, request_id: str) -> KvExport:
+        """A token-sized stand-in for the KV (the transfer's time is slept on the importing side)."""
+        seq = self.scheduler.held.get(request_id)
+        if seq is None:
+            raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")
+        n = seq.num_tokens - 1
+        keys = [torch.zeros(n, 1, 1, dtype=torch.float16)]
+        return KvExport(num_tokens=n, first_token_id=seq.token_ids[-1], mrope_position_delta=0,
+                        keys=keys, values=[k.clone() for k in keys])
+
+    def release(self, request_id: str) -> bool:
+        return self.scheduler.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + sum(
+            max(0, seq.num_context_tokens - seq.num_computed_tokens) for seq in s.running)
+        return EngineLoad(len(s.waiting), len(s.running), queued, self.block_manager.num_free_blocks,
+                          self.block_manager.num_blocks, self._steps)
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        outputs, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        changed = list(out.rejected)
+        self.last_step_s = self.step_model.step_ms(self.work(out)) / 1e3
+        self.busy_s += self.last_step_s
+        if self.realtime:
+            time.sleep(max(started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0))
+        if not out.is_empty:
+            changed += self.scheduler.update(out, self._sample(out))
+        outputs += [_output(seq) for seq in changed]
+        self._steps += 1
+        return outputs
+
+    @staticmethod
+    def work(out: SchedulerOutput) -> StepWork:
+        """What the step model charges for a scheduled batch."""
+        work = StepWork(num_seqs=len(out.chunks))
+        for chunk in out.chunks:
+            seq = chunk.seq
+            prompt_end = seq.num_context_tokens - (seq.kv_import is not None)
+            prefill = max(min(chunk.start + chunk.num_tokens, prompt_end) - chunk.start, 0)
+            if prefill == 0:
+                work.decode_context_tokens += chunk.start
+                continue
+            work.prefill_tokens += prefill
+            for start, length in seq.mm:
+                overlap = min(start + length, chunk.start + prefill) - max(start, chunk.start)
+                work.visual_prefill_tokens += max(overlap, 0)
+                if chunk.start <= start < chunk.start + prefill:  # the image's first tokens: encode it now
+                    work.vision_patches.append(length * 4)
+        return work
+
+    def _sample(self, out: SchedulerOutput) -> dict[str, int]:
+        sampled = {}
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if not chunk.samples:
+                continue
+            done = seq.num_generated_tokens + 1 >= self.sim.output_tokens and not seq.prefill_only
+            sampled[seq.request_id] = EOS_ID if done else next_token(seq.num_tokens, seq.num_prompt_tokens)
+        return sampled
+
+
+def _image_runs(token_ids: Seq[int]) -> list[tuple[int, int]]:
+    """(first index, length) of each run of <|image_pad|> tokens: one run per image."""
+    runs, start = [], None
+    for i, t in enumerate(token_ids):
+        if t == IMAGE_PAD_ID and start is None:
+            start = i
+        elif t != IMAGE_PAD_ID and start is not None:
+            runs.append((start, i - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(token_ids) - start))
+    return runs
+
+
+def _output(seq: Sequence) -> RequestOutput:
+    return RequestOutput(seq.request_id, seq.take_new_tokens(), seq.is_finished, seq.finish_reason, seq.error,
+                         seq.num_prompt_tokens, seq.num_generated_tokens)
+
+
+def build_step_model(hardware: str, sim: SimulationConfig, tp: int) -> StepModel:
+    model = StepModel.build(hardware, sim.model, sim.weights, sim.kv_dtype, tp)
+    return StepModel(model.calibration, model.hardware, model.model, sim.weights, sim.kv_dtype, tp,
+                     sim.tp_efficiency, model.calibration_hardware)

@@ -1,0 +1,144 @@
+"""Virtual-clock simulation of a few SimulatedEngines behind a routing policy: Poisson arrivals in, per-request
+latencies out, no sleeping. The planner and the model's validation use it; the real-time path does not."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Literal
+
+from workers.config import EngineConfig
+from workers.sim.config import SimulationConfig
+from workers.sim.engine import IMAGE_PAD_ID, SimulatedEngine
+from workers.sim.step_model import StepModel
+from workers.types import PromptInput, SamplingParams
+
+Policy = Literal["round_robin", "least_loaded"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request shape (the bench_engine catalogue workload by default: 1,024-token image + 700 text tokens)."""
+
+    prompt_tokens: int = 1734
+    image_tokens: int = 1024
+    max_tokens: int = 150
+
+    def prompt(self) -> PromptInput:
+        text = self.prompt_tokens - self.image_tokens
+        head = [1000] * (text // 2)
+        return PromptInput(head + [IMAGE_PAD_ID] * self.image_tokens + [1001] * (text - len(head)))
+
+
+@dataclass
+class Result:
+    latencies_s: list[float] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)
+    makespan_s: float = 0.0
+    busy_s: float = 0.0
+
+    def percentile(self, q: float, values: list[float] | None = None) -> float:
+        data = sorted(self.latencies_s if values is None else values)
+        if not data:
+            return float("inf")
+        return data[min(int(q * len(data)), len(data) - 1)]
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies_s) / self.makespan_s if self.makespan_s else 0.0
+
+
+class _Engine:
+    def __init__(self, engine: SimulatedEngine):
+        self.engine = engine
+        self.clock = 0.0
+
+
+class VirtualCluster:
+    """`aggregated` engines, or `prefill` + `decode` pools (KV handed over after the prefill's first token)."""
+
+    def __init__(self, engine_config: EngineConfig, sim: SimulationConfig, models: dict[str, StepModel],
+                 counts: dict[str, int], policy: Policy = "least_loaded"):
+        self.pools = {role: [_Engine(SimulatedEngine(engine_config, sim, models[role], realtime=False))
+                             for _ in range(n)] for role, n in counts.items() if n}
+        self.policy = policy
+        self._rr = {role: itertools.count() for role in self.pools}
+        self.disaggregated = "prefill" in self.pools
+
+    def _pick(self, role: str) -> _Engine:
+        engines = self.pools[role]
+        if self.policy == "round_robin":
+            return engines[next(self._rr[role]) % len(engines)]
+        block = engines[0].engine.config.block_size
+
+        def cost(e: _Engine) -> float:
+            load = e.engine.load()
+            return load.queued_prompt_tokens / block + (load.total_kv_blocks - load.free_kv_blocks)
+        return min(engines, key=cost)
+
+    def run(self, arrivals: list[float], workload: Workload) -> Result:
+        prompt = workload.prompt()
+        sampling = SamplingParams(max_tokens=workload.max_tokens)
+        events: list[tuple[float, int, str, str]] = [(t, i, "arrive", f"r{i}") for i, t in enumerate(arrivals)]
+        heapq.heapify(events)
+        issued = {f"r{i}": t for i, t in enumerate(arrivals)}
+        result = Result()
+        owners: dict[str, _Engine] = {}
+        seq_no = itertools.count(len(arrivals))
+        first_role = "prefill" if self.disaggregated else "aggregated"
+        while events:
+            self._drain_events(events, result, issued, seq_no, owners, prompt, sampling, first_role)
+            self._advance(float("inf"), result, issued, events, seq_no, owners)
+        engines = [e for pool in self.pools.values() for e in pool]
+        result.makespan_s = max(e.clock for e in engines) - (arrivals[0] if arrivals else 0.0)
+        result.busy_s = sum(e.engine.busy_s for e in engines)
+        return result
+
+    def _drain_events(self, events, result, issued, seq_no, owners, prompt, sampling, first_role) -> None:
+        while events:
+            t, _, kind, rid = heapq.heappop(events)
+            self._advance(t, result, issued, events, seq_no, owners)
+            if kind == "arrive":
+                target = self._pick(first_role)
+                target.clock = max(target.clock, t)
+                target.engine.add_request(rid, prompt, sampling, prefill_only=self.disaggregated)
+                owners[rid] = target
+            else:  # a prefilled request's KV reaches a decode worker
+                source = owners[rid]
+                kv = source.engine.export_kv(rid)
+                source.engine.release(rid)
+                target = self._pick("decode")
+                target.clock = max(target.clock, t)
+                target.engine.add_request(rid, prompt, sampling, kv_import=kv)
+                owners[rid] = target
+
+    def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
+        """Steps every engine whose clock is behind `until` (a new event may follow from a finished prefill)."""
+        for role, engines in self.pools.items():
+            for e in engines:
+                while e.engine.has_unfinished() and e.clock < until:
+                    outputs = e.engine.step()
+                    if e.engine.last_step_s == 0.0 and not outputs:
+                        break  # nothing schedulable (waiting on KV blocks that only a release frees)
+                    e.clock += e.engine.last_step_s
+                    for out in outputs:
+                        if role != "decode" and out.num_generated_tokens == 1 and out.new_token_ids:
+                            result.first_token_s.append(e.clock - issued[out.request_id])
+                        if not out.finished:
+                            continue
+                        if role == "prefill":
+                            xfer = e.engine.kv_transfer_s(out.num_prompt_tokens)
+                            heapq.heappush(events, (e.clock + xfer, next(seq_no), "kv", out.request_id))
+                        else:
+                            result.latencies_s.append(e.clock - issued[out.request_id])
+
+
+def poisson_arrivals(qps: float, count: int, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(qps)
+        out.append(t)
+    return out
