@@ -5,6 +5,7 @@ A bad file fails before anything starts with one line naming the key (`ConfigErr
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -254,11 +255,28 @@ class SystemConfig(_Strict):
 
 
 def _one_line(source: str, exc: ValidationError) -> str:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    first = errors[0]
     key = ".".join(str(part) for part in first["loc"]) or "<root>"
-    more = len(exc.errors()) - 1
+    more = len(errors) - 1
     suffix = f" (+{more} more)" if more else ""
-    return f"{source}: {key}: {first['msg']}{suffix}"
+    hint = _misspelling(errors)
+    return f"{source}: {hint}" if hint else f"{source}: {key}: {first['msg']}{suffix}"
+
+
+def _misspelling(errors: list[dict]) -> str | None:
+    """'workerz: unknown key; did you mean workers?' when a required key is missing next to an unknown one."""
+    missing = {e["loc"]: e for e in errors if e["type"] == "missing"}
+    for error in errors:
+        if error["type"] != "extra_forbidden":
+            continue
+        parent, name = error["loc"][:-1], str(error["loc"][-1])
+        candidates = [str(loc[-1]) for loc in missing if loc[:-1] == parent]
+        close = difflib.get_close_matches(name, candidates, n=1)
+        if close:
+            dotted = ".".join(str(part) for part in error["loc"])
+            return f"{dotted}: unknown key; did you mean {close[0]}? ({close[0]} is required)"
+    return None
 
 
 def parse_system_config(data: Any, source: str) -> SystemConfig:

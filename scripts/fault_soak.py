@@ -139,6 +139,7 @@ class HarnessRun:
         self.process: subprocess.Popen | None = None
         self.faults: list[str] = []
         self.started = 0.0
+        self.stdout = self.stderr = ""
 
     def start(self) -> HarnessRun:
         self.started = time.monotonic()
@@ -183,39 +184,43 @@ class HarnessRun:
         if fault == "kill_worker":
             victim = worker_pids(self.pid)[0]
             os.kill(victim, signal.SIGKILL)
-            wait_for(lambda: self.count_in_router_log(r"registered at") > registered, recover_timeout_s,
-                     "the killed worker restarted and registered again")
+            self._recover(lambda: self.count_in_router_log(r"registered at") > registered, recover_timeout_s,
+                          "the killed worker restarted and registered again")
         elif fault == "stop_worker":
             victim = worker_pids(self.pid)[0]
             down = self.count_in_router_log(r"down: (no heartbeat|engine stalled)")
             back = self.count_in_router_log(r"back up")
             os.kill(victim, signal.SIGSTOP)
             try:
-                wait_for(lambda: self.count_in_router_log(r"down: (no heartbeat|engine stalled)") > down,
-                         recover_timeout_s, "the router marked the hung worker down")
+                self._recover(lambda: self.count_in_router_log(r"down: (no heartbeat|engine stalled)") > down,
+                              recover_timeout_s, "the router marked the hung worker down")
                 time.sleep(stop_s)
             finally:
                 os.kill(victim, signal.SIGCONT)
-            wait_for(lambda: self.count_in_router_log(r"back up") > back
-                     or self.count_in_router_log(r"registered at") > registered,
-                     recover_timeout_s, "the hung worker came back")
+            self._recover(lambda: self.count_in_router_log(r"back up") > back
+                          or self.count_in_router_log(r"registered at") > registered,
+                          recover_timeout_s, "the hung worker came back")
         elif fault == "kill_router":
             listening = self.count_in_router_log(r"router listening on")
             os.kill(router_pids(self.pid)[0], signal.SIGKILL)
-            wait_for(lambda: self.count_in_router_log(r"router listening on") > listening
-                     and self.count_in_router_log(r"registered at") >= registered + len(worker_pids(self.pid)),
-                     recover_timeout_s, "the router restarted and every worker registered again")
+            self._recover(lambda: self.count_in_router_log(r"router listening on") > listening
+                          and self.count_in_router_log(r"registered at") >= registered + len(worker_pids(self.pid)),
+                          recover_timeout_s, "the router restarted and every worker registered again")
         else:
             raise ValueError(f"unknown fault {fault!r}; expected one of {FAULTS}")
         self.faults.append(fault)
 
+    def _recover(self, predicate, timeout_s: float, what: str) -> None:
+        """Waits for `predicate`, or for the run to end (it may finish on the surviving workers first)."""
+        wait_for(lambda: predicate() or self.process.poll() is not None, timeout_s, what)
+
     def finish(self, timeout_s: float = 600.0) -> RunReport:
         try:
-            _, stderr = self.process.communicate(timeout=timeout_s)
+            self.stdout, self.stderr = self.process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.send_signal(signal.SIGINT)
-            _, stderr = self.process.communicate(timeout=60)
-        return self.report(stderr)
+            self.stdout, self.stderr = self.process.communicate(timeout=60)
+        return self.report(self.stderr)
 
     def report(self, stderr: str) -> RunReport:
         report = RunReport(faults=list(self.faults), returncode=self.process.returncode,

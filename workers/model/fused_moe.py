@@ -69,20 +69,19 @@ def supports(x: torch.Tensor) -> bool:
 def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair ids (token * k + slot) grouped by expert, each group padded to a multiple of block_m with the
     id P (= number of pairs, an invalid row), and the expert of every block_m rows (num_experts: empty).
-    Sizes depend only on P: the worst case P + E * (block_m - 1) rows. No sort: a pair's rank within its
-    expert is a running count over a one-hot [P, E] matrix."""
+    Sizes depend only on P: the worst case P + E * (block_m - 1) rows."""
     flat = top_i.reshape(-1)
     num_pairs = flat.numel()
-    one_hot = flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)
-    running = one_hot.to(torch.int32).cumsum(0)
-    counts = running[-1].to(torch.int64)
-    rank = running.gather(1, flat.unsqueeze(1)).squeeze(1) - 1
+    order = torch.argsort(flat.to(torch.int32), stable=True)  # 32-bit keys: half the radix passes of int64
+    counts = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    dest = (padded_end - padded)[flat] + rank
+    sorted_expert = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
+    dest = (padded_end - padded)[sorted_expert] + rank
     num_blocks = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.index_put_((dest,), torch.arange(num_pairs, dtype=torch.int32, device=flat.device))
+    sorted_ids.index_put_((dest,), order.to(torch.int32))
     block_start = torch.arange(num_blocks, device=flat.device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
     return sorted_ids, block_expert

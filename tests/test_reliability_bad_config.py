@@ -1,0 +1,98 @@
+"""Bad system configs and arguments fail before anything starts: exit status 2 and one line naming the problem
+(every top-level key missing, misspelt or mistyped; a checkpoint that is not there; more GPUs than Ray has)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.cli import main
+from harness.system_config import CONFIG_DIR, SystemConfig
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+REQUIRED = [key for key in BASE if SystemConfig.model_fields[key].is_required()]
+
+
+def harness_error(tmp_path: Path, data: dict) -> tuple[int, str]:
+    """`python -m harness --scenario server --system <data>` in this process: (exit status, stderr)."""
+    system = tmp_path / "system.yaml"
+    system.write_text(yaml.safe_dump(data))
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            rc = main(["--scenario", "server", "--system", str(system), "--output", str(tmp_path / "out"),
+                       "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+        except SystemExit as exc:
+            rc = exc.code
+    return rc, stderr.getvalue()
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("key", REQUIRED)
+def test_a_missing_required_section_is_named(key, tmp_path):
+    rc, stderr = harness_error(tmp_path, {k: v for k, v in BASE.items() if k != key})
+    assert rc == 2
+    assert f"{key}: Field required" in error_line(stderr)
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("key", list(BASE))
+def test_a_misspelt_section_is_named_with_a_suggestion(key, tmp_path):
+    data = {(k + "s" if k == key else k): v for k, v in BASE.items()}
+    rc, stderr = harness_error(tmp_path, data)
+    assert rc == 2
+    line = error_line(stderr)
+    assert f"{key}s: " in line
+    if key in REQUIRED:
+        assert f"did you mean {key}?" in line
+
+
+@pytest.mark.parametrize("key", list(BASE))
+def test_a_mistyped_section_is_named(key, tmp_path):
+    rc, stderr = harness_error(tmp_path, BASE | {key: 42})
+    assert rc == 2
+    assert f": {key}: " in error_line(stderr)
+
+
+def test_a_checkpoint_that_does_not_exist_is_named_before_anything_starts(tmp_path):
+    data = BASE | {"model": {"checkpoint": str(tmp_path / "no-such-checkpoint"), "dtype": "float32"}}
+    rc, stderr = harness_error(tmp_path, data)
+    assert rc == 2
+    assert f"model.checkpoint: {tmp_path / 'no-such-checkpoint'} has no config.json" in error_line(stderr)
+    assert "starting the router" not in stderr
+
+
+def test_more_gpus_than_the_cluster_has_is_refused_before_anything_starts(tmp_path):
+    pools = [{"role": "aggregated", "count": 2, "gpus_per_worker": 1, "tp": 1}]
+    rc, stderr = harness_error(tmp_path, BASE | {"workers": {"pools": pools}})
+    assert rc == 2
+    assert "workers.pools need 2 GPUs in all; the embedded Ray (section ray) has 0" in error_line(stderr)
+    assert "starting the router" not in stderr
+
+
+def test_run_submission_sh_reports_a_bad_config_in_one_line_with_status_2(tmp_path):
+    system = tmp_path / "system.yaml"
+    system.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "workers"} | {"worker": BASE["workers"]}))
+    result = subprocess.run(["./run_submission.sh", "--scenario", "server", "--system", str(system),
+                             "--output", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"run_submission.sh: error: {system}: worker: unknown key; did you mean workers? (workers is required)"]
+
+
+def test_an_unknown_scenario_argument_is_a_usage_error(tmp_path):
+    result = subprocess.run(["./run_submission.sh", "--scenario", "batch"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "--scenario" in result.stderr
