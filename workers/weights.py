@@ -7,7 +7,7 @@ layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-me
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,8 +164,14 @@ def iter_tensors(checkpoint: Path, prefix: str) -> Iterator[tuple[str, torch.Ten
                     yield name[len(prefix) :], f.get_tensor(name)
 
 
-def _expert_tensor(name: str, tensor: torch.Tensor, expected: torch.Size) -> torch.Tensor:
-    """As transformers does (Transpose with check_dims): keep when already in memory layout, else transpose."""
+def _expert_tensor(name: str, tensor: torch.Tensor, expected: torch.Size | None) -> torch.Tensor:
+    """As transformers does (Transpose with check_dims): keep when already in memory layout, else transpose.
+    expected None (a sharded parameter): the official layout has the larger middle dimension for
+    gate_up_proj ([E, H, 2I] vs [E, 2I, H]) and the smaller for down_proj ([E, I, H] vs [E, H, I])."""
+    if expected is None:
+        gate_up = name.endswith("gate_up_proj")
+        official = tensor.shape[1] < tensor.shape[2] if gate_up else tensor.shape[1] < tensor.shape[2]
+        return tensor.transpose(1, 2) if official else tensor
     if tensor.shape == expected:
         return tensor
     if tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected:
@@ -189,8 +195,12 @@ def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_
             param.fill_(1.0)
 
 
-def load_text_weights(model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype) -> None:
-    """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place."""
+def load_text_weights(
+    model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype,
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place.
+    shard(name, full tensor) -> this rank's slice, under tensor/expert parallelism."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
 
@@ -199,7 +209,9 @@ def load_text_weights(model: torch.nn.Module, checkpoint: Path, tie_word_embeddi
         if param is None:
             raise CheckpointError(f"{source_name}: no such parameter in the text tower")
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensor = _expert_tensor(source_name, tensor, param.shape)
+            tensor = _expert_tensor(source_name, tensor, param.shape if shard is None else None)
+        if shard is not None:
+            tensor = shard(name, tensor)
         if tensor.shape != param.shape:
             raise CheckpointError(f"{source_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():

@@ -169,10 +169,12 @@ def _gemm(
 
 
 def fused_experts(
-    x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; top_w/top_i [T, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I] -> [T, H]:
-    sum over the k chosen experts of weight * down(silu(gate(x)) * up(x))."""
+    sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)). foreign: top_i may hold E (a pair
+    served by another rank under expert parallelism): its blocks are skipped and it contributes zero."""
     tokens, k = top_i.shape
     num_experts, two_i, hidden = gate_up_proj.shape
     if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
@@ -181,10 +183,11 @@ def fused_experts(
     device = torch.cuda.get_device_name(x.device)
     cfg1 = tile_config(num_pairs, True, shape_key(num_experts, two_i // 2, hidden, True), device)
     cfg2 = tile_config(num_pairs, False, shape_key(num_experts, hidden, two_i // 2, False), device)
-    ids1, experts1 = align_pairs(top_i, num_experts, cfg1.block_m)
-    ids2, experts2 = (ids1, experts1) if cfg2.block_m == cfg1.block_m else align_pairs(top_i, num_experts, cfg2.block_m)
+    bins = num_experts + foreign  # the foreign bin's blocks have expert id E: the kernel skips them
+    ids1, experts1 = align_pairs(top_i, bins, cfg1.block_m)
+    ids2, experts2 = (ids1, experts1) if cfg2.block_m == cfg1.block_m else align_pairs(top_i, bins, cfg2.block_m)
     act = x.new_empty(num_pairs, two_i // 2)
     _gemm(x, gate_up_proj, act, None, ids1, experts1, k, True, cfg1)
-    ys = x.new_empty(num_pairs, hidden)
+    ys = (x.new_zeros if foreign else x.new_empty)(num_pairs, hidden)
     _gemm(act, down_proj, ys, top_w.reshape(-1).contiguous(), ids2, experts2, 1, False, cfg2)
     return ys.view(tokens, k, hidden).sum(dim=1)

@@ -1,6 +1,8 @@
 """Qwen3-VL MoE feed-forward: fp32 softmax router, top-k renormalised, SwiGLU experts in fused weights.
 
-Experts are held as transformers holds them in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+Experts are held as transformers holds them in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I]; under
+tensor parallelism each rank holds I/size of every expert, under expert parallelism E/size whole experts
+(pairs routed to another rank's experts contribute zero here; the caller all-reduces).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import fused_moe
+from workers.parallel import TensorParallel
 
 
 class MoeRouter(nn.Module):
@@ -70,33 +73,48 @@ class MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path."""
+    def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
+        """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path. foreign: top_i may hold
+        num_experts, a pair served by another rank, which contributes zero."""
         if fused_moe.supports(x):
-            return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj)
-        return self.grouped(x, top_w, top_i)
+            return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign)
+        return self.grouped(x, top_w, top_i, foreign)
 
-    def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
         """Token-expert pairs sorted by expert, two grouped GEMMs, then each token's k outputs weighted and
         summed. Sync-free (offsets by histc, not bincount), so it can be captured in a CUDA graph."""
         tokens, k = top_i.shape
         flat = top_i.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
-        offs = counts.cumsum(0).to(torch.int32)
+        bins = self.num_experts + foreign  # foreign pairs sort last, past the last local expert's offset
+        offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[: self.num_experts]
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
-        y = torch.empty_like(ys).index_copy_(0, order, ys)
-        return (y.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(tokens, k, -1)
+        if foreign:
+            y = torch.where((top_i < self.num_experts).unsqueeze(-1), y, 0)
+        return (y * top_w.unsqueeze(-1)).sum(dim=1)
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
+    """Router over all experts; this rank's experts (or expert slices). The output is this rank's partial
+    sum when tp.size > 1 (the decoder layer all-reduces it)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
         super().__init__()
+        tp = tp or TensorParallel()
         self.gate = MoeRouter(num_experts, hidden_size, top_k)
-        self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+        self.expert_range = tp.part(num_experts) if tp.expert_parallel and tp.size > 1 else None
+        if self.expert_range is None:
+            self.experts = MoeExperts(num_experts, hidden_size, intermediate_size // tp.size)
+        else:
+            self.experts = MoeExperts(num_experts // tp.size, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_w, top_i = self.gate(x)
-        return self.experts(x, top_w, top_i)
+        if self.expert_range is None:
+            return self.experts(x, top_w, top_i)
+        lo, hi = self.expert_range
+        local = (top_i >= lo) & (top_i < hi)
+        return self.experts(x, top_w, torch.where(local, top_i - lo, hi - lo), foreign=True)

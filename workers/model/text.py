@@ -13,6 +13,7 @@ from torch import nn
 from workers.model.attention import AttentionMetadata, paged_attention, write_kv
 from workers.model.layers import DenseMLP, MRotaryEmbedding, RMSNorm, apply_rope
 from workers.model.moe import SparseMoeBlock
+from workers.parallel import TensorParallel
 from workers.weights import TextConfig
 
 
@@ -26,10 +27,13 @@ class VisualRows:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    """This rank's query and KV heads; o_proj is row-parallel (its output all-reduced)."""
+
+    def __init__(self, cfg: TextConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
@@ -54,40 +58,44 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int):
+    def __init__(self, cfg: TextConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.tp = tp
+        self.self_attn = Attention(cfg, tp)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
+            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, tp)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3VLTextForEngine(nn.Module):
-    """language_model.* and lm_head.* of a Qwen3-VL checkpoint; forward returns final hidden states."""
+    """language_model.* and lm_head.* of a Qwen3-VL checkpoint (this rank's shard of them under tensor or
+    expert parallelism); forward returns final hidden states, the same on every rank."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.language_model = TextModel(cfg)
+        self.tp = tp or TensorParallel()
+        self.tp.check(cfg)
+        self.language_model = TextModel(cfg, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: MRotaryEmbedding | None = None
 
