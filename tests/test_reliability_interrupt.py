@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
 def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_submission(sig, tmp_path):
     run = HarnessRun(soak_system(tmp_path, 20, qps=1.0), tmp_path / "out", CACHE).start()
     run.wait_for_loadgen()
-    assert run.wait_for_inflight(1)
+    assert run.wait_for_inflight(1), run.process.communicate()[1][-3000:]
     started = descendants(run.pid)
     kinds = {"raylet": "raylet", "gcs_server": "gcs_server", "router": " -m router ", "worker": "ray::ModelWorker",
              "loadgen": "-m harness run-test"}

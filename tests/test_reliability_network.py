@@ -224,8 +224,8 @@ def test_a_flood_beyond_admission_is_refused_fast_and_the_router_stays_healthy_w
 def test_http_flood_gets_429_and_health_stays_ok(router):
     async def body():
         async with Workers(router["address"], step_delay_s=0.05) as w:
-            held = [asyncio.ensure_future(served(w.client, f"hold-{i}", max_tokens=100)) for i in range(12)]
-            await asyncio.sleep(0.5)  # 4 in flight + 8 queued for seconds: admission is full
+            held = [asyncio.ensure_future(served(w.client, f"hold-{i}", max_tokens=40)) for i in range(12)]
+            await asyncio.sleep(0.5)  # 4 in flight + 8 queued for 2 s each: admission is full
             messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}},
                                                      {"type": "text", "text": "Describe it."}]}]
             status, reply = await asyncio.to_thread(

@@ -125,6 +125,7 @@ class AsyncEngine:
         self._thread.join()
         for stream in list(self._streams.values()):
             stream.put(EngineStoppedError("engine shut down"))
+        self.engine.close()
 
     # ---- engine thread ---------------------------------------------------------------------------
 

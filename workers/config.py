@@ -52,6 +52,14 @@ class EngineConfig(BaseModel):
         "at bucketed batch sizes up to max_num_seqs)."
     )
     seed: int = Field(0, description="Seed of the generator used by sampled requests that carry no seed of their own.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks (GPUs, or CPU processes) of this one model instance; device 'cuda:N' puts rank r "
+        "on cuda:N+r. Attention heads and KV heads are split over them (workers/parallel.py)."
+    )
+    expert_parallel: bool = Field(
+        False, description="With tensor_parallel_size > 1: split MoE experts whole over the ranks (each rank computes "
+        "its E/n experts for every token) instead of splitting every expert's intermediate dimension."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.attention import gather_kv
-
 
 @dataclass
 class KvExport:
@@ -29,6 +27,10 @@ class KvExport:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
+
+    def stacked(self) -> torch.Tensor:
+        """[layers, 2, tokens, kv_heads, head_dim] (a copy)."""
+        return torch.stack([torch.stack(self.keys), torch.stack(self.values)], dim=1)
 
     @property
     def num_kv_heads(self) -> int:
@@ -97,12 +99,11 @@ class KvCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def read(self, block_table: list[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The first num_tokens tokens' KV of a sequence, per layer, copied to the CPU."""
+    def gather(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """The first num_tokens tokens' KV of a sequence, [layers, 2, tokens, kv_heads, head_dim], on the device."""
         table = torch.tensor(block_table, dtype=torch.long, device=self.tensor.device)
-        keys = [gather_kv(k, table, num_tokens).cpu() for k, _ in self.layers]
-        values = [gather_kv(v, table, num_tokens).cpu() for _, v in self.layers]
-        return keys, values
+        num_blocks = -(-num_tokens // self.block_size)
+        return self.tensor[:, :, table[:num_blocks]].flatten(2, 3)[:, :, :num_tokens]
 
     def write(self, block_table: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Writes per-layer KV of the first tokens of a sequence into its blocks."""

@@ -2,6 +2,8 @@
 
 Loads the model and the KV pool, turns a SchedulerOutput into a flat batch (positions, slot mapping,
 block tables, visual rows), runs the vision tower and the text tower, and samples the next tokens.
+In a multi-GPU instance there is one runner per rank: rank 0's prepares each step, sends it to the
+others (workers/rank_group.py) and samples; every rank runs the text tower on its shard.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch
 from workers.model.mm_inputs import MultiModalInput
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
 from workers.model.vision import VisionEncoder
+from workers.parallel import TensorParallel
+from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
@@ -28,39 +32,55 @@ from workers.weights import ModelConfig, init_random_weights, load_text_weights
 log = logging.getLogger(__name__)
 
 
-def build_text_model(config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The text tower with checkpoint weights, allocated once on the target device in the target dtype."""
+def build_text_model(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None
+):
+    """The text tower (this rank's shard) with checkpoint weights, allocated once on the target device in the
+    target dtype."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3VLTextForEngine(model_config.text)
+            model = Qwen3VLTextForEngine(model_config.text, tp)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     if config.load_format == "random":
-        init_random_weights(model, config.seed)
+        init_random_weights(model, config.seed + (tp.rank if tp else 0))
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.language_model.embed_tokens.weight
     else:
-        load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype)
+        load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp)
     model.init_rotary(device)
     return model.eval()
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+    """tp None: a single-process engine, or rank 0 of a multi-GPU instance (it starts the other ranks).
+    tp given: rank tp.rank >= 1, driven by rank 0's messages (rank_group._rank_main)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel | None = None):
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.ranks: RankGroup | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            self.ranks = RankGroup(config)
+            tp = self.ranks.tp
+        self.tp = tp or TensorParallel()
+        self.device = torch.device(config.device if self.tp.size == 1 else f"cuda:{torch.cuda.current_device()}"
+                                   if config.is_cuda else "cpu")
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.block_size = config.block_size
         text = model_config.text
-        self.model = build_text_model(config, model_config, self.device, self.dtype)
+        self.model = build_text_model(config, model_config, self.device, self.dtype, self.tp)
         checkpoint = None if config.load_format == "random" else config.checkpoint
-        self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed)
-        self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads, text.head_dim)
+        self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed) if self.tp.rank == 0 else None
+        self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads // self.tp.size, text.head_dim)
         num_blocks = config.num_kv_blocks or (self._blocks_from_memory() if config.is_cuda else CPU_DEFAULT_KV_BLOCKS)
+        if self.tp.size > 1:  # every rank holds the same block ids: the smallest pool wins
+            agreed = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            num_blocks = int(agreed.item())
         # One block more than the block manager hands out: padded rows of a CUDA-graph batch write there.
         self.num_kv_blocks = num_blocks
         self.kv = self._new_kv_cache(num_blocks + 1)
@@ -82,31 +102,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one scheduled step; returns the sampled token of every chunk that samples."""
-        for seq in out.kv_imports:
-            self.kv.write(seq.block_table, seq.kv_import.keys, seq.kv_import.values)
+        """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples."""
+        imports = [(seq.block_table, seq.kv_import.stacked().to(self.device, self.dtype)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
-        visual = self._visual_rows(chunks, batch.query_starts)
+        inputs = StepInputs(batch, self._visual_rows(chunks, batch.query_starts), imports)
+        if self.ranks is not None:
+            self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
-        rows = [batch.query_starts[i + 1] - 1 for i, _ in sampling]
-        if self.graphs is not None and visual is None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
-            if len(rows) != batch.num_tokens:
-                logits = logits[torch.tensor(rows, device=self.device)]
-        else:
-            meta = batch.metadata(self.device, self.block_size)
-            hidden = self.model(
-                batch.input_ids.to(self.device), batch.positions.to(self.device), meta, self.kv.layers, visual
-            )
-            if not sampling:
-                return {}
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
         if not sampling:
             return {}
         ids = [seq.request_id for _, seq in sampling]
         tokens = self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])
         return dict(zip(ids, tokens))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
+        """This rank's part of one step: imported KV into the cache, the text tower; logits of `rows`."""
+        lo, hi = self.tp.part(self.model_config.text.num_key_value_heads)
+        for table, kv in inputs.imports:  # kv [layers, 2, tokens, all kv heads, head_dim]
+            self.kv.write(table, list(kv[:, 0, :, lo:hi]), list(kv[:, 1, :, lo:hi]))
+        batch, visual = inputs.batch, inputs.visual
+        if self.graphs is not None and visual is None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+            if len(rows) != batch.num_tokens:
+                logits = logits[torch.tensor(rows, device=self.device)]
+            return logits
+        meta = batch.metadata(self.device, self.block_size)
+        hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), meta, self.kv.layers, visual)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         """The flat batch of one step, built with array operations rather than per-sequence tensors."""
@@ -194,15 +221,35 @@ class ModelRunner:
         self._encoded.pop(request_id, None)
         self.sampler.release(request_id)
 
-    def export_kv(self, seq: Sequence) -> KvExport:
-        keys, values = self.kv.read(seq.block_table, seq.num_computed_tokens)
+    def export_kv(self, seq: Sequence, on_device: bool = False) -> KvExport:
+        """The request's KV (all ranks' KV heads), on the CPU or (on_device) on this rank's device."""
+        if self.ranks is not None:
+            self.ranks.send(("gather_kv", seq.block_table, seq.num_computed_tokens))
+        kv = self.gather_kv(seq.block_table, seq.num_computed_tokens)
+        if not on_device:
+            kv = kv.cpu()
         return KvExport(
             num_tokens=seq.num_computed_tokens,
             first_token_id=seq.token_ids[seq.num_computed_tokens],
             mrope_position_delta=seq.mrope_position_delta,
-            keys=keys,
-            values=values,
+            keys=list(kv[:, 0]),
+            values=list(kv[:, 1]),
         )
+
+    def gather_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """[layers, 2, tokens, all kv heads, head_dim] on this device; every rank takes part (all-gather)."""
+        local = self.kv.gather(block_table, num_tokens)
+        if self.tp.size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(parts, local, group=self.tp.group)
+        return torch.cat(parts, dim=3)
+
+    def close(self) -> None:
+        """Stops the other ranks of this instance (rank 0 only)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     # ---- KV pool sizing on CUDA -------------------------------------------------------------------
 

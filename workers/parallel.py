@@ -59,6 +59,13 @@ class TensorParallel:
         lo, hi = self.part(t.shape[dim])
         return t.narrow(dim, lo, hi - lo)
 
+    def full_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The unsplit shape of an expert parameter whose shard has `shape`."""
+        e, rows, cols = shape
+        if self.expert_parallel:
+            return (e * self.size, rows, cols)
+        return (e, rows * self.size, cols) if name.endswith("gate_up_proj") else (e, rows, cols * self.size)
+
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full tensor `name` (engine parameter name, experts in memory layout)."""
         if self.size == 1:

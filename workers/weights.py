@@ -7,12 +7,16 @@ layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-me
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from workers.parallel import TensorParallel
 
 
 TEXT_PREFIX = "model.language_model."
@@ -164,14 +168,8 @@ def iter_tensors(checkpoint: Path, prefix: str) -> Iterator[tuple[str, torch.Ten
                     yield name[len(prefix) :], f.get_tensor(name)
 
 
-def _expert_tensor(name: str, tensor: torch.Tensor, expected: torch.Size | None) -> torch.Tensor:
-    """As transformers does (Transpose with check_dims): keep when already in memory layout, else transpose.
-    expected None (a sharded parameter): the official layout has the larger middle dimension for
-    gate_up_proj ([E, H, 2I] vs [E, 2I, H]) and the smaller for down_proj ([E, I, H] vs [E, H, I])."""
-    if expected is None:
-        gate_up = name.endswith("gate_up_proj")
-        official = tensor.shape[1] < tensor.shape[2] if gate_up else tensor.shape[1] < tensor.shape[2]
-        return tensor.transpose(1, 2) if official else tensor
+def _expert_tensor(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
+    """As transformers does (Transpose with check_dims): keep when already in memory layout, else transpose."""
     if tensor.shape == expected:
         return tensor
     if tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected:
@@ -197,10 +195,10 @@ def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_
 
 def load_text_weights(
     model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype,
-    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    tp: TensorParallel | None = None,
 ) -> None:
-    """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place.
-    shard(name, full tensor) -> this rank's slice, under tensor/expert parallelism."""
+    """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place; under
+    tensor/expert parallelism each parameter gets this rank's slice of the checkpoint tensor."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
 
@@ -209,9 +207,10 @@ def load_text_weights(
         if param is None:
             raise CheckpointError(f"{source_name}: no such parameter in the text tower")
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensor = _expert_tensor(source_name, tensor, param.shape if shard is None else None)
-        if shard is not None:
-            tensor = shard(name, tensor)
+            full = param.shape if tp is None else tp.full_shape(name, tuple(param.shape))
+            tensor = _expert_tensor(source_name, tensor, torch.Size(full))
+        if tp is not None:
+            tensor = tp.shard(name, tensor)
         if tensor.shape != param.shape:
             raise CheckpointError(f"{source_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():

@@ -1,0 +1,155 @@
+"""The processes of one multi-GPU model instance: rank 0 (the engine's own process: scheduler, vision tower,
+sampling) spawns ranks 1..n-1, each running the text tower only, and sends them every step's inputs.
+
+Control messages (small: the flat batch's host arrays, block tables) go down one pipe per rank, pickled;
+large tensors (visual embeddings, imported KV) follow as broadcasts on the instance's torch.distributed
+group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs. Ranks are spawned
+with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor that
+owns the instance's GPUs this is the same (the actor is rank 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.config import EngineConfig
+from workers.decode_graphs import StepBatch
+from workers.model.text import VisualRows
+from workers.parallel import TensorParallel
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class StepInputs:
+    """Everything every rank needs to run one step's forward pass."""
+
+    batch: StepBatch
+    visual: VisualRows | None
+    imports: list[tuple[list[int], torch.Tensor]]  # (block table, KV [layers, 2, tokens, all kv heads, head_dim])
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """Rank r of an instance whose config names cuda:N uses cuda:N+r; CPU ranks all use the CPU."""
+    if not config.is_cuda:
+        return "cpu"
+    base = int(config.device.split(":")[1]) if ":" in config.device else 0
+    return f"cuda:{base + rank}"
+
+
+def init_rank(config: EngineConfig, rank: int, init_method: str) -> TensorParallel:
+    """Joins the instance's process group (the default group of this process)."""
+    device = rank_device(config, rank)
+    if config.is_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if config.is_cuda else "gloo", init_method=init_method, rank=rank,
+        world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT,
+    )
+    return TensorParallel(rank, config.tensor_parallel_size, config.expert_parallel, dist.group.WORLD)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..n-1: start them, send them steps and commands, stop them."""
+
+    def __init__(self, config: EngineConfig):
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.pipes = []
+        self.procs = []
+        for rank in range(1, config.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(config, rank, init_method, child), daemon=True,
+                               name=f"q3vl-rank{rank}")
+            proc.start()
+            child.close()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        self.tp = init_rank(config, 0, init_method)
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def send_step(self, inputs: StepInputs) -> None:
+        """Rank 0: the step's host arrays down the pipes, then its device tensors by broadcast."""
+        v = inputs.visual
+        visual_meta = None if v is None else (v.rows.cpu(), len(v.deepstack))
+        self.send(("step", inputs.batch, visual_meta, [(table, tuple(kv.shape)) for table, kv in inputs.imports]))
+        if v is not None:
+            dist.broadcast(torch.stack([v.embeds, *v.deepstack]).contiguous(), 0, group=self.tp.group)
+        for _, kv in inputs.imports:
+            dist.broadcast(kv, 0, group=self.tp.group)
+
+    def close(self) -> None:
+        try:
+            self.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def receive_step(message: tuple, tp: TensorParallel, device: torch.device, dtype: torch.dtype, hidden: int) -> StepInputs:
+    """Ranks 1..n-1: the step rank 0 sent (the device tensors arrive by broadcast)."""
+    _, batch, visual_meta, import_meta = message
+    visual = None
+    if visual_meta is not None:
+        rows, depth = visual_meta
+        stacked = torch.empty(1 + depth, len(rows), hidden, dtype=dtype, device=device)
+        dist.broadcast(stacked, 0, group=tp.group)
+        visual = VisualRows(rows.to(device), stacked[0], list(stacked[1:]))
+    imports = []
+    for table, shape in import_meta:
+        kv = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(kv, 0, group=tp.group)
+        imports.append((table, kv))
+    return StepInputs(batch, visual, imports)
+
+
+def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
+    """Body of rank r >= 1: build this rank's shard of the model, then serve rank 0's messages until told to stop
+    (or until rank 0's end of the pipe closes)."""
+    from workers.model_runner import ModelRunner
+    from workers.weights import load_model_config
+
+    logging.basicConfig(level=os.environ.get("Q3VL_RANK_LOG", "WARNING"))
+    tp = init_rank(config, rank, init_method)
+    runner = ModelRunner(config.model_copy(update={"device": rank_device(config, rank)}), load_model_config(config.checkpoint), tp)
+    while True:
+        try:
+            message = pickle.loads(pipe.recv_bytes())
+        except EOFError:
+            break
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "step":
+            runner.forward(receive_step(message, tp, runner.device, runner.dtype, runner.model_config.text.hidden_size), [])
+        elif kind == "gather_kv":
+            runner.gather_kv(message[1], message[2])
+        else:
+            raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
+    dist.destroy_process_group()
