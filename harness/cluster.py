@@ -21,6 +21,7 @@ from PIL import Image
 from harness.ray_workers import WorkerFleet, WorkerSpec, engine_factory_for, init_ray, simulated_factory_for_pool
 from harness.system_config import SystemConfig, engine_config, router_config, simulation_config
 from router.client import RouterClient
+from router.shards import ShardedRouterClient, connect_router
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
 from workers.chat import encode_chat
@@ -150,7 +151,7 @@ def warmup_prompt(min_pixels: int, max_pixels: int) -> PromptInput:
     return encode_chat(messages, load_tokenizer(), min_pixels=min_pixels, max_pixels=max_pixels)
 
 
-async def wait_until_registered(client: RouterClient, worker_ids: list[str], timeout_s: float) -> pb.WorkerList:
+async def wait_until_registered(client: RouterClient | ShardedRouterClient, worker_ids: list[str], timeout_s: float) -> pb.WorkerList:
     """Polls ListWorkers until every expected worker is registered and healthy."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -179,7 +180,7 @@ async def _drain(stream, what: str) -> None:
             raise RuntimeError(f"warm-up request to {what} failed: {chunk.error}")
 
 
-async def warm_up(client: RouterClient, listing: pb.WorkerList, token: str | None, prompt: PromptInput) -> None:
+async def warm_up(client: RouterClient | ShardedRouterClient, listing: pb.WorkerList, token: str | None, prompt: PromptInput) -> None:
     """One request straight to each worker, then one through the router (the path LoadGen will use)."""
     metadata = call_metadata(token)
     for worker in listing.workers:
@@ -190,7 +191,9 @@ async def warm_up(client: RouterClient, listing: pb.WorkerList, token: str | Non
             await _drain(stream, f"worker {worker.worker_id}")
         finally:
             await channel.close()
-    await _drain(client.generate(_warmup_request("warmup-router", prompt)), "the router")
+    shards = client.shards if isinstance(client, ShardedRouterClient) else [client]
+    for k, shard in enumerate(shards):
+        await _drain(shard.generate(_warmup_request(f"warmup-router-{k}", prompt)), f"router {shard.address}")
 
 
 class Cluster:
@@ -203,13 +206,19 @@ class Cluster:
         self._run_dir = run_dir
         self._ray_address = ray_address
         self._ready_timeout_s = ready_timeout_s
-        self._router = RouterProcess(config, run_dir)
+        shards = config.router_shards
+        self._routers = [RouterProcess(config, run_dir if shards == 1 else run_dir / f"router-{k}") for k in range(shards)]
         self._fleet: WorkerFleet | None = None
         self._connected_ray = False
 
     @property
     def router_address(self) -> str:
-        return self._router.address
+        """The router's address; comma-separated addresses when the router is sharded."""
+        return ",".join(router.address for router in self._routers)
+
+    @property
+    def router_token(self) -> str | None:
+        return self._routers[0].token
 
     def __enter__(self) -> Cluster:
         try:
@@ -230,14 +239,15 @@ class Cluster:
         simulated = self._config.model.simulated_hardware
         if simulated is None:
             self._config.workers.check_fits(have.get("GPU", 0), have.get("CPU", 0), "the Ray cluster")
-        logger.info("starting the router")
-        address = self._router.start()
-        logger.info("router listening on %s", address)
+        logger.info("starting %d router process(es)", len(self._routers))
+        addresses = [router.start() for router in self._routers]
+        address = addresses[0]
+        logger.info("router listening on %s", self.router_address)
         template = WorkerSpec(
             worker_id="",
             role="aggregated",
             router_address=address,
-            router_token=self._router.token,
+            router_token=self.router_token,
             engine_factory=engine_factory_for(engine),
             model_name=str(self._checkpoint),
             kv_block_size=engine.block_size,
@@ -245,12 +255,13 @@ class Cluster:
             heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
         )
         if simulated is None:
-            self._fleet = WorkerFleet(self._config.workers.pools, template)
+            self._fleet = WorkerFleet(self._config.workers.pools, template, router_addresses=addresses)
         else:  # model-free workers timed by workers.sim: many per process, no GPUs
             sim = simulation_config(self._config)
             self._fleet = WorkerFleet(
                 self._config.workers.pools, template, factory_for_pool=simulated_factory_for_pool(engine, sim, simulated),
                 workers_per_actor=sim.workers_per_process, use_gpus=False, cpus_per_actor=SIMULATED_CPUS_PER_PROCESS,
+                router_addresses=addresses,
             )
         logger.info("starting %d workers", self._config.workers.num_workers)
         self._fleet.start()
@@ -258,13 +269,13 @@ class Cluster:
         asyncio.run(self._wait_ready(engine))
 
     async def _wait_ready(self, engine) -> None:
-        client = RouterClient(self._router.address, self._router.token)
+        client = connect_router(self.router_address, self.router_token)
         try:
             listing = await wait_until_registered(client, self._fleet.worker_ids, self._ready_timeout_s)
             logger.info("%d workers registered and healthy; warming up", len(listing.workers))
-            await warm_up(client, listing, self._router.token, warmup_prompt(engine.min_pixels, engine.max_pixels))
+            await warm_up(client, listing, self.router_token, warmup_prompt(engine.min_pixels, engine.max_pixels))
         except grpc.aio.AioRpcError as exc:
-            raise RuntimeError(f"router at {self._router.address} failed: {exc.code().name}: {exc.details()}") from None
+            raise RuntimeError(f"router at {self.router_address} failed: {exc.code().name}: {exc.details()}") from None
         finally:
             await client.close()
 
@@ -276,4 +287,5 @@ class Cluster:
         if self._connected_ray and ray.is_initialized():
             ray.shutdown()
             self._connected_ray = False
-        self._router.stop()
+        for router in self._routers:
+            router.stop()

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -148,16 +149,19 @@ class WorkerFleet:
 
     def __init__(self, pools: list[PoolSection], template: WorkerSpec, *,
                  factory_for_pool: Callable[[PoolSection], Callable[[], ServedEngine]] | None = None,
-                 workers_per_actor: int = 1, use_gpus: bool = True, cpus_per_actor: float | None = None) -> None:
+                 workers_per_actor: int = 1, use_gpus: bool = True, cpus_per_actor: float | None = None,
+                 router_addresses: Sequence[str] = ()) -> None:
         """`template` gives every worker's spec; its worker_id and role are replaced per worker, and its engine
         factory by `factory_for_pool(pool)` when given. `workers_per_actor` > 1 and `use_gpus=False` are for
-        simulated workers (many per process, no GPUs); `cpus_per_actor` then replaces the pools' cpus_per_worker."""
+        simulated workers (many per process, no GPUs); `cpus_per_actor` then replaces the pools' cpus_per_worker.
+        `router_addresses` (sharded routers): the n-th worker registers with router n mod len(router_addresses)."""
         self._pools = pools
         self._template = template
         self._factory_for_pool = factory_for_pool
         self._workers_per_actor = workers_per_actor
         self._use_gpus = use_gpus
         self._cpus_per_actor = cpus_per_actor
+        self._router_turn = itertools.cycle(tuple(router_addresses) or (template.router_address,))
         self.instances: list[_Instance] = []
 
     @property
@@ -179,7 +183,8 @@ class WorkerFleet:
                     bundle["GPU"] = gpus
                 group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{ids[0]}")
                 self.instances.append(_Instance(ids[0], None, group, tuple(ids[1:])))
-                specs = [dataclasses.replace(template, worker_id=wid, role=pool.role) for wid in ids]
+                specs = [dataclasses.replace(template, worker_id=wid, role=pool.role, router_address=next(self._router_turn))
+                         for wid in ids]
                 self.instances[-1].actor = actor_class.options(
                     name=f"q3vl-{ids[0]}",
                     num_cpus=cpus,

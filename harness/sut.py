@@ -23,6 +23,7 @@ import mlperf_loadgen as lg
 
 from harness.progress import Progress
 from router.client import RouterClient
+from router.shards import ShardedRouterClient, connect_router
 from router.wire import pb
 from workers.types import PromptInput
 
@@ -100,11 +101,11 @@ class RouterSUT:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
         self._thread.start()
-        self._client: RouterClient = self._call(self._connect())
+        self._client: RouterClient | ShardedRouterClient = self._call(self._connect())
         self.handle = lg.ConstructSUT(self.issue_queries, self.flush_queries)
 
-    async def _connect(self) -> RouterClient:
-        return RouterClient(self._settings.router_address, self._settings.token)  # its channel binds to this loop
+    async def _connect(self) -> RouterClient | ShardedRouterClient:
+        return connect_router(self._settings.router_address, self._settings.token)  # its channels bind to this loop
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

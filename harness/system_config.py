@@ -231,6 +231,9 @@ class SystemConfig(_Strict):
     engine: dict[str, Any] = Field(default_factory=dict)
     workers: WorkersSection
     router: dict[str, Any] = Field(default_factory=dict)
+    # Router processes: worker i registers with router i mod N and the SUT spreads queries over all N
+    # (one Python router process carries ~150 req/s; an NVL72 needs many).
+    router_shards: PositiveInt = 1
     simulation: dict[str, Any] = Field(default_factory=dict)  # workers.sim.engine.SimulationConfig
     scenarios: ScenariosSection
     measurements: MeasurementsSection

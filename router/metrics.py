@@ -68,3 +68,14 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def summary(self) -> str:
+        """One line of totals for the router's log at shutdown, e.g. 'requests finished=120 error=1; migrations 3'."""
+        parts = []
+        for counter, label in ((self.requests, "requests"), (self.migrations, "migrations"), (self.rejections, "rejections")):
+            totals = {
+                sample.labels.get(next(iter(sample.labels), ""), ""): int(sample.value)
+                for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")
+            }
+            parts.append(f"{label} " + (" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "0"))
+        return "; ".join(parts)

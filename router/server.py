@@ -101,6 +101,7 @@ class RouterServer:
         log.info("router listening on %s (policy %s)", self.address, config.policy.name)
 
     async def stop(self, grace: float = 1.0) -> None:
+        log.info("router %s served %s", self.address, self.dispatcher.metrics.summary())
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

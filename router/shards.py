@@ -19,6 +19,12 @@ def split_addresses(addresses: str) -> list[str]:
     return parts
 
 
+def connect_router(addresses: str, token: str | None = None, **kwargs) -> RouterClient | ShardedRouterClient:
+    """A RouterClient for one address, a ShardedRouterClient for a comma-separated list."""
+    parts = split_addresses(addresses)
+    return RouterClient(parts[0], token, **kwargs) if len(parts) == 1 else ShardedRouterClient(parts, token, **kwargs)
+
+
 class ShardedRouterClient:
     def __init__(self, addresses: list[str], token: str | None = None, **kwargs):
         self.shards = [RouterClient(address, token, **kwargs) for address in addresses]

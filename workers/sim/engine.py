@@ -125,6 +125,9 @@ class SimulatedEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def close(self) -> None:
+        """Nothing to stop: no rank processes, no device (LLMEngine's close() stops its tensor-parallel ranks)."""
+
     def load(self) -> EngineLoad:
         s = self.scheduler
         queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + sum(
