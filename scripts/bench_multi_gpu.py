@@ -1,0 +1,450 @@
+"""Two-GPU layouts of one model on the catalogue workload (random weights of a real shape), side by side:
+TP2, EP2, two data-parallel instances, and prefill/decode split with the KV moved GPU-to-GPU; plus the
+235B-A22B shape at a few layers in TP2/EP2 for a per-layer figure. Prints one JSON object.
+
+Each part runs in its own subprocess with its own timeout, so one failure costs only that part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.bench_engine import Workload, catalogue_prompts, write_config  # noqa: E402
+
+log = logging.getLogger("bench_multi_gpu")
+PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
+
+
+def engine_config(checkpoint: Path, device: str, w: Workload, **kw):
+    from workers.config import EngineConfig
+
+    return EngineConfig(checkpoint=checkpoint, load_format="random", device=device, max_num_seqs=w.max_num_seqs,
+                        max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=4096, **kw)
+
+
+def sync_all() -> None:
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def greedy(n: int):
+    from workers.types import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def warm_up(engine) -> None:
+    from workers.types import PromptInput
+
+    for i in range(2):
+        engine.add_request(f"warm{i}", PromptInput(list(range(1000, 1064))), greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def prepare_all(engine, prompts, w: Workload, prefix: str, **kw) -> tuple[list, float]:
+    import concurrent.futures
+
+    from workers.types import PromptInput
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        prepared = list(pool.map(
+            lambda item: engine.prepare_request(f"{prefix}{item[0]}", PromptInput(item[1][0], [item[1][1]]),
+                                                greedy(w.output_tokens), **kw),
+            enumerate(prompts)))
+    return prepared, time.perf_counter() - t0
+
+
+def catalogue(engine, prompts, w: Workload) -> dict:
+    """Offline: all samples at once; samples/s including the CPU preprocessing."""
+    prepared, prepare_s = prepare_all(engine, prompts, w, "c")
+    for p in prepared:
+        engine.add_prepared(p)
+    generated, t1 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    sync_all()
+    engine_s = time.perf_counter() - t1
+    if generated != len(prompts) * w.output_tokens:
+        raise RuntimeError(f"generated {generated} tokens, expected {len(prompts) * w.output_tokens}")
+    return {"samples": len(prompts), "preprocess_s": round(prepare_s, 3), "engine_s": round(engine_s, 3),
+            "samples_per_s": round(len(prompts) / (prepare_s + engine_s), 3),
+            "samples_per_s_engine_only": round(len(prompts) / engine_s, 3)}
+
+
+def decode_steps(engine, batch: int, context: int, steps: int) -> float:
+    """Median ms of a decode step at `batch` sequences of ~context tokens."""
+    from workers.types import PromptInput
+
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", PromptInput([1000 + (i + j) % 5000 for j in range(context)]), greedy(steps + 2))
+    while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    sync_all()
+    times = []
+    for _ in range(steps):
+        s = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - s)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times) * 1e3
+
+
+def prefill_rate(engine, requests: int, length: int) -> float:
+    from workers.types import PromptInput
+
+    for i in range(requests):
+        engine.add_request(f"p{i}", PromptInput([1000 + (i * 7 + j) % 9000 for j in range(length)]), greedy(1))
+    sync_all()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync_all()
+    return requests * length / (time.perf_counter() - t0)
+
+
+# ---- parts (each in its own process) ---------------------------------------------------------------------
+
+def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dict:
+    from workers.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, tensor_parallel_size=tp, expert_parallel=ep,
+                                     enforce_eager=args.eager))
+    result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.runner.num_kv_blocks,
+              "cuda_graphs": engine.runner.graphs is not None}
+    try:
+        warm_up(engine)
+        result["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
+        if args.decode:
+            result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in (64, 256)}
+    finally:
+        engine.close()
+    return result
+
+
+def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
+    """One of the two data-parallel instances (CUDA_VISIBLE_DEVICES picks its GPU); half the samples."""
+    from workers.engine import LLMEngine
+
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    warm_up(engine)
+    prompts = catalogue_prompts(w)[args.shard :: 2]
+    barrier = Path(args.barrier)  # both instances start the timed run together
+    (barrier / f"ready{args.shard}").touch()
+    while len(list(barrier.glob("ready*"))) < 2:
+        time.sleep(0.05)
+    return catalogue(engine, prompts, w)
+
+
+def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
+    with tempfile.TemporaryDirectory() as barrier:
+        procs = []
+        for shard in (0, 1):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(shard))
+            cmd = [sys.executable, __file__, *base_argv(args), "--part", "dp-instance", "--shard", str(shard),
+                   "--barrier", barrier, "--config-dir", str(checkpoint)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=args.part_timeout) for p in procs]
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"dp instance exit {p.returncode}: {err[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return {"instances": results,
+            "samples_per_s": round(sum(r["samples"] for r in results) / max(r["preprocess_s"] + r["engine_s"] for r in results), 3),
+            "samples_per_s_engine_only": round(sum(r["samples"] for r in results) / max(r["engine_s"] for r in results), 3)}
+
+
+def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> None:
+    """GPU 0: prefill_only requests; each finished one's KV goes to GPU 1 over NCCL, its handle down the pipe."""
+    import torch
+
+    from workers.engine import LLMEngine
+    from workers.kv_transfer import KvLink, KvLinkConfig
+
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cuda:0"))
+    warm_up(engine)
+    prompts = catalogue_prompts(w)[:samples]
+
+    def hand_off(rid: str, timed: list, wait: bool) -> None:
+        """wait: time until the decode GPU holds the KV (solo); else the time to queue it (the run)."""
+        s = time.perf_counter()
+        kv = engine.export_kv(rid, on_device=True)
+        pipe.send((rid, kv.num_tokens, kv.first_token_id, kv.mrope_position_delta, link.hint(kv)))
+        link.send(kv)
+        if wait:
+            link.flush()
+        timed.append((time.perf_counter() - s, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()))
+        engine.release(rid)
+
+    # one request alone: its prefill time against its hand-off time
+    single: list = []
+    prepared, _ = prepare_all(engine, prompts[:1], w, "solo", prefill_only=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.add_prepared(prepared[0])
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    solo_prefill = time.perf_counter() - t0
+    hand_off("solo0", single, True)
+    pipe.send("go")  # decode side drained the solo request; the timed run starts
+    pipe.recv()
+    handoffs: list = []
+    t0 = time.perf_counter()
+    prepared, prepare_s = prepare_all(engine, prompts, w, "c", prefill_only=True)
+    for p in prepared:
+        engine.add_prepared(p)
+    busy = 0.0
+    while engine.has_unfinished():
+        s = time.perf_counter()
+        outs = engine.step()
+        busy += time.perf_counter() - s
+        for o in outs:
+            if o.finished:
+                hand_off(o.request_id, handoffs, False)
+    link.flush()
+    pipe.send(("done", {
+        "solo_prefill_ms": round(solo_prefill * 1e3, 2), "solo_handoff_ms": round(single[0][0] * 1e3, 3),
+        "kv_bytes_per_request": single[0][1], "solo_handoff_gb_per_s": round(single[0][1] / single[0][0] / 1e9, 2),
+        "handoff_queue_ms_median": round(statistics.median(t for t, _ in handoffs) * 1e3, 3),
+        "handoff_queue_ms_p99": round(sorted(t for t, _ in handoffs)[int(0.99 * (len(handoffs) - 1))] * 1e3, 3),
+        "handoff_s_total": round(sum(t for t, _ in handoffs), 3), "prefill_steps_s": round(busy, 3),
+        "preprocess_s": round(prepare_s, 3), "prefill_wall_s": round(time.perf_counter() - t0, 3),
+    }))
+    pipe.recv()
+
+
+def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> None:
+    """GPU 1: receives each request's KV from GPU 0 and decodes it."""
+    from workers.engine import LLMEngine
+    from workers.kv_transfer import KvLink, KvLinkConfig
+    from workers.types import PromptInput
+
+    import torch
+
+    torch.cuda.set_device(0)
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cuda:0"))
+    warm_up(engine)
+    prompts = {f"c{i}": p for i, p in enumerate(catalogue_prompts(w)[:samples])}
+    prompts["solo0"] = prompts["c0"]
+    generated, stats, t0, expected = 0, None, None, samples * (w.output_tokens - 1) + (w.output_tokens - 1)
+    while stats is None or engine.has_unfinished():
+        while pipe.poll(0 if engine.has_unfinished() else 0.01):
+            msg = pipe.recv()
+            if msg == "go":
+                while engine.has_unfinished():
+                    generated += sum(len(o.new_token_ids) for o in engine.step())
+                t0 = time.perf_counter()
+                pipe.send("started")
+                continue
+            if msg[0] == "done":
+                stats = msg[1]
+                continue
+            rid, n, first, delta, hint = msg
+            kv = link.receive(hint, n, first, delta)
+            ids, image = prompts[rid]
+            engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
+        if engine.has_unfinished():
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    if generated != expected:
+        raise RuntimeError(f"decode side generated {generated} tokens, expected {expected}")
+    stats.update(decode_wall_s=round(wall, 3), samples=samples, samples_per_s=round(samples / wall, 3))
+    pipe.send(stats)
+
+
+def part_pd(args, checkpoint: Path, w: Workload) -> dict:
+    import torch.multiprocessing as mp
+
+    from workers.rank_group import _free_port
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    port = _free_port()
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    pre = ctx.Process(target=_pd_prefill, args=(checkpoint, w, port, a, w.samples))
+    pre.start()
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, w.samples))
+    dec.start()
+    del os.environ["CUDA_VISIBLE_DEVICES"]
+    dec.join(args.part_timeout)
+    result = a.recv() if a.poll(5) else None
+    a.send("bye")
+    pre.join(30)
+    if result is None:
+        raise RuntimeError(f"pd split produced no result (prefill exit {pre.exitcode}, decode exit {dec.exitcode})")
+    return result
+
+
+def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
+    """235B-A22B shape at args.layers layers, TP2 or EP2 (args.ep): decode step, prefill rate, catalogue."""
+    from workers.engine import LLMEngine
+
+    engine = LLMEngine(engine_config(checkpoint_root, "cuda:0", w, tensor_parallel_size=2, expert_parallel=args.ep,
+                                     enforce_eager=args.eager))
+    try:
+        warm_up(engine)
+        out = {"layers": args.layers, "expert_parallel": args.ep,
+               "decode_ms": {str(b): round(decode_steps(engine, b, w.decode_context, 12), 2) for b in (64, 256)},
+               "prefill_tokens_per_s": round(prefill_rate(engine, 8, 2048), 1)}
+        out["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
+    finally:
+        engine.close()
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+
+def base_argv(args) -> list[str]:
+    flags = (["--decode"] if args.decode else []) + (["--eager"] if args.eager else [])
+    return ["--samples", str(args.samples), "--part-timeout", str(args.part_timeout), *flags]
+
+
+def run_part(args, part: str, extra: list[str], config_dir: Path, timeout: float) -> dict:
+    """One part in its own process session; on timeout the whole session (its rank processes too) is killed."""
+    cmd = [sys.executable, __file__, *base_argv(args), "--part", part, "--config-dir", str(config_dir), *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": stderr[-2500:]}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftover rank processes of this part
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": stderr[-2500:]}
+    out = json.loads(stdout.strip().splitlines()[-1])
+    out["part_wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def extrapolate(l4: dict, l8: dict, lo: int, hi: int) -> dict:
+    """Linear in layers: per-layer = (t(hi) - t(lo)) / (hi - lo); t(94) = t(lo) + (94 - lo) * per-layer."""
+    per = lambda a, b: (b - a) / (hi - lo)  # noqa: E731
+    d = {b: per(l4["decode_ms"][b], l8["decode_ms"][b]) for b in l4["decode_ms"]}
+    cat = per(l4["catalogue"]["engine_s"], l8["catalogue"]["engine_s"])
+    n = l4["catalogue"]["samples"]
+    cat94 = l4["catalogue"]["engine_s"] + (94 - lo) * cat
+    dec94 = {b: l4["decode_ms"][b] + (94 - lo) * d[b] for b in d}
+    return {
+        "label": "EXTRAPOLATION, not a measurement: linear in layers from two measured layer counts on 2 GPUs",
+        "per_layer_decode_ms": {b: round(v, 3) for b, v in d.items()},
+        "per_layer_catalogue_engine_s": round(cat, 4),
+        "decode_ms_94_layers_2gpu": {b: round(v, 1) for b, v in dec94.items()},
+        "catalogue_samples_per_s_94_layers_2gpu_if_it_fit": round(n / cat94, 3),
+        "catalogue_samples_per_s_8gpu_two_tp4_instances_naive": round(2 * 2 * n / cat94, 3),
+        "note": "94 layers of bf16 235B weights (470 GB) do not fit on 2 H200s; the 8-GPU figure assumes each TP4 "
+                "instance runs a layer twice as fast as TP2 (per-GPU work halves, all-reduce cost ignored) — an upper bound",
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--samples-235b", type=int, default=64)
+    p.add_argument("--layers-235b", default="4,8")
+    p.add_argument("--decode", action="store_true", help="also decode step times at batch 64/256 (tp2/ep2)")
+    p.add_argument("--part-timeout", type=float, default=240)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs in the TP/EP instances")
+    p.add_argument("--budget-s", type=float, default=3600, help="wall seconds for all parts together")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--ep", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    w = Workload(samples=args.samples)
+    if args.part is not None:  # a child process: one part, its JSON on the last stdout line
+        parts = {"tp2": lambda: part_instance(args, args.config_dir, w, 2, False),
+                 "ep2": lambda: part_instance(args, args.config_dir, w, 2, True),
+                 "dp2": lambda: part_dp2(args, args.config_dir, w),
+                 "dp-instance": lambda: part_dp_instance(args, args.config_dir, w),
+                 "pd": lambda: part_pd(args, args.config_dir, w),
+                 "l235": lambda: part_l235(args, args.config_dir, w)}
+        print(json.dumps(parts[args.part]()), flush=True)
+        return {}
+    import torch
+
+    deadline = time.perf_counter() + args.budget_s
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0),
+                    "gpus": torch.cuda.device_count(), "workload": {"samples": w.samples, "prompt_tokens": 1734,
+                    "output_tokens": w.output_tokens, "image": "1024x1024 JPEG, 1,024 visual tokens"}}
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg30 = Path(tmp) / "30b"
+        cfg30.mkdir()
+        write_config("30b-a3b", None, cfg30)
+        for part in args.parts.split(","):
+            left = deadline - time.perf_counter()
+            if left < 30:
+                result[part] = {"error": "skipped: device budget spent"}
+                continue
+            if part == "l235":
+                layers = [int(x) for x in args.layers_235b.split(",")]
+                out: dict = {}
+                for ep in (False, True):
+                    for n in layers:
+                        left = deadline - time.perf_counter()
+                        if left < 30:
+                            continue
+                        d = Path(tmp) / f"235b-{n}"
+                        if not d.exists():
+                            d.mkdir()
+                            write_config("235b-a22b", n, d)
+                        extra = ["--layers", str(n), "--samples", str(args.samples_235b)] + (["--ep"] if ep else [])
+                        out[f"{'ep2' if ep else 'tp2'}_L{n}"] = run_part(args, "l235", extra, d, min(args.part_timeout, left))
+                    key = "ep2" if ep else "tp2"
+                    a, b = (out.get(f"{key}_L{n}", {}) for n in layers[:2])
+                    if len(layers) >= 2 and "decode_ms" in a and "decode_ms" in b:
+                        out[f"{key}_extrapolated"] = extrapolate(a, b, layers[0], layers[1])
+                    result[part] = out
+                    save()
+            else:
+                result[part] = run_part(args, part, [], cfg30, min(args.part_timeout, left))
+                left = deadline - time.perf_counter()
+                if part in ("tp2", "ep2") and "error" in result[part] and not args.eager and left > 90:
+                    result[part + "_eager_retry"] = run_part(args, part, ["--eager"], cfg30, min(args.part_timeout, left))
+            save()
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
