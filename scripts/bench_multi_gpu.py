@@ -29,9 +29,14 @@ log = logging.getLogger("bench_multi_gpu")
 PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
 
 
+SMOKE = os.environ.get("Q3VL_BENCH_SMOKE") == "1"  # CPU run of every part on tiny dims (checks the plumbing)
+
+
 def engine_config(checkpoint: Path, device: str, w: Workload, **kw):
     from workers.config import EngineConfig
 
+    if SMOKE:
+        device, kw["num_kv_blocks"] = "cpu", 2048
     return EngineConfig(checkpoint=checkpoint, load_format="random", device=device, max_num_seqs=w.max_num_seqs,
                         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=4096, **kw)
 
@@ -39,7 +44,7 @@ def engine_config(checkpoint: Path, device: str, w: Workload, **kw):
 def sync_all() -> None:
     import torch
 
-    for i in range(torch.cuda.device_count()):
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         torch.cuda.synchronize(i)
 
 
@@ -135,7 +140,7 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
         warm_up(engine)
         result["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
         if args.decode:
-            result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in (64, 256)}
+            result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in w.decode_batches[1:]}
     finally:
         engine.close()
     return result
@@ -182,7 +187,7 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
     from workers.kv_transfer import KvLink, KvLinkConfig
 
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
-    link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cuda:0"))
+    link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
     prompts = catalogue_prompts(w)[:samples]
 
@@ -200,12 +205,12 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
     # one request alone: its prefill time against its hand-off time
     single: list = []
     prepared, _ = prepare_all(engine, prompts[:1], w, "solo", prefill_only=True)
-    torch.cuda.synchronize()
+    sync_all()
     t0 = time.perf_counter()
     engine.add_prepared(prepared[0])
     while engine.has_unfinished():
         engine.step()
-    torch.cuda.synchronize()
+    sync_all()
     solo_prefill = time.perf_counter() - t0
     hand_off("solo0", single, True)
     pipe.send("go")  # decode side drained the solo request; the timed run starts
@@ -232,10 +237,9 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
         "handoff_s_total": round(sum(t for t, _ in handoffs), 3), "prefill_steps_s": round(busy, 3),
         "preprocess_s": round(prepare_s, 3), "prefill_wall_s": round(time.perf_counter() - t0, 3),
     }))
-    pipe.recv()
 
 
-def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> None:
+def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int, result_pipe) -> None:
     """GPU 1: receives each request's KV from GPU 0 and decodes it."""
     from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink, KvLinkConfig
@@ -243,9 +247,8 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> 
 
     import torch
 
-    torch.cuda.set_device(0)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
-    link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cuda:0"))
+    link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
     prompts = {f"c{i}": p for i, p in enumerate(catalogue_prompts(w)[:samples])}
     prompts["solo0"] = prompts["c0"]
@@ -268,12 +271,12 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> 
             engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
         if engine.has_unfinished():
             generated += sum(len(o.new_token_ids) for o in engine.step())
-    torch.cuda.synchronize()
+    sync_all()
     wall = time.perf_counter() - t0
     if generated != expected:
         raise RuntimeError(f"decode side generated {generated} tokens, expected {expected}")
     stats.update(decode_wall_s=round(wall, 3), samples=samples, samples_per_s=round(samples / wall, 3))
-    pipe.send(stats)
+    result_pipe.send(stats)
 
 
 def part_pd(args, checkpoint: Path, w: Workload) -> dict:
@@ -283,17 +286,17 @@ def part_pd(args, checkpoint: Path, w: Workload) -> dict:
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
+    results, result_end = ctx.Pipe()
     port = _free_port()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     pre = ctx.Process(target=_pd_prefill, args=(checkpoint, w, port, a, w.samples))
     pre.start()
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"
-    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, w.samples))
+    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, w.samples, result_end))
     dec.start()
     del os.environ["CUDA_VISIBLE_DEVICES"]
     dec.join(args.part_timeout)
-    result = a.recv() if a.poll(5) else None
-    a.send("bye")
+    result = results.recv() if results.poll(5) else None
     pre.join(30)
     if result is None:
         raise RuntimeError(f"pd split produced no result (prefill exit {pre.exitcode}, decode exit {dec.exitcode})")
@@ -309,7 +312,7 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
     try:
         warm_up(engine)
         out = {"layers": args.layers, "expert_parallel": args.ep,
-               "decode_ms": {str(b): round(decode_steps(engine, b, w.decode_context, 12), 2) for b in (64, 256)},
+               "decode_ms": {str(b): round(decode_steps(engine, b, w.decode_context, 12), 2) for b in w.decode_batches[1:]},
                "prefill_tokens_per_s": round(prefill_rate(engine, 8, 2048), 1)}
         out["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
     finally:
@@ -386,7 +389,7 @@ def main(argv=None) -> dict:
     p.add_argument("--ep", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    w = Workload(samples=args.samples)
+    w = Workload.tiny(args.samples) if SMOKE else Workload(samples=args.samples)
     if args.part is not None:  # a child process: one part, its JSON on the last stdout line
         parts = {"tp2": lambda: part_instance(args, args.config_dir, w, 2, False),
                  "ep2": lambda: part_instance(args, args.config_dir, w, 2, True),
@@ -399,8 +402,8 @@ def main(argv=None) -> dict:
     import torch
 
     deadline = time.perf_counter() + args.budget_s
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(0),
-                    "gpus": torch.cuda.device_count(), "workload": {"samples": w.samples, "prompt_tokens": 1734,
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "workload": {"samples": w.samples, "prompt_tokens": 1734,
                     "output_tokens": w.output_tokens, "image": "1024x1024 JPEG, 1,024 visual tokens"}}
 
     def save() -> None:
@@ -410,7 +413,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg30 = Path(tmp) / "30b"
         cfg30.mkdir()
-        write_config("30b-a3b", None, cfg30)
+        write_config("tiny" if SMOKE else "30b-a3b", None, cfg30)
         for part in args.parts.split(","):
             left = deadline - time.perf_counter()
             if left < 30:
@@ -427,7 +430,7 @@ def main(argv=None) -> dict:
                         d = Path(tmp) / f"235b-{n}"
                         if not d.exists():
                             d.mkdir()
-                            write_config("235b-a22b", n, d)
+                            write_config("tiny" if SMOKE else "235b-a22b", n, d)
                         extra = ["--layers", str(n), "--samples", str(args.samples_235b)] + (["--ep"] if ep else [])
                         out[f"{'ep2' if ep else 'tp2'}_L{n}"] = run_part(args, "l235", extra, d, min(args.part_timeout, left))
                     key = "ep2" if ep else "tp2"

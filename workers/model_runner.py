@@ -46,7 +46,7 @@ def build_text_model(
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     if config.load_format == "random":
-        init_random_weights(model, config.seed + (tp.rank if tp else 0))
+        init_random_weights(model, config.seed)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.language_model.embed_tokens.weight
     else:
@@ -126,6 +126,8 @@ class ModelRunner:
         batch, visual = inputs.batch, inputs.visual
         if self.graphs is not None and visual is None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
+            if not rows:  # ranks >= 1 (and steps that sample nothing): the graph ran for its collectives
+                return None
             if len(rows) != batch.num_tokens:
                 logits = logits[torch.tensor(rows, device=self.device)]
             return logits

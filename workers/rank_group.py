@@ -85,6 +85,9 @@ class RankGroup:
         self.tp = init_rank(config, 0, init_method)
 
     def send(self, message: tuple) -> None:
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead and message[0] != "stop":
+            raise RuntimeError(f"rank process(es) {dead} of this instance exited; the instance must be restarted")
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for pipe in self.pipes:
             pipe.send_bytes(data)

@@ -182,9 +182,12 @@ RANDOM_INIT_STD = 0.02
 
 @torch.no_grad()
 def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_INIT_STD) -> None:
-    """Fills every parameter in place where it lives: matrices ~N(0, std), norm weights 1, biases 0."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    for name, param in module.named_parameters():
+    """Fills every parameter in place where it lives: matrices ~N(0, std), norm weights 1, biases 0. Each
+    parameter draws from its own seed (seed, position), so the replicated parameters of a tensor-parallel
+    instance (embeddings, router, lm_head) are equal on every rank."""
+    gen = torch.Generator(device=next(module.parameters()).device)
+    for index, (name, param) in enumerate(module.named_parameters()):
+        gen.manual_seed(seed * 1_000_003 + index)
         if param.dim() >= 2:
             param.normal_(0.0, std, generator=gen)
         elif name.endswith("bias"):
