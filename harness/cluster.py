@@ -4,6 +4,7 @@ actors, then waits until every worker is registered, healthy and warm (one reque
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc.aio
@@ -18,13 +20,21 @@ import ray
 import yaml
 from PIL import Image
 
-from harness.ray_workers import WorkerFleet, WorkerSpec, engine_factory_for, init_ray, simulated_factory_for_pool
-from harness.system_config import SystemConfig, engine_config, router_config, simulation_config
+from harness.ray_workers import (
+    ServedEngine,
+    WorkerFleet,
+    WorkerSpec,
+    engine_factory_for,
+    init_ray,
+    simulated_factory_for_pool,
+)
+from harness.system_config import PoolSection, SystemConfig, engine_config, router_config, simulation_config
 from router.client import RouterClient
 from router.shards import ShardedRouterClient, connect_router
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
 from workers.chat import encode_chat
+from workers.config import EngineConfig
 from workers.tokenizer import load_tokenizer
 from workers.types import PromptInput
 
@@ -196,6 +206,12 @@ async def warm_up(client: RouterClient | ShardedRouterClient, listing: pb.Worker
         await _drain(shard.generate(_warmup_request(f"warmup-router-{k}", prompt)), f"router {shard.address}")
 
 
+def parallel_engine_factory(engine: EngineConfig, pool: PoolSection) -> Callable[[], ServedEngine]:
+    """The pool's layout decides the engine's: tp ranks over the actor's GPUs, experts split whole when ep == tp > 1."""
+    layout = {"tensor_parallel_size": pool.tp, "expert_parallel": pool.ep > 1}
+    return engine_factory_for(EngineConfig.model_validate({**engine.model_dump(), **layout}))
+
+
 class Cluster:
     """Context manager: router process + Ray worker fleet, registered, healthy and warm inside the block."""
 
@@ -255,7 +271,8 @@ class Cluster:
             heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
         )
         if simulated is None:
-            self._fleet = WorkerFleet(self._config.workers.pools, template, router_addresses=addresses)
+            self._fleet = WorkerFleet(self._config.workers.pools, template, router_addresses=addresses,
+                                      factory_for_pool=functools.partial(parallel_engine_factory, engine))
         else:  # model-free workers timed by workers.sim: many per process, no GPUs
             sim = simulation_config(self._config)
             self._fleet = WorkerFleet(
