@@ -160,8 +160,25 @@ def validate() -> dict:
                      "engine_s": {"measured": measured["engine_s"], "predicted": round(result.makespan_s, 2)},
                      "samples_per_s": {"measured": measured["samples_per_s"], "predicted": round(predicted, 2),
                                        "error_pct": round(100 * (predicted / measured["samples_per_s"] - 1), 1)}})
-    return {"device": "1x H200, Qwen3-VL-30B-A3B bf16, catalogue workload (1,734 prompt / 45 output tokens)",
-            "rows": rows, "2xH200": "no 2xH200 measurement exists yet"}
+    rows.append(_validate_dp2(engine, sim, bench))
+    return {"device": "H200, Qwen3-VL-30B-A3B bf16, catalogue workload (1,734 prompt / 45 output tokens)", "rows": rows}
+
+
+def _validate_dp2(engine, sim, bench: Path) -> dict:
+    """Two data-parallel instances on 2xH200 (run6), predicted from the single-GPU run of the same code (run5)."""
+    measured = json.loads((bench / "2026-11-30-run6-multi-gpu-x2.json").read_text())["dp2"]
+    samples = sum(i["samples"] for i in measured["instances"])
+    preprocess_s = max(i["preprocess_s"] for i in measured["instances"])
+    calibration = Calibration.from_bench(bench / "2026-11-30-run5-30b-a3b.json", None)
+    base = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    model = StepModel(calibration, base.hardware, base.model, calibration_hardware=base.calibration_hardware)
+    result = VirtualCluster(engine, sim, {"aggregated": model}, {"aggregated": 2}).run([0.0] * samples, Workload())
+    predicted = samples / (result.makespan_s + preprocess_s)
+    return {"run": "run6 dp2 (2xH200, two instances)", "calibration": calibration.source, "samples": samples,
+            "engine_s": {"measured": max(i["engine_s"] for i in measured["instances"]),
+                         "predicted": round(result.makespan_s, 2)},
+            "samples_per_s": {"measured": measured["samples_per_s"], "predicted": round(predicted, 2),
+                              "error_pct": round(100 * (predicted / measured["samples_per_s"] - 1), 1)}}
 
 
 def main(argv: list[str] | None = None) -> None:
