@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from image_fixtures import png
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.types import FinishReason, PromptInput, SamplingParams
@@ -20,13 +20,6 @@ from workers.types import FinishReason, PromptInput, SamplingParams
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # small images keep the tests fast
 NEW_TOKENS = 8
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module", params=["moe", "dense"])

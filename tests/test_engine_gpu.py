@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from image_fixtures import png
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.types import PromptInput, SamplingParams
@@ -22,13 +22,6 @@ IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64
 NEW_TOKENS = 12
 NEAR_TIE = 1e-2  # relative top-2 gap below which bf16 rounding may pick either token
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module", params=["moe", "dense"])
