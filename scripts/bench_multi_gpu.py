@@ -2,15 +2,21 @@
 TP2, EP2, two data-parallel instances, and prefill/decode split with the KV moved GPU-to-GPU; plus the
 235B-A22B shape at a few layers in TP2/EP2 for a per-layer figure. Prints one JSON object.
 
+Per layout: Offline samples/s, then Poisson load (exponential gaps) at fractions of that rate, each request's
+latency from arrival to its last token, and the highest rate tried whose p99 stays under 12 s / 1.5 s.
 Each part runs in its own subprocess with its own timeout, so one failure costs only that part.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import json
 import logging
+import math
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -94,6 +100,90 @@ def catalogue(engine, prompts, w: Workload) -> dict:
             "samples_per_s_engine_only": round(len(prompts) / engine_s, 3)}
 
 
+P99_LIMITS_S = (12.0, 1.5)
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def poisson_latencies(engine, prompts, w: Workload, qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
+    """Requests arrive with exponential gaps at `qps` (preprocessing starts at arrival, on a thread pool, as in
+    the AsyncEngine); each one's seconds from arrival to its last token. Arrivals stop at cap_s; a request not
+    finished cap_s + 12 s after the start counts as infinitely late (and is aborted)."""
+    from workers.types import PromptInput
+
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(qps)
+        arrivals.append(t)
+    arrivals = [a for a in arrivals if a <= cap_s]
+    arrived: dict[str, float] = {}
+    latencies: list[float] = []
+    preparing: collections.deque = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        t0, nxt = time.perf_counter(), 0
+        while nxt < len(arrivals) or preparing or engine.has_unfinished():
+            now = time.perf_counter() - t0
+            if now > cap_s + P99_LIMITS_S[0]:
+                break
+            while nxt < len(arrivals) and arrivals[nxt] <= now:
+                rid = f"{tag}-{nxt}"
+                ids, image = prompts[nxt % len(prompts)]
+                arrived[rid] = arrivals[nxt]
+                preparing.append(pool.submit(engine.prepare_request, rid, PromptInput(ids, [image]), greedy(w.output_tokens)))
+                nxt += 1
+            while preparing and preparing[0].done():
+                engine.add_prepared(preparing.popleft().result())
+            if engine.has_unfinished():
+                for o in engine.step():
+                    if o.finished:
+                        latencies.append(time.perf_counter() - t0 - arrived.pop(o.request_id))
+            else:
+                time.sleep(0.001)
+        for f in preparing:
+            engine.add_prepared(f.result())
+    for rid in list(arrived):
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return latencies + [math.inf] * len(arrived)
+
+
+def qps_search(engine, prompts, w: Workload, offline_rate: float, args, share: float = 1.0) -> dict:
+    """Poisson levels at args.qps_fractions of the offline rate (this process takes `share` of the arrivals);
+    stops when the part's time is spent. Latencies are returned for a caller that merges instances."""
+    levels, deadline = [], args.part_deadline
+    for i, fraction in enumerate(float(f) for f in args.qps_fractions.split(",")):
+        qps = fraction * offline_rate * share
+        level_s = min(args.qps_level_s, args.qps_requests * share / qps)
+        if time.time() + level_s + P99_LIMITS_S[0] + 5 > deadline:
+            levels.append({"fraction": fraction, "skipped": "part time spent"})
+            break
+        lat = poisson_latencies(engine, prompts, w, qps, math.ceil(args.qps_requests * share), level_s, 1000 + i, f"q{i}")
+        levels.append({"fraction": fraction, "qps": round(qps, 3), "requests": len(lat), "latencies_s": [round(x, 3) for x in lat]})
+    return {"levels": levels}
+
+
+def summarize_levels(levels: list[dict]) -> dict:
+    """p50/p99 per level and the highest QPS tried whose p99 is under each limit (None: not even the lowest)."""
+    out, best = [], {limit: None for limit in P99_LIMITS_S}
+    for level in levels:
+        if "latencies_s" not in level:
+            out.append(level)
+            continue
+        lat = level["latencies_s"]
+        row = {k: v for k, v in level.items() if k != "latencies_s"}
+        row.update(p50_s=round(statistics.median(lat), 3), p99_s=round(p99(lat), 3), unfinished=sum(math.isinf(x) for x in lat))
+        out.append(row)
+        for limit in P99_LIMITS_S:
+            if row["p99_s"] < limit and (best[limit] is None or row["qps"] > best[limit]):
+                best[limit] = row["qps"]
+    return {"levels": out, "max_qps_p99_under_12s": best[12.0], "max_qps_p99_under_1_5s": best[1.5]}
+
+
 def decode_steps(engine, batch: int, context: int, steps: int) -> float:
     """Median ms of a decode step at `batch` sequences of ~context tokens."""
     from workers.types import PromptInput
@@ -138,7 +228,9 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
               "cuda_graphs": engine.runner.graphs is not None}
     try:
         warm_up(engine)
-        result["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
+        prompts = catalogue_prompts(w)
+        result["catalogue"] = catalogue(engine, prompts, w)
+        result["poisson"] = summarize_levels(qps_search(engine, prompts, w, result["catalogue"]["samples_per_s"], args)["levels"])
         if args.decode:
             result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in w.decode_batches[1:]}
     finally:
@@ -157,7 +249,10 @@ def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
     (barrier / f"ready{args.shard}").touch()
     while len(list(barrier.glob("ready*"))) < 2:
         time.sleep(0.05)
-    return catalogue(engine, prompts, w)
+    result = catalogue(engine, prompts, w)
+    # its own Poisson stream at half the aggregate rate: two such streams are one at the full rate, routed at random
+    result["poisson"] = qps_search(engine, prompts, w, 2 * result["samples_per_s"], args, share=0.5)
+    return result
 
 
 def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
@@ -174,7 +269,14 @@ def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
         if p.returncode != 0:
             raise RuntimeError(f"dp instance exit {p.returncode}: {err[-2000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    return {"instances": results,
+    merged = []
+    for a, b in zip(results[0]["poisson"]["levels"], results[1]["poisson"]["levels"]):
+        if "latencies_s" in a and "latencies_s" in b:
+            merged.append({"fraction": a["fraction"], "qps": round(a["qps"] + b["qps"], 3), "requests": a["requests"] + b["requests"],
+                           "latencies_s": a["latencies_s"] + b["latencies_s"]})
+    for r in results:
+        r.pop("poisson")
+    return {"instances": results, "poisson": summarize_levels(merged),
             "samples_per_s": round(sum(r["samples"] for r in results) / max(r["preprocess_s"] + r["engine_s"] for r in results), 3),
             "samples_per_s_engine_only": round(sum(r["samples"] for r in results) / max(r["engine_s"] for r in results), 3)}
 
@@ -195,8 +297,8 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
         """wait: time until the decode GPU holds the KV (solo); else the time to queue it (the run)."""
         s = time.perf_counter()
         kv = engine.export_kv(rid, on_device=True)
-        pipe.send((rid, kv.num_tokens, kv.first_token_id, kv.mrope_position_delta, link.hint(kv)))
-        link.send(kv)
+        hint = link.send(kv)
+        pipe.send((rid, kv.num_tokens, kv.first_token_id, hint, prefill_s.pop(rid, None)))
         if wait:
             link.flush()
         timed.append((time.perf_counter() - s, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()))
@@ -204,6 +306,8 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
 
     # one request alone: its prefill time against its hand-off time
     single: list = []
+    added: dict[str, float] = {}  # timed run: when each request was added, for its prefill time
+    prefill_s: dict[str, float] = {}
     prepared, _ = prepare_all(engine, prompts[:1], w, "solo", prefill_only=True)
     sync_all()
     t0 = time.perf_counter()
@@ -220,6 +324,7 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
     prepared, prepare_s = prepare_all(engine, prompts, w, "c", prefill_only=True)
     for p in prepared:
         engine.add_prepared(p)
+        added[p.request_id] = time.perf_counter()
     busy = 0.0
     while engine.has_unfinished():
         s = time.perf_counter()
@@ -227,6 +332,7 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
         busy += time.perf_counter() - s
         for o in outs:
             if o.finished:
+                prefill_s[o.request_id] = time.perf_counter() - added[o.request_id]
                 hand_off(o.request_id, handoffs, False)
     link.flush()
     pipe.send(("done", {
@@ -253,6 +359,7 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int, res
     prompts = {f"c{i}": p for i, p in enumerate(catalogue_prompts(w)[:samples])}
     prompts["solo0"] = prompts["c0"]
     generated, stats, t0, expected = 0, None, None, samples * (w.output_tokens - 1) + (w.output_tokens - 1)
+    per_request: list[tuple[float, float]] = []  # (prefill s from its add to its first token, hand-off s)
     while stats is None or engine.has_unfinished():
         while pipe.poll(0 if engine.has_unfinished() else 0.01):
             msg = pipe.recv()
@@ -265,8 +372,10 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int, res
             if msg[0] == "done":
                 stats = msg[1]
                 continue
-            rid, n, first, delta, hint = msg
-            kv = link.receive(hint, n, first, delta)
+            rid, n, first, hint, prefill_s = msg
+            kv = link.receive(hint, n, first)
+            if prefill_s is not None:  # arrival on this GPU minus the send's start on the other (one host, one clock)
+                per_request.append((prefill_s, time.monotonic() - json.loads(hint)["sent_at"]))
             ids, image = prompts[rid]
             engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
         if engine.has_unfinished():
@@ -275,7 +384,13 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int, res
     wall = time.perf_counter() - t0
     if generated != expected:
         raise RuntimeError(f"decode side generated {generated} tokens, expected {expected}")
-    stats.update(decode_wall_s=round(wall, 3), samples=samples, samples_per_s=round(samples / wall, 3))
+    stats.update(decode_wall_s=round(wall, 3), samples=samples, samples_per_s=round(samples / wall, 3),
+                 prefill_ms_median=round(statistics.median(p for p, _ in per_request) * 1e3, 2),
+                 handoff_ms_median=round(statistics.median(h for _, h in per_request) * 1e3, 3),
+                 handoff_ms_p99=round(p99([h for _, h in per_request]) * 1e3, 3),
+                 handoff_note="per request of the offline run: prefill = its add to its first token (queueing included "
+                              "when all arrive at once); hand-off = export + send on GPU 0 until the KV is on GPU 1")
+    link.close()
     result_pipe.send(stats)
 
 
@@ -324,11 +439,14 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
 
 def base_argv(args) -> list[str]:
     flags = (["--decode"] if args.decode else []) + (["--eager"] if args.eager else [])
-    return ["--samples", str(args.samples), "--part-timeout", str(args.part_timeout), *flags]
+    return ["--samples", str(args.samples), "--part-timeout", str(args.part_timeout), "--qps-fractions", args.qps_fractions,
+            "--qps-requests", str(args.qps_requests), "--qps-level-s", str(args.qps_level_s),
+            "--part-deadline", str(args.part_deadline), *flags]
 
 
 def run_part(args, part: str, extra: list[str], config_dir: Path, timeout: float) -> dict:
     """One part in its own process session; on timeout the whole session (its rank processes too) is killed."""
+    args.part_deadline = time.time() + timeout - 10  # the part's Poisson levels stop before its timeout
     cmd = [sys.executable, __file__, *base_argv(args), "--part", part, "--config-dir", str(config_dir), *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -380,6 +498,10 @@ def main(argv=None) -> dict:
     p.add_argument("--part-timeout", type=float, default=240)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs in the TP/EP instances")
     p.add_argument("--budget-s", type=float, default=3600, help="wall seconds for all parts together")
+    p.add_argument("--qps-fractions", default="0.5,0.7,0.85", help="Poisson levels as fractions of the offline rate")
+    p.add_argument("--qps-requests", type=int, default=200, help="requests per Poisson level (at most)")
+    p.add_argument("--qps-level-s", type=float, default=20, help="arrivals of one Poisson level stop after this")
+    p.add_argument("--part-deadline", type=float, default=math.inf, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)

@@ -3,9 +3,10 @@ greedy tokens equal the single-process engine's (2 gloo ranks on CPU; 2 NCCL ran
 
 from __future__ import annotations
 
+import concurrent.futures
+import gc
 import io
 import socket
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink, KvLinkConfig
+from workers.rank_group import RankStartupError
 from workers.types import PromptInput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -104,32 +106,17 @@ def _port() -> int:
 
 def test_kv_link_moves_an_export_to_the_decode_side_which_continues_it_exactly(tiny_moe_checkpoint, single):
     tokens, kv = single
-    port, received = _port(), {}
-
-    def decode_side():
-        link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu", timeout_s=60))
-        received["kv"] = link.receive(hint_box["hint"].wait_value(), kv.num_tokens, kv.first_token_id,
-                                      kv.mrope_position_delta)
-
-    class Box:
-        def __init__(self):
-            self.event, self.value = threading.Event(), None
-
-        def wait_value(self):
-            self.event.wait(60)
-            return self.value
-
-    hint_box = {"hint": Box()}
-    thread = threading.Thread(target=decode_side)
-    thread.start()
-    link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu", timeout_s=60))
-    hint_box["hint"].value = link.hint(kv)
-    hint_box["hint"].event.set()
-    link.send(kv)
-    link.flush()
-    thread.join(60)
-    moved = received["kv"]
-    assert torch.equal(moved.stacked(), kv.stacked())
+    port = _port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each end waits for the other to connect
+        sender, receiver = pool.map(lambda role: KvLink(KvLinkConfig("127.0.0.1", port, role, "cpu", timeout_s=60)),
+                                    ("prefill", "decode"))
+    try:
+        hint = sender.send(kv)
+        moved = receiver.receive(hint, kv.num_tokens, kv.first_token_id, timeout_s=60)
+        sender.flush()
+    finally:
+        receiver.close()
+    assert torch.equal(moved.stacked(), kv.stacked()) and moved.mrope_position_delta == kv.mrope_position_delta
     engine = make(tiny_moe_checkpoint)
     engine.add_request("moved", PROMPTS["image"], GREEDY, kv_import=moved)
     out = []
@@ -138,16 +125,28 @@ def test_kv_link_moves_an_export_to_the_decode_side_which_continues_it_exactly(t
     assert [kv.first_token_id] + out[: len(tokens["image"]) - 1] == tokens["image"]
 
 
+def test_a_rank_that_dies_while_starting_fails_the_instance_naming_the_rank_and_phase(tiny_moe_checkpoint, monkeypatch):
+    monkeypatch.setenv("Q3VL_RANK_LOG", "NOT-A-LEVEL")  # rank 1's logging.basicConfig raises before it joins
+    with pytest.raises(RankStartupError, match=r"rank 1 \(pid \d+\) exited with code 1 in start-up phase 'spawn"):
+        make(tiny_moe_checkpoint, tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_gpu_ranks_in_bfloat16_give_the_single_gpu_greedy_tokens(tiny_moe_checkpoint, expert_parallel):
-    reference = make(tiny_moe_checkpoint, device="cuda:0", dtype="bfloat16", num_kv_blocks=None, gpu_memory_utilization=0.3)
+    # A fixed KV pool: sizing it from free memory would see the reference engine's memory (CUDA graph pools are
+    # not returned at once) and differ per rank. Start-up problems of rank 1 surface as RankStartupError or as
+    # the rank watcher's log lines (run with -s --log-cli-level=WARNING).
+    gpu = dict(device="cuda:0", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8)
+    reference = make(tiny_moe_checkpoint, **gpu)
     expected = generate(reference)
+    reference.close()
     del reference
+    gc.collect()
     torch.cuda.empty_cache()
-    engine = make(tiny_moe_checkpoint, device="cuda:0", dtype="bfloat16", num_kv_blocks=None,
-                  gpu_memory_utilization=0.3, tensor_parallel_size=2, expert_parallel=expert_parallel)
+    engine = make(tiny_moe_checkpoint, **gpu, tensor_parallel_size=2, expert_parallel=expert_parallel)
     try:
         got = generate(engine)
     finally:

@@ -98,9 +98,10 @@ class AsyncEngine:
         """Cancels a request; False if the engine does not know it."""
         return await asyncio.wrap_future(self._submit(functools.partial(self.engine.abort, request_id)))
 
-    async def export_kv(self, request_id: str) -> KvExport:
-        """KV of a finished prefill_only request (KeyError if none is held under that id)."""
-        return await asyncio.wrap_future(self._submit(functools.partial(self.engine.export_kv, request_id)))
+    async def export_kv(self, request_id: str, on_device: bool = False) -> KvExport:
+        """KV of a finished prefill_only request (KeyError if none is held under that id); on_device keeps it on
+        the engine's device (for a GPU-to-GPU hand-off, workers/kv_transfer.py)."""
+        return await asyncio.wrap_future(self._submit(functools.partial(self.engine.export_kv, request_id, on_device)))
 
     async def release(self, request_id: str) -> bool:
         """Frees the KV blocks held for a finished prefill_only request."""

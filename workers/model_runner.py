@@ -51,7 +51,7 @@ def build_text_model(
             model.lm_head.weight = model.language_model.embed_tokens.weight
     else:
         load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp)
-    model.init_rotary(device)
+    model.finish_loading(device)
     return model.eval()
 
 
@@ -206,7 +206,12 @@ class ModelRunner:
         if not seqs:
             return
         # Each image's patches go to the device on their own: no host-side concatenation of large float32 arrays.
-        pixel_values = torch.cat([s.mm.pixel_values.to(self.device, non_blocking=True) for s in seqs])
+        # On CUDA from page-locked memory, so the copy is one asynchronous DMA rather than a staged pageable copy.
+        pinned = self.device.type == "cuda"
+        pixel_values = torch.cat([
+            (s.mm.pixel_values.pin_memory() if pinned else s.mm.pixel_values).to(self.device, non_blocking=True)
+            for s in seqs
+        ])
         grid_thw = torch.cat([s.mm.grid_thw for s in seqs])
         embeds, deepstack = self.vision.encode(pixel_values, grid_thw)
         sizes = [len(s.mm.image_rows) for s in seqs]

@@ -6,15 +6,23 @@ large tensors (visual embeddings, imported KV) follow as broadcasts on the insta
 group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs. Ranks are spawned
 with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor that
 owns the instance's GPUs this is the same (the actor is rank 0).
+
+Start-up never waits silently: each rank reports its phase up its pipe; rank 0 joins the process group only
+once every rank is up, and a watcher thread names a rank that exits (aborting the group, so a collective
+waiting on it fails at once) or that stays in one phase too long (its Python stacks dumped to its stderr).
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import pickle
+import signal
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,12 @@ from workers.parallel import TensorParallel
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+SPAWN_TIMEOUT_S = 180.0  # a rank's process: interpreter, imports, CUDA context on its device
+SLOW_PHASE_S = 60.0  # a rank longer than this in one start-up phase is reported (and again at every multiple)
+
+
+class RankStartupError(RuntimeError):
+    """A rank of a multi-GPU instance did not come up; the message names the rank and the phase."""
 
 
 @dataclass
@@ -53,10 +67,13 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> TensorParall
     device = rank_device(config, rank)
     if config.is_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if config.is_cuda else "gloo", init_method=init_method, rank=rank,
-        world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT,
-    )
+    try:
+        dist.init_process_group(
+            "nccl" if config.is_cuda else "gloo", init_method=init_method, rank=rank,
+            world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT,
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        raise RankStartupError(f"rank {rank} ({device}): joining the process group at {init_method} failed: {exc}") from exc
     return TensorParallel(rank, config.tensor_parallel_size, config.expert_parallel, dist.group.WORLD)
 
 
@@ -74,6 +91,8 @@ class RankGroup:
         ctx = mp.get_context("spawn")
         self.pipes = []
         self.procs = []
+        self.phases: dict[int, str] = {}
+        self._closing = threading.Event()
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(config, rank, init_method, child), daemon=True,
@@ -82,7 +101,60 @@ class RankGroup:
             child.close()
             self.pipes.append(parent)
             self.procs.append(proc)
-        self.tp = init_rank(config, 0, init_method)
+            self.phases[rank] = f"spawn (interpreter, imports, CUDA context on {rank_device(config, rank)})"
+        try:
+            self._wait_spawned(time.monotonic() + SPAWN_TIMEOUT_S)
+            self.tp = init_rank(config, 0, init_method)
+        except BaseException:
+            self._kill()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="q3vl-rank-watch", daemon=True)
+        self._watcher.start()
+
+    def _read_phases(self) -> None:
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                while pipe.poll(0):
+                    self.phases[rank] = pipe.recv()[1]
+            except (EOFError, OSError):  # the rank exited: its exit code tells the rest
+                continue
+
+    def _wait_spawned(self, deadline: float) -> None:
+        """Until every rank >= 1 is about to join the process group; RankStartupError naming one that is not."""
+        while True:
+            self._read_phases()
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    raise RankStartupError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} in start-up "
+                                           f"phase {self.phases[rank]!r}; its error is on stderr above")
+            if all(phase.startswith("join") for phase in self.phases.values()):
+                return
+            if time.monotonic() > deadline:
+                late = {r: p for r, p in self.phases.items() if not p.startswith("join")}
+                raise RankStartupError(f"ranks {sorted(late)} not up after {SPAWN_TIMEOUT_S:.0f} s: phases {late}")
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        """Rank 0's watcher: a rank that exits fails the instance at once (the group is aborted so that a
+        collective waiting for it raises); a rank slow in a start-up phase is named and its stacks dumped."""
+        since = {rank: (phase, time.monotonic(), 1) for rank, phase in self.phases.items()}
+        while not self._closing.wait(0.5):
+            self._read_phases()
+            for rank, proc in enumerate(self.procs, start=1):
+                phase = self.phases[rank]
+                if proc.exitcode is not None and not self._closing.is_set():
+                    log.error("rank %d (pid %d) exited with code %s in phase %r: aborting the instance's process group",
+                              rank, proc.pid, proc.exitcode, phase)
+                    self.tp.group.abort()
+                    return
+                last, start, warned = since[rank]
+                if phase != last:
+                    since[rank] = (phase, time.monotonic(), 1)
+                elif phase != "ready" and time.monotonic() - start > warned * SLOW_PHASE_S:
+                    log.warning("rank %d (pid %d) still in start-up phase %r after %.0f s; its stacks follow on its "
+                                "stderr", rank, proc.pid, phase, time.monotonic() - start)
+                    os.kill(proc.pid, signal.SIGUSR1)
+                    since[rank] = (phase, start, warned + 1)
 
     def send(self, message: tuple) -> None:
         dead = [p.name for p in self.procs if not p.is_alive()]
@@ -103,16 +175,23 @@ class RankGroup:
             dist.broadcast(kv, 0, group=self.tp.group)
 
     def close(self) -> None:
+        self._closing.set()
         try:
             self.send(("stop",))
         except (BrokenPipeError, OSError):
             pass
         for proc in self.procs:
             proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        self._kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        self._closing.set()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
 
 
 def receive_step(message: tuple, tp: TensorParallel, device: torch.device, dtype: torch.dtype, hidden: int) -> StepInputs:
@@ -139,8 +218,12 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
     from workers.weights import load_model_config
 
     logging.basicConfig(level=os.environ.get("Q3VL_RANK_LOG", "WARNING"))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # rank 0's watcher asks for stacks of a slow start-up
+    pipe.send(("phase", f"joining the process group at {init_method}"))
     tp = init_rank(config, rank, init_method)
+    pipe.send(("phase", "building the model shard (collectives with rank 0: KV pool size, CUDA graphs)"))
     runner = ModelRunner(config.model_copy(update={"device": rank_device(config, rank)}), load_model_config(config.checkpoint), tp)
+    pipe.send(("phase", "ready"))
     while True:
         try:
             message = pickle.loads(pipe.recv_bytes())

@@ -1,7 +1,8 @@
 """WorkerServer: serves one AsyncEngine over gRPC (WorkerService), registers with the router, heartbeats.
 
-Streams tokens coalesced per chunk, aborts the engine request when the caller goes away, holds a prefill
-worker's KV for a decode worker to pull (PullKv, layer by layer), and pulls it on the decode side.
+Streams tokens coalesced per chunk, aborts the engine request when the caller goes away, and hands a prefill
+worker's KV to a decode worker: over a KvLink when the pair has one (GPU to GPU, the KvHandle's transport_hint
+says so), else held for the decode worker to pull (PullKv, layer by layer).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from router.config import MIB, is_loopback, split_host_port
 from router.transport import TokenAuthInterceptor, add_listener, call_metadata, open_channel, server_options
 from router.wire import pb, pb_grpc
 from workers.kv_cache import KvExport
+from workers.kv_transfer import KvLink, KvLinkConfig, KvLinkError
 from workers.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if request.kv_handle.transfer_id:
             try:
                 kv_import = await s.pull_kv(request.kv_handle, context.time_remaining())
-            except (ValueError, grpc.aio.AioRpcError) as exc:
+            except (ValueError, KvLinkError, grpc.aio.AioRpcError) as exc:
                 # UNAVAILABLE: the router replays the request here or elsewhere with a local prefill.
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
@@ -161,7 +163,10 @@ class WorkerServer:
         heartbeat_interval_s: float = 1.0,
         kv_hold_s: float = 60.0,
         generation_defaults: SamplingParams | None = None,
+        kv_link: KvLink | None = None,
     ):
+        """kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
+        every held KV over it at once, a decode worker takes KV announced over it from it."""
         if not is_loopback(listen) and not token:
             raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
         self.engine = async_engine
@@ -179,6 +184,9 @@ class WorkerServer:
         self.max_message_bytes = max_message_bytes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kv_hold_s = kv_hold_s
+        self.kv_link = kv_link
+        if kv_link is not None and pb.WorkerRole.Name(self.role).lower() != kv_link.config.role:
+            raise ValueError(f"kv_link role {kv_link.config.role!r} does not match worker role {pb.WorkerRole.Name(self.role).lower()!r}")
         self.port = 0
         self.running: set[str] = set()
         self._metadata = call_metadata(token)
@@ -217,6 +225,8 @@ class WorkerServer:
         for held in self._held.values():
             await self.engine.release(held.request_id)
         self._held.clear()
+        if self.kv_link is not None:
+            self.kv_link.close()
 
     # -- what the servicer uses -----------------------------------------------------------------
 
@@ -275,15 +285,29 @@ class WorkerServer:
                 await task
 
     async def hold_kv(self, rid: str, first_token_id: int, num_tokens: int) -> pb.KvHandle:
+        """The handle of a finished prefill's KV: sent over the kv link now (its blocks freed), or held for PullKv."""
+        handle = pb.KvHandle(worker_address=self.address, transfer_id=rid, num_tokens=num_tokens, first_token_id=first_token_id)
+        if self.kv_link is not None:
+            export = await self.engine.export_kv(rid, on_device=True)
+            await self.engine.release(rid)  # the export is a copy: the send does not need the blocks
+            handle.transport_hint = await asyncio.get_running_loop().run_in_executor(None, self.kv_link.send, export)
+            return handle
         export = await self.engine.export_kv(rid)
         await self._expire_held()
         self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.kv_hold_s)
-        return pb.KvHandle(worker_address=self.address, transfer_id=rid, num_tokens=num_tokens, first_token_id=first_token_id)
+        return handle
 
     def take_held(self, transfer_id: str) -> _HeldKv | None:
         return self._held.pop(transfer_id, None)
 
     async def pull_kv(self, handle: pb.KvHandle, timeout: float | None) -> KvExport:
+        """The KV a prefill worker announced: from the kv link when the handle's transport_hint names it, else
+        pulled over gRPC. KvLinkError when the hint names a link this worker is not on."""
+        if handle.transport_hint:
+            if self.kv_link is None:
+                raise KvLinkError(f"the KV was sent over a kv link ({handle.transport_hint[:120]!r}); this worker has none")
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self.kv_link.receive, handle.transport_hint, handle.num_tokens, handle.first_token_id, timeout)
         channel = self._peers.get(handle.worker_address)
         if channel is None:
             channel = self._peers[handle.worker_address] = open_channel(
@@ -306,6 +330,8 @@ class WorkerServer:
         return False
 
     async def _expire_held(self) -> None:
+        if self.kv_link is not None and self.kv_link.rank == 1:
+            self.kv_link.expire(self.kv_hold_s)
         now = time.monotonic()
         for rid in [rid for rid, held in self._held.items() if held.expires_at < now]:
             log.warning("worker %s: KV of %s was never pulled; released", self.worker_id, rid)
@@ -366,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-link", default=None, metavar="HOST:PORT",
+                        help="GPU-to-GPU KV link to this worker's one peer (a prefill and a decode worker given the same "
+                             "address; the prefill worker listens there). Without it the KV goes over gRPC (PullKv).")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
@@ -376,13 +405,21 @@ def main(argv: list[str] | None = None) -> None:
 
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks)
 
+    link_config = None
+    if args.kv_link is not None:
+        if args.role == "aggregated":
+            parser.error("--kv-link joins a prefill and a decode worker; --role aggregated has no peer")
+        host, port = split_host_port(args.kv_link)
+        link_config = KvLinkConfig(host, port, args.role, args.device)
+
     async def serve() -> None:
         llm = LLMEngine(config)
         engine = AsyncEngine(llm)
+        link = None if link_config is None else await asyncio.get_running_loop().run_in_executor(None, KvLink, link_config)
         server = WorkerServer(
             engine, args.worker_id, args.role, args.router, args.listen, args.token,
             kv_block_size=config.block_size, max_model_len=config.max_model_len,
-            model_name=str(config.checkpoint), generation_defaults=llm.generation_defaults,
+            model_name=str(config.checkpoint), generation_defaults=llm.generation_defaults, kv_link=link,
         )
         await server.start()
         print(f"worker {args.worker_id} listening on {server.address}", flush=True)

@@ -1,19 +1,18 @@
 """Attention over the paged KV cache: write this step's K/V into their slots, then attend.
 
-Single-query rows (decodes) go to one Triton kernel over the block tables on CUDA; longer chunks use
-SDPA per sequence (directly on the chunk's own K/V when it has no earlier context). The per-sequence
-SDPA loop is also the reference path on CPU.
+On CUDA, single-query rows (decodes) go to one Triton kernel and all multi-row chunks to another, both
+over the block tables. Elsewhere (CPU, and as the kernels' reference) SDPA runs per sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from workers.model import paged_decode
+from workers.model import paged_decode, paged_prefill
 
 
 @dataclass
@@ -32,6 +31,16 @@ class AttentionMetadata:
     num_decodes: int
     query_starts: list[int]  # [B + 1], host
     context_lens_host: list[int]  # [B], host
+    # query_starts as [B + 1] int32 on the device, for the prefill kernel; None without multi-row chunks.
+    query_starts_device: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Built with the rest of the step's metadata, before the forward pass; no device sync.
+        self.query_starts_device = None
+        if len(self.query_starts) - 1 > self.num_decodes:
+            self.query_starts_device = torch.tensor(self.query_starts, dtype=torch.int32).to(
+                self.block_tables.device, non_blocking=True
+            )
 
 
 def write_kv(
@@ -60,16 +69,35 @@ def paged_attention(
     """q [T, heads, head_dim], this step's k/v [T, kv_heads, head_dim] (already in the cache) -> [T, heads,
     head_dim]; causal within each sequence's context."""
     out = torch.empty_like(q)
-    first = 0
+    if not paged_decode.supports(q, k_cache):
+        sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
     nd = meta.num_decodes
-    if nd and paged_decode.supports(q, k_cache):
+    if nd:
         paged_decode.decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale, out[:nd]
         )
-        first = nd
+    if meta.query_starts_device is not None:
+        paged_prefill.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
+            meta.query_starts[nd], meta.query_starts[-1], scale, out,
+        )
+    return out
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """paged_attention by one SDPA call per sequence into out: the CPU path and the kernels' reference."""
     starts = meta.query_starts
-    for i in range(first, len(meta.context_lens_host)):
-        ctx = meta.context_lens_host[i]
+    for i, ctx in enumerate(meta.context_lens_host):
         lo, hi = starts[i], starts[i + 1]
         n = hi - lo
         qi = q[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -90,4 +118,3 @@ def paged_attention(
                     attn_mask=causal_lower_right(n, ctx), scale=scale,
                 )
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
-    return out

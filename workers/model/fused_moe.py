@@ -1,8 +1,9 @@
-"""Fused MoE experts in Triton: token-expert pairs sorted by expert and padded per expert to BLOCK_M rows,
-then one kernel per expert GEMM that gathers its input rows through the sorted pair ids.
+"""Fused MoE experts in Triton: up to SMALL_BATCH_TOKENS tokens, two GEMV kernels straight from the routing;
+above it, pairs sorted and padded per expert to BLOCK_M rows (moe_routing.align_pairs) and two tiled GEMMs.
 
-GEMM 1 computes gate and up tiles together and writes silu(gate) * up; GEMM 2 multiplies by the routing
-weight. Every shape is fixed by the token count, so both run inside CUDA graphs (no host sync).
+Both paths fuse gate and up with silu(gate) * up, and the down projection with the routing weight; the GEMV
+down kernel also sums each token's k outputs. Every shape is fixed by the token count, so both run inside
+CUDA graphs (no host sync).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from workers.model.moe_routing import align_pairs
 
 try:
     import triton
@@ -29,6 +32,14 @@ class TileConfig:
     num_warps: int
     num_stages: int
 
+
+# Decode batches up to this many tokens take the GEMV kernels: one program per (pair, BLOCK_N rows of gate
+# and up) reads its slice of the expert weights in a few wide loads, and one program per (token, BLOCK_N
+# output columns) runs the k down projections and sums them. Above it the tiled GEMMs (BLOCK_M >= 16 rows
+# per expert) reuse each weight tile across the expert's rows.
+SMALL_BATCH_TOKENS = 8
+GEMV_GATED = TileConfig(1, 4, 512, 4, 1)
+GEMV_DOWN = TileConfig(1, 4, 128, 8, 1)
 
 TUNED_DIR = Path(__file__).with_name("fused_moe_configs")  # {device name}.json, written by scripts/tune_fused_moe.py
 
@@ -66,30 +77,9 @@ def supports(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pair ids (token * k + slot) grouped by expert, each group padded to a multiple of block_m with the
-    id P (= number of pairs, an invalid row), and the expert of every block_m rows (num_experts: empty).
-    Sizes depend only on P: the worst case P + E * (block_m - 1) rows."""
-    flat = top_i.reshape(-1)
-    num_pairs = flat.numel()
-    order = torch.argsort(flat.to(torch.int32), stable=True)  # 32-bit keys: half the radix passes of int64
-    counts = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    sorted_expert = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
-    dest = (padded_end - padded)[sorted_expert] + rank
-    num_blocks = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
-    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.index_put_((dest,), order.to(torch.int32))
-    block_start = torch.arange(num_blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return sorted_ids, block_expert
-
-
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # varies with the token count: one compile per tile config
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
         num_pairs, num_experts, N, K, row_div,
@@ -149,6 +139,71 @@ if triton is not None:
         c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, out, mask=valid[:, None] & n_mask[None, :])
 
+    @triton.jit
+    def _gemv_gated_kernel(
+        x_ptr, w_ptr, act_ptr, ids_ptr, num_experts, top_k, stride_xm, stride_we, stride_wn, stride_am,
+        N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        """act[pair, n] = silu(gate[e] . x[token]) * (up[e] . x[token]); grid (pairs, N / BLOCK_N): the pairs of one
+        column slice run together, so experts chosen by several tokens are read from L2 after the first."""
+        pair = tl.program_id(0)
+        expert = tl.load(ids_ptr + pair)
+        if expert >= num_experts:  # served by another rank: the down kernel skips the pair
+            return
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # x is read as a [BLOCK_N, BLOCK_K] tile of equal rows: the weights' layout, so no shuffle (and no
+        # barrier) between the loads, which can then all be in flight at once.
+        x_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xm + offs_n[:, None] * 0 + offs_k[None, :]
+        gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        mask = offs_n[:, None] < N
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.static_range(0, K, BLOCK_K):
+            if not EVEN_K:
+                mask = (offs_n[:, None] < N) & (offs_k[None, :] < K - k)
+            x = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
+            acc_gate += tl.load(gate_ptrs + k, mask=mask, other=0.0).to(tl.float32) * x
+            acc_up += tl.load(gate_ptrs + N * stride_wn + k, mask=mask, other=0.0).to(tl.float32) * x
+        out_ty = act_ptr.dtype.element_ty
+        gate = tl.sum(acc_gate, axis=1).to(out_ty).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+        tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, (act * up).to(out_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _gemv_down_kernel(
+        act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, num_experts, stride_am, stride_we, stride_wn, stride_om,
+        N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        """out[token, n] = sum over its k pairs of weight * (down[e] . act[pair]); grid (tokens, N / BLOCK_N).
+        The k experts' tiles are one [BLOCK_S, BLOCK_N, BLOCK_K] load each step, all in flight together; a pair
+        of another rank's expert loads nothing (masked) and adds zero."""
+        token = tl.program_id(0)
+        slots = tl.arange(0, BLOCK_S)
+        pairs = token * TOP_K + slots
+        expert = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=num_experts)
+        local = expert < num_experts
+        weight = tl.load(weights_ptr + pairs, mask=local, other=0.0).to(tl.float32)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = (w_ptr + tl.where(local, expert, 0).to(tl.int64)[:, None, None] * stride_we
+                  + offs_n[None, :, None] * stride_wn + offs_k[None, None, :])
+        a_ptrs = act_ptr + pairs.to(tl.int64)[:, None, None] * stride_am + offs_n[None, :, None] * 0 + offs_k[None, None, :]
+        mask = local[:, None, None] & (offs_n[None, :, None] < N)
+        acc = tl.zeros((BLOCK_S, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.static_range(0, K, BLOCK_K):
+            if not EVEN_K:
+                mask = local[:, None, None] & (offs_n[None, :, None] < N) & (offs_k[None, None, :] < K - k)
+            a = tl.load(a_ptrs + k, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(w_ptrs + k, mask=mask, other=0.0).to(tl.float32) * a
+        out_ty = out_ptr.dtype.element_ty
+        # Rounded where the tiled path rounds: each expert's output, then times its routing weight.
+        y = tl.sum(acc, axis=2).to(out_ty).to(tl.float32)
+        out = tl.sum((y * weight[:, None]).to(out_ty).to(tl.float32), axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ty), mask=offs_n < N)
+
 
 def _gemm(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None, sorted_ids: torch.Tensor,
@@ -168,19 +223,63 @@ def _gemm(
     )
 
 
+def _check_layout(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
+        raise ValueError("fused_experts needs row-major activations and expert weights")
+
+
 def fused_experts(
     x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     foreign: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; top_w/top_i [T, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I] -> [T, H]:
     sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)). foreign: top_i may hold E (a pair
-    served by another rank under expert parallelism): its blocks are skipped and it contributes zero."""
+    served by another rank under expert parallelism): it contributes zero."""
+    _check_layout(x, gate_up_proj, down_proj)
+    if top_i.shape[0] <= SMALL_BATCH_TOKENS:
+        return small_batch_experts(x, top_w, top_i, gate_up_proj, down_proj)
+    return tiled_experts(x, top_w, top_i, gate_up_proj, down_proj, foreign)
+
+
+def small_batch_experts(
+    x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """The GEMV path (any token count works; it pays off for a few tokens). Pairs with top_i >= E add zero."""
     tokens, k = top_i.shape
     num_experts, two_i, hidden = gate_up_proj.shape
-    if x.stride(1) != 1 or gate_up_proj.stride(2) != 1 or down_proj.stride(2) != 1:
-        raise ValueError("fused_experts needs row-major activations and expert weights")
+    inter = two_i // 2
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()
+    act = x.new_empty(tokens * k, inter)
+    out = x.new_empty(tokens, hidden)
+    if tokens == 0:
+        return out
+    cfg = GEMV_GATED
+    block_k = min(cfg.block_k, triton.next_power_of_2(hidden))
+    _gemv_gated_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
+        x, gate_up_proj, act, top_i, num_experts, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        act.stride(0), N=inter, K=hidden, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=cfg.num_warps,
+    )
+    cfg = GEMV_DOWN
+    block_k = min(cfg.block_k, triton.next_power_of_2(inter))
+    _gemv_down_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+        act, down_proj, out, top_i, top_w, num_experts, act.stride(0), down_proj.stride(0), down_proj.stride(1),
+        out.stride(0), N=hidden, K=inter, TOP_K=k, BLOCK_S=triton.next_power_of_2(k), BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def tiled_experts(
+    x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    foreign: bool = False,
+) -> torch.Tensor:
+    """The sorted-and-padded GEMM path; foreign: top_i may hold E (its blocks are skipped, its rows stay zero)."""
+    tokens, k = top_i.shape
+    num_experts, two_i, hidden = gate_up_proj.shape
     num_pairs = tokens * k
-    device = torch.cuda.get_device_name(x.device)
+    device = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     cfg1 = tile_config(num_pairs, True, shape_key(num_experts, two_i // 2, hidden, True), device)
     cfg2 = tile_config(num_pairs, False, shape_key(num_experts, hidden, two_i // 2, False), device)
     bins = num_experts + foreign  # the foreign bin's blocks have expert id E: the kernel skips them

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import fused_moe
+from workers.model import fused_moe, moe_routing
 from workers.parallel import TensorParallel
 
 
@@ -23,13 +23,10 @@ class MoeRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.top_k = top_k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k])."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return top_w.to(logits.dtype), top_i
+    def forward(self, x: torch.Tensor, expert_range: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k] int64); with expert_range (lo, hi) the ids
+        are local to it and an expert outside it is hi - lo (see moe_routing.route)."""
+        return moe_routing.route(F.linear(x, self.weight), self.top_k, expert_range)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -112,9 +109,5 @@ class SparseMoeBlock(nn.Module):
             self.experts = MoeExperts(num_experts // tp.size, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_w, top_i = self.gate(x)
-        if self.expert_range is None:
-            return self.experts(x, top_w, top_i)
-        lo, hi = self.expert_range
-        local = (top_i >= lo) & (top_i < hi)
-        return self.experts(x, top_w, torch.where(local, top_i - lo, hi - lo), foreign=True)
+        top_w, top_i = self.gate(x, self.expert_range)
+        return self.experts(x, top_w, top_i, foreign=self.expert_range is not None)

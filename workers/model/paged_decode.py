@@ -1,11 +1,13 @@
 """Paged decode attention in Triton: one query row per sequence against its KV blocks, no Python loop.
 
-One program per (sequence, KV head) computes all query heads of that KV head's group with an online
-softmax over the context, reading K/V rows through the block table. CUDA-graph safe (lengths are read
-on the device). Unavailable without Triton or on the CPU; `supports` says when it can run.
+A program computes all query heads of one KV head's group for one split of one sequence's context
+(flash-decoding: at small batch the context is split so that the GPU has enough programs, and a small
+kernel merges the splits). The split count depends only on the batch size: CUDA-graph safe.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -16,6 +18,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_N = 64  # context tokens per inner iteration
+MAX_SPLITS = 32
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -30,19 +33,38 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Context splits per (sequence, KV head): the fewest (a power of two, at most MAX_SPLITS) that give
+    at least one program per SM."""
+    splits = 1
+    while splits < MAX_SPLITS and batch * kv_heads * splits < num_sms:
+        splits *= 2
+    return splits
+
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width varies step to step: one compile
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         ctx = tl.load(lens_ptr + seq)
+        # Splits of whole BLOCK_N tiles; the last ones may be empty for short contexts.
+        span = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * span
+        hi = tl.minimum(ctx, lo + span)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         heads = kv_head * GROUP + offs_g
@@ -53,9 +75,9 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(0, ctx, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < ctx
+            n_mask = offs_n < hi
             block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
@@ -68,11 +90,34 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / l[:, None]
-        tl.store(
-            o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None],
-        )
+        if NUM_SPLITS == 1:
+            tl.store(
+                o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None],
+            )
+        else:  # unnormalised partials [B, heads, NUM_SPLITS, HEAD_DIM] and (max, sum) [B, heads, NUM_SPLITS, 2]
+            part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
+            tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
+
+    @triton.jit
+    def _merge_kernel(
+        part_acc_ptr, part_ml_ptr, o_ptr, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+        m = tl.load(part_ml_ptr + part * 2)
+        l = tl.load(part_ml_ptr + part * 2 + 1)
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
+        m_all = tl.max(m, 0)  # split 0 is never empty (context >= 1), so this is finite
+        w = tl.exp(m - m_all)  # empty splits: exp(-inf) = 0
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -83,18 +128,32 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    splits: int | None = None,
 ) -> None:
     """q/out [B, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim] (same strides);
-    block_tables [B, W] int32; context_lens [B] int32 (>= 1, the query's own row included)."""
+    block_tables [B, W] int32; context_lens [B] int32 (>= 1, the query's own row included).
+    splits: context splits per sequence (a power of two; default num_splits for this device)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention needs contiguous head_dim and K/V caches of equal strides")
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+    if splits is None:
+        splits = num_splits(batch, kv_heads, _num_sms(q.device.index)) if q.is_cuda else 1
+    if splits & (splits - 1):
+        raise ValueError(f"splits={splits} is not a power of two")
+    part_acc = part_ml = out  # unused by the kernel when there is a single split
+    if splits > 1:
+        part_acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=splits, num_warps=4,
+        )

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.model import fused_norm_rope
 from workers.model.attention import AttentionMetadata, paged_attention, write_kv
-from workers.model.layers import DenseMLP, MRotaryEmbedding, RMSNorm, apply_rope
+from workers.model.layers import DenseMLP, MRotaryEmbedding, RMSNorm, apply_rope, fuse_linears
 from workers.model.moe import SparseMoeBlock
 from workers.parallel import TensorParallel
 from workers.weights import TextConfig
@@ -27,7 +28,8 @@ class VisualRows:
 
 
 class Attention(nn.Module):
-    """This rank's query and KV heads; o_proj is row-parallel (its output all-reduced)."""
+    """This rank's query and KV heads; o_proj is row-parallel (its output all-reduced). q/k/v_proj are what the
+    checkpoint loads into; fuse_projections() then makes them one GEMM (qkv_proj)."""
 
     def __init__(self, cfg: TextConfig, tp: TensorParallel):
         super().__init__()
@@ -42,6 +44,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -52,11 +59,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if fused_norm_rope.supports(qkv):  # one kernel: both norms, RoPE, and the K/V cache write
+            q, k, v = fused_norm_rope.qk_norm_rope_write_kv(
+                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
+                self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping,
+            )
+        else:
+            q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
+            q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
@@ -73,9 +88,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's output before its residual add (residual None: x is the whole hidden state).
+        Returns this layer's MLP output and the residual it is still to be added to (the next norm adds it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.tp.all_reduce(self.mlp(h)), residual
 
 
 class TextModel(nn.Module):
@@ -99,8 +121,14 @@ class Qwen3VLTextForEngine(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: MRotaryEmbedding | None = None
 
-    def init_rotary(self, device: torch.device) -> None:
+    def finish_loading(self, device: torch.device) -> None:
+        """Once the weights are in place (random or checkpoint, any parallel layout): the rotary tables, and
+        this rank's q/k/v (and dense gate/up) projections fused into one weight each."""
         self.rotary = MRotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section, device)
+        for layer in self.language_model.layers:
+            layer.self_attn.fuse_projections()
+            if isinstance(layer.mlp, DenseMLP):
+                layer.mlp.fuse_projections()
 
     def forward(
         self,
@@ -116,11 +144,12 @@ class Qwen3VLTextForEngine(nn.Module):
         if visual is not None:
             h = h.index_copy(0, visual.rows, visual.embeds.to(h.dtype))
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
         for i, layer in enumerate(lm.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta)
-            if visual is not None and i < len(visual.deepstack):
-                h = h.index_add(0, visual.rows, visual.deepstack[i].to(h.dtype))
-        return lm.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
+            if visual is not None and i < len(visual.deepstack):  # added to the whole hidden state, as transformers does
+                h, residual = (h + residual).index_add(0, visual.rows, visual.deepstack[i].to(h.dtype)), None
+        return lm.norm(h) if residual is None else lm.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

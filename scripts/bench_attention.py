@@ -1,0 +1,173 @@
+"""Paged attention on one GPU at the Qwen3-VL-30B-A3B attention shape (32 q / 4 kv heads, head_dim 128,
+16-token blocks): per-sequence SDPA vs the Triton prefill kernel, split vs unsplit decode; prints one JSON object.
+
+Prefill: one layer's attention of a step of multi-row chunks (eager, median of --reps). Decode: 48 calls (one
+per layer) captured in a CUDA graph, as the engine replays them; microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from workers.model import paged_decode, paged_prefill  # noqa: E402
+from workers.model.attention import AttentionMetadata, sdpa_attention, write_kv  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
+LAYERS = 48
+# (rows, context) per chunk. catalogue: a 1,734-token prompt's tail, four whole prompts, the next one's head.
+PREFILL_STEPS = {
+    "catalogue": [(478, 1734)] + [(1734, 1734)] * 4 + [(778, 778)],
+    "prompts_4x2048": [(2048, 2048)] * 4,
+    "later_chunks_4x2048_of_4096": [(2048, 4096)] * 4,
+}
+DECODES = {"batch1_ctx1800": (1, 1800), "batch64_ctx1800": (64, 1800), "batch256_ctx1024": (256, 1024)}
+TILE_SWEEP = [
+    paged_prefill.TileConfig(128, 64, 8, 3),
+    paged_prefill.TileConfig(128, 128, 8, 3),
+    paged_prefill.TileConfig(128, 64, 8, 2),
+    paged_prefill.TileConfig(64, 64, 4, 3),
+    paged_prefill.TileConfig(128, 32, 8, 3),
+]
+
+
+def paged_step(chunks, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """A step over chunks [(rows, context)] (single-row chunks first) whose earlier context is already cached,
+    blocks scattered over the pool: (q, this step's k, v, k_cache, v_cache, metadata)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-ctx // block_size) for _, ctx in chunks]
+    order = torch.randperm(sum(blocks) + 3, generator=gen)
+    tables = torch.zeros(len(chunks), max(blocks) + 2, dtype=torch.int32)  # padded wider than needed
+    slots, starts, used = [], [0], 0
+    for i, ((rows, ctx), count) in enumerate(zip(chunks, blocks)):
+        tables[i, :count] = order[used : used + count].int()
+        used += count
+        slots += [int(tables[i, j // block_size]) * block_size + j % block_size for j in range(ctx - rows, ctx)]
+        starts.append(starts[-1] + rows)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    k_cache, v_cache = randn(len(order), block_size, kv_heads, head_dim), randn(len(order), block_size, kv_heads, head_dim)
+    q, k, v = randn(starts[-1], heads, head_dim), randn(starts[-1], kv_heads, head_dim), randn(starts[-1], kv_heads, head_dim)
+    contexts = [ctx for _, ctx in chunks]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=tables.to(device),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        block_size=block_size,
+        num_decodes=sum(rows == 1 for rows, _ in chunks),
+        query_starts=starts,
+        context_lens_host=contexts,
+    )
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def causal_flops(chunks, heads: int, head_dim: int) -> float:
+    """QK^T and PV multiply-adds of the visible (query, key) pairs, 2 FLOPs each."""
+    pairs = sum(rows * (ctx - rows) + rows * (rows + 1) // 2 for rows, ctx in chunks)
+    return 4.0 * heads * head_dim * pairs
+
+
+def median_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def bench_prefill(chunks, reps: int) -> dict:
+    q, k, v, k_cache, v_cache, meta = paged_step(chunks, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    scale = HEAD_DIM**-0.5
+    old = torch.empty_like(q)
+    sdpa_us = median_us(lambda: sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, old), reps)
+    flops = causal_flops(chunks, HEADS, HEAD_DIM)
+    result = {
+        "rows": meta.query_starts[-1],
+        "chunks": chunks,
+        "gflop": round(flops / 1e9, 1),
+        "sdpa_per_sequence_us": round(sdpa_us, 1),
+        "sdpa_tflops": round(flops / sdpa_us / 1e6, 1),
+        "triton": {},
+    }
+    for tiles in TILE_SWEEP:
+        new = torch.empty_like(q)
+        us = median_us(
+            lambda: paged_prefill.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_starts_device, meta.context_lens,
+                0, meta.query_starts[-1], scale, new, tiles,
+            ),
+            reps,
+        )
+        result["triton"]["m{}_n{}_w{}_s{}".format(*tiles)] = {
+            "us": round(us, 1),
+            "tflops": round(flops / us / 1e6, 1),
+            "max_abs_diff_vs_sdpa": round((new.float() - old.float()).abs().max().item(), 4),
+        }
+    default = result["triton"]["m{}_n{}_w{}_s{}".format(*paged_prefill.DEFAULT_TILES)]
+    result["default_speedup"] = round(sdpa_us / default["us"], 2)
+    result["saved_ms_per_48_layers"] = round((sdpa_us - default["us"]) * LAYERS / 1e3, 2)
+    return result
+
+
+def bench_decode(batch: int, ctx: int, reps: int) -> dict:
+    q, _, _, k_cache, v_cache, meta = paged_step([(1, ctx)] * batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    out = torch.empty_like(q)
+    result = {"auto_splits": paged_decode.num_splits(batch, KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count)}
+    for name, splits in (("unsplit", 1), ("split", result["auto_splits"])):
+        def layers():
+            for _ in range(LAYERS):
+                paged_decode.decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, HEAD_DIM**-0.5, out, splits=splits
+                )
+        layers()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layers()
+        result[f"{name}_us_per_layer"] = round(median_us(graph.replay, reps) / LAYERS, 2)
+    result["saved_ms_per_48_layers"] = round((result["unsplit_us_per_layer"] - result["split_us_per_layer"]) * LAYERS / 1e3, 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or paged_decode.triton is None:
+        sys.exit("bench_attention needs CUDA and triton")
+    torch.manual_seed(0)
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": paged_decode.triton.__version__,
+        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+        "prefill_one_layer": {name: bench_prefill(chunks, args.reps) for name, chunks in PREFILL_STEPS.items()},
+        "decode_graph_replay": {name: bench_decode(b, ctx, args.reps) for name, (b, ctx) in DECODES.items()},
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

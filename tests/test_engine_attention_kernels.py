@@ -1,0 +1,107 @@
+"""The Triton paged attention kernels (multi-row chunks, split decode) compute what per-sequence SDPA computes.
+
+On the CPU they run in Triton's interpreter (TRITON_INTERPRET=1 with triton importable; skipped otherwise);
+the tests marked gpu compare them in bfloat16 at the Qwen3-VL-30B-A3B shape on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from workers.model import paged_decode, paged_prefill
+from scripts.bench_attention import paged_step
+from workers.model.attention import paged_attention, sdpa_attention
+
+interpreted = pytest.mark.skipif(
+    paged_decode.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton and TRITON_INTERPRET=1 (Triton's CPU interpreter)",
+)
+
+
+def reference(q, k, v, k_cache, v_cache, meta, scale):
+    """Per-sequence SDPA in float32."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    sdpa_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale, out)
+    return out
+
+
+def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out):
+    nd = meta.num_decodes
+    paged_prefill.prefill_attention(
+        q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
+        meta.query_starts[nd], meta.query_starts[-1], scale, out,
+    )
+
+
+# Decodes, a first chunk, a later chunk, and a later chunk ending mid-block (block_size 16).
+MIXED_STEP = [(1, 40), (1, 3), (37, 37), (20, 53), (9, 25)]
+
+
+def test_only_steps_with_multi_row_chunks_carry_the_chunk_starts_for_the_prefill_kernel():
+    *_, with_chunks = paged_step(MIXED_STEP, 4, 2, 16, 16, torch.float32, "cpu")
+    *_, decodes_only = paged_step([(1, 5), (1, 9)], 4, 2, 16, 16, torch.float32, "cpu")
+    assert with_chunks.query_starts_device.tolist() == with_chunks.query_starts
+    assert with_chunks.query_starts_device.dtype == torch.int32
+    assert decodes_only.query_starts_device is None
+
+
+@pytest.mark.parametrize("batch,expected", [(1, 32), (2, 32), (8, 8), (32, 2), (64, 1), (256, 1)])
+def test_decode_splits_the_context_until_every_sm_has_a_program(batch, expected):
+    assert paged_decode.num_splits(batch, kv_heads=4, num_sms=132) == expected
+
+
+@interpreted
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2)], ids=["gqa4", "gqa3-padded"])
+def test_prefill_kernel_matches_sdpa_for_first_later_and_mid_block_chunks(heads, kv_heads):
+    q, k, v, k_cache, v_cache, meta = paged_step(MIXED_STEP, heads, kv_heads, 32, 16, torch.float32, "cpu")
+    out = torch.full_like(q, float("nan"))
+    run_prefill_kernel(q, k_cache, v_cache, meta, 32**-0.5, out)
+    nd = meta.num_decodes
+    torch.testing.assert_close(out[nd:], reference(q, k, v, k_cache, v_cache, meta, 32**-0.5)[nd:], atol=1e-5, rtol=1e-5)
+    assert out[:nd].isnan().all()  # decode rows are left to the decode kernel
+
+
+@interpreted
+def test_prefill_kernel_handles_chunks_longer_than_one_tile_after_decodes():
+    step = [(1, 70)] * 3 + [(150, 150), (70, 200)]  # block_m 128 / group 4 = 32 rows per tile
+    q, k, v, k_cache, v_cache, meta = paged_step(step, 8, 2, 16, 16, torch.float32, "cpu", seed=1)
+    out = torch.empty_like(q)
+    run_prefill_kernel(q, k_cache, v_cache, meta, 0.25, out)
+    torch.testing.assert_close(out[3:], reference(q, k, v, k_cache, v_cache, meta, 0.25)[3:], atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 4, 32])
+def test_split_decode_matches_sdpa_including_empty_splits(splits):
+    step = [(1, 200), (1, 3), (1, 64), (1, 17)]  # short contexts leave most of 32 splits empty
+    q, k, v, k_cache, v_cache, meta = paged_step(step, 8, 2, 32, 16, torch.float32, "cpu", seed=2)
+    out = torch.empty_like(q)
+    paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 32**-0.5, out, splits=splits)
+    torch.testing.assert_close(out, reference(q, k, v, k_cache, v_cache, meta, 32**-0.5), atol=1e-5, rtol=1e-5)
+
+
+# ---- CUDA, bfloat16, Qwen3-VL-30B-A3B attention shape -----------------------------------------------
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
+SCALE = HEAD_DIM**-0.5
+BF16_ATOL = 2e-2  # bf16 inputs and output, probabilities rounded to bf16 before the PV product
+
+
+@pytest.mark.gpu
+def test_prefill_kernel_matches_sdpa_on_a_catalogue_sized_step_in_bfloat16():
+    # 8 decodes, then 5 chunks totalling 8,192 rows: a later chunk, full prompts, a 4k-context later chunk.
+    step = [(1, 1800)] * 8 + [(478, 1734), (1734, 1734), (1734, 1734), (2048, 4096), (2198, 2198)]
+    q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out.float(), reference(q, k, v, k_cache, v_cache, meta, SCALE), atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [[(1, 1800)], [(1, 1800 + 13 * i) for i in range(64)]], ids=["batch1", "batch64"])
+def test_split_decode_matches_sdpa_in_bfloat16(step):
+    q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out.float(), reference(q, k, v, k_cache, v_cache, meta, SCALE), atol=BF16_ATOL, rtol=0)

@@ -1,0 +1,184 @@
+"""The MoE Triton kernels give what their torch references give: the router's top-k, the alignment of pairs into
+expert blocks, the small-batch GEMV path and the tiled path, including pairs of another rank's experts and experts
+that get no pair (Triton's interpreter on CPU with TRITON_INTERPRET=1; the real 30B-A3B shapes on CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model import fused_moe, moe_routing
+from workers.model.moe import MoeExperts, SparseMoeBlock
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and moe_routing.triton is not None
+interpreter = pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def routing(tokens: int, experts: int, k: int, seed: int, only: list[int] | None = None) -> torch.Tensor:
+    """top_i [tokens, k]: k distinct experts per token, drawn from `only` when given."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(only if only is not None else range(experts))
+    return torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(tokens)])
+
+
+def random_experts(num_experts: int, hidden: int, inter: int, seed: int, device="cpu", dtype=torch.float32) -> MoeExperts:
+    torch.manual_seed(seed)
+    experts = MoeExperts(num_experts, hidden, inter)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.05 if hidden > 256 else 0.3)
+    return experts.to(device, dtype)
+
+
+ALIGN_CASES = {
+    "one-token-block-1": (1, 8, 2, 1, False, None),
+    "nine-tokens": (9, 6, 2, 4, False, None),
+    "several-chunks-foreign": (300, 16, 4, 16, True, None),
+    "empty-experts": (40, 16, 2, 4, False, [0, 5, 15]),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("case", ALIGN_CASES.values(), ids=ALIGN_CASES.keys())
+def test_align_kernel_gives_the_reference_blocks(case):
+    tokens, experts, k, block_m, foreign, only = case
+    bins = experts + foreign  # a foreign pair has id == experts: one more bin
+    top_i = routing(tokens, bins, k, seed=tokens, only=only)
+    want_ids, want_experts = moe_routing.align_pairs_reference(top_i, bins, block_m)
+    got_ids, got_experts = moe_routing.align_pairs_triton(top_i, bins, block_m)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_experts, want_experts)
+
+
+@interpreter
+@pytest.mark.parametrize("expert_range", [None, (4, 12)], ids=["all-experts", "expert-parallel-rank"])
+def test_router_kernel_picks_the_reference_top_k_and_weights(expert_range):
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    lo, hi = expert_range or (0, 16)
+    want_w, want_i = moe_routing.route_reference(logits, 4, lo, hi)
+    got_w, got_i = moe_routing.route_triton(logits, 4, lo, hi)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w)
+
+
+@interpreter
+@pytest.mark.parametrize("tokens,foreign,inter,block_n", [(1, False, 32, None), (3, True, 24, None), (2, True, 24, 16)],
+                         ids=["one-token", "foreign-pairs-ragged-k", "ragged-columns"])
+def test_small_batch_kernels_match_the_grouped_reference(monkeypatch, tokens, foreign, inter, block_n):
+    if block_n:  # 24 intermediate columns are not a multiple of 16: the column masks
+        monkeypatch.setattr(fused_moe, "GEMV_GATED", fused_moe.TileConfig(1, block_n, 32, 4, 1))
+        monkeypatch.setattr(fused_moe, "GEMV_DOWN", fused_moe.TileConfig(1, block_n, 16, 4, 1))
+    experts = random_experts(8, 64, inter, seed=tokens)
+    top_i = routing(tokens, 8 + foreign, 2, seed=tokens)
+    top_w = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3))
+    got = fused_moe.small_batch_experts(x, top_w, top_i, experts.gate_up_proj.data, experts.down_proj.data)
+    torch.testing.assert_close(got, experts.grouped(x, top_w, top_i, foreign), rtol=1e-4, atol=1e-4)
+
+
+@interpreter
+def test_tiled_path_with_the_align_kernel_matches_the_grouped_reference(monkeypatch):
+    monkeypatch.setattr(moe_routing, "on_triton", lambda t: True)  # the Triton align on CPU tensors
+    experts = random_experts(8, 64, 32, seed=0)
+    top_i = routing(20, 9, 2, seed=0, only=[0, 1, 2, 4, 7, 8])  # experts 3, 5, 6 idle; 8 is another rank's
+    top_w = torch.rand(20, 2, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3))
+    got = fused_moe.tiled_experts(x, top_w, top_i, experts.gate_up_proj.data, experts.down_proj.data, foreign=True)
+    torch.testing.assert_close(got, experts.grouped(x, top_w, top_i, True), rtol=1e-4, atol=1e-4)
+
+
+# --- CUDA, Qwen3-VL-30B-A3B shapes (128 experts, top-8, hidden 2048, moe_intermediate 768), bfloat16 ---
+
+def block_30b(seed: int) -> SparseMoeBlock:
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(128, 8, 2048, 768).cuda().bfloat16()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.05)
+    return block
+
+
+def float64_moe(experts: MoeExperts, x, top_w, top_i) -> torch.Tensor:
+    """sum_k w * down(silu(gate x) * up x) in float64, expert by expert; ids >= E add zero."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for expert in top_i.unique().tolist():
+        if expert >= experts.num_experts:
+            continue
+        token, slot = (top_i == expert).nonzero(as_tuple=True)
+        gate, up = (x[token].double() @ experts.gate_up_proj[expert].double().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ experts.down_proj[expert].double().T
+        out.index_add_(0, token, y * top_w[token, slot].double().unsqueeze(-1))
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 2, 8, 64, 8192)])
+def test_fused_moe_layer_matches_float64_at_30b_shapes(tokens):
+    """T <= 8: the router kernel and the GEMV path; above: the router kernel, the align kernel and the tiles."""
+    block = block_30b(seed=tokens)
+    x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+    top_w, top_i = block.gate(x)
+    ref = float64_moe(block.experts, x, top_w, top_i)
+    got = block(x)
+    assert torch.isfinite(got).all()
+    assert rel(got, ref) < 1e-2
+    assert rel(got, block.experts.grouped(x, top_w, top_i)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 8, 64, 300)])
+def test_pairs_of_another_ranks_experts_add_zero_at_30b_shapes(tokens):
+    """Expert parallelism over two ranks: this rank holds experts 0-63; pairs routed to 64-127 get id 64."""
+    experts = random_experts(64, 2048, 768, seed=tokens, device="cuda", dtype=torch.bfloat16)
+    top_i = routing(tokens, 128, 8, seed=tokens).clamp(max=64).cuda()
+    top_w = torch.rand(tokens, 8, device="cuda").bfloat16()
+    x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+    ref = float64_moe(experts, x, top_w, top_i)
+    got = fused_moe.fused_experts(x, top_w, top_i, experts.gate_up_proj, experts.down_proj, foreign=True)
+    assert rel(got, ref) < 1e-2
+    assert rel(got, experts.grouped(x, top_w, top_i, foreign=True)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 64, 8192)])
+def test_router_kernel_matches_torch_at_30b_shapes(tokens):
+    """bf16 logits tie often among 128 experts; a tie may be broken the other way, so the chosen logits (not the
+    ids) must agree, and the weights."""
+    block = block_30b(seed=1)
+    logits = F.linear(torch.randn(tokens, 2048, device="cuda").bfloat16(), block.gate.weight)
+    want_w, want_i = moe_routing.route_reference(logits, 8, 0, 128)
+    got_w, got_i = moe_routing.route_triton(logits, 8, 0, 128)
+    assert torch.equal(logits.gather(1, got_i).sort(dim=1).values, logits.gather(1, want_i).sort(dim=1).values)
+    torch.testing.assert_close(got_w.sort(dim=1).values, want_w.sort(dim=1).values, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("block_m,foreign", [pytest.param(m, f, marks=gpu) for m, f in ((16, False), (128, False), (64, True))])
+def test_align_kernel_equals_the_reference_at_65k_pairs(block_m, foreign):
+    top_i = torch.rand(8192, 128 + foreign, device="cuda").topk(8, dim=-1).indices
+    want = moe_routing.align_pairs_reference(top_i, 128 + foreign, block_m)
+    got = moe_routing.align_pairs_triton(top_i, 128 + foreign, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 8, 64)])
+def test_moe_layer_replays_in_a_cuda_graph(tokens):
+    block = block_30b(seed=2)
+    x = torch.randn(tokens, 2048, device="cuda").bfloat16()
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, block(x))

@@ -1,0 +1,186 @@
+"""MoE routing kernels: top-k expert choice from router logits, and the alignment of token-expert pairs into
+expert-sorted blocks for the grouped GEMMs; Triton on CUDA, with the torch references used on CPU.
+
+Both are graph-safe: output sizes depend only on the token count, and nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+ALIGN_SUB = 64  # pairs per step of the align kernels' running per-expert count
+ALIGN_PROGRAMS = 128  # the align kernels split the pairs into about this many chunks
+
+
+def on_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+def route(logits: torch.Tensor, top_k: int, expert_range: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in logits.dtype, expert ids [T, k] int64): softmax in float32, the
+    top k, renormalised to sum 1. expert_range (lo, hi): ids become local (id - lo), and an expert outside
+    [lo, hi) becomes hi - lo (a pair served by another rank)."""
+    lo, hi = expert_range or (0, logits.shape[1])
+    if on_triton(logits):
+        return route_triton(logits, top_k, lo, hi)
+    return route_reference(logits, top_k, lo, hi)
+
+
+def route_reference(logits: torch.Tensor, top_k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if (lo, hi) != (0, logits.shape[1]):
+        top_i = torch.where((top_i >= lo) & (top_i < hi), top_i - lo, hi - lo)
+    return top_w.to(logits.dtype), top_i
+
+
+def route_triton(logits: torch.Tensor, top_k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per token; ties go to the lower expert id."""
+    tokens, num_experts = logits.shape
+    top_w = logits.new_empty(tokens, top_k)
+    top_i = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, top_w, top_i, logits.stride(0), num_experts, lo, hi,
+            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1,
+        )
+    return top_w, top_i
+
+
+def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ids (token * k + slot) grouped by expert in pair order, each group padded to a multiple of block_m
+    with the id P (= number of pairs, an invalid row), and the expert of every block_m rows (num_experts:
+    unused). num_experts counts every id top_i may hold (E + 1 with a bin for other ranks' pairs). Sizes
+    depend only on P: the worst case P + num_experts * (block_m - 1) rows."""
+    if on_triton(top_i):
+        return align_pairs_triton(top_i, num_experts, block_m)
+    return align_pairs_reference(top_i, num_experts, block_m)
+
+
+def _num_blocks(num_pairs: int, num_bins: int, block_m: int) -> int:
+    return (num_pairs + num_bins * (block_m - 1) + block_m - 1) // block_m
+
+
+def align_pairs_reference(top_i: torch.Tensor, num_bins: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = top_i.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat.to(torch.int32), stable=True)
+    counts = torch.histc(flat.float(), bins=num_bins, min=0, max=num_bins).to(torch.int64)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    sorted_expert = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
+    dest = (padded_end - padded)[sorted_expert] + rank
+    num_blocks = _num_blocks(num_pairs, num_bins, block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids.index_put_((dest,), order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def align_pairs_triton(top_i: torch.Tensor, num_bins: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two kernels over chunks of pairs: per-chunk expert counts, then (each chunk again) the padded expert
+    offsets from all counts, a stable scatter of the chunk's pairs, and its share of the padding rows and of
+    block_expert. Same result as the reference."""
+    flat = top_i.reshape(-1)
+    num_pairs = flat.numel()
+    num_blocks = _num_blocks(num_pairs, num_bins, block_m)
+    chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    bins_pow2 = triton.next_power_of_2(num_bins)
+    counts = torch.empty(num_chunks, bins_pow2, dtype=torch.int32, device=flat.device)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    _align_count_kernel[(num_chunks,)](flat, counts, num_pairs, chunk, SUB=ALIGN_SUB, BINS=bins_pow2, num_warps=8)
+    _align_scatter_kernel[(num_chunks,)](
+        flat, counts, sorted_ids, block_expert, num_pairs, chunk, num_chunks, num_bins, num_blocks,
+        triton.cdiv(num_blocks, num_chunks), BLOCK_M=block_m, SUB=ALIGN_SUB, BINS=bins_pow2, CHUNK_TILE=32, num_warps=8,
+    )
+    return sorted_ids, block_expert
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(logits_ptr, w_ptr, i_ptr, stride_t, num_experts, lo, hi, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+        token = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < num_experts
+        logits = tl.load(logits_ptr + token * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        e = tl.exp(logits - tl.max(logits, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        slots = tl.arange(0, TOP_K)
+        top_w = tl.zeros([TOP_K], dtype=tl.float32)
+        top_i = tl.zeros([TOP_K], dtype=tl.int32)
+        left = tl.where(valid, logits, float("-inf"))  # chosen on the logits: the order softmax keeps
+        for slot in tl.static_range(TOP_K):
+            best = tl.max(left, axis=0)
+            idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+            top_w = tl.where(slots == slot, tl.sum(tl.where(offs == idx, probs, 0.0), axis=0), top_w)
+            top_i = tl.where(slots == slot, idx, top_i)
+            left = tl.where(offs == idx, float("-inf"), left)
+        top_w = top_w / tl.sum(top_w, axis=0)
+        top_i = tl.where((top_i >= lo) & (top_i < hi), top_i - lo, hi - lo)
+        tl.store(w_ptr + token * TOP_K + slots, top_w.to(w_ptr.dtype.element_ty))
+        tl.store(i_ptr + token * TOP_K + slots, top_i.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["num_pairs", "chunk"])  # vary with the token count: one compile
+    def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, chunk, SUB: tl.constexpr, BINS: tl.constexpr):
+        pid = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        total = tl.zeros([BINS], dtype=tl.int32)
+        for start in range(pid * chunk, pid * chunk + chunk, SUB):  # the last chunk is cut by the masks
+            offs = start + tl.arange(0, SUB)
+            expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+            total += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + pid * BINS + bins, total)
+
+    @triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "num_blocks", "blocks_per_program"])
+    def _align_scatter_kernel(
+        ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
+        num_pairs, chunk, num_chunks, num_bins, num_blocks, blocks_per_program,
+        BLOCK_M: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNK_TILE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        # Expert totals over all chunks, and this chunk's start inside each expert's group.
+        total = tl.zeros([BINS], dtype=tl.int32)
+        before = tl.zeros([BINS], dtype=tl.int32)
+        for c0 in range(0, num_chunks, CHUNK_TILE):
+            rows = c0 + tl.arange(0, CHUNK_TILE)
+            cnt = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=rows[:, None] < num_chunks, other=0)
+            total += tl.sum(cnt, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < pid, cnt, 0), axis=0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        group_end = tl.cumsum(padded, axis=0)
+        group_start = group_end - padded
+        # Stable scatter of this chunk's pairs: destination = group start + pairs of the expert before it.
+        next_slot = group_start + before
+        for start in range(pid * chunk, pid * chunk + chunk, SUB):  # the last chunk is cut by the masks
+            offs = start + tl.arange(0, SUB)
+            in_range = offs < num_pairs
+            expert = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+            onehot = (expert[:, None] == bins[None, :]).to(tl.int32)
+            rank = tl.cumsum(onehot, axis=0) - onehot + next_slot[None, :]
+            dest = tl.sum(onehot * rank, axis=1)
+            tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=in_range)
+            next_slot += tl.sum(onehot, axis=0)
+        # This program's blocks: their expert, and the id P on every row no pair fills.
+        rows_in_block = tl.arange(0, BLOCK_M)
+        for block in range(pid * blocks_per_program, pid * blocks_per_program + blocks_per_program):
+            exists = block < num_blocks
+            expert = tl.sum((group_end <= block * BLOCK_M).to(tl.int32), axis=0)
+            tl.store(block_expert_ptr + block, tl.minimum(expert, num_bins), mask=exists)
+            # Rows from the expert's start + count on are padding (a block past every group: no bin matches).
+            first_pad = tl.sum(tl.where(bins == expert, group_start + total, 0), axis=0)
+            row = block * BLOCK_M + rows_in_block
+            pad = (row >= first_pad) | (expert >= num_bins)
+            tl.store(sorted_ptr + row, tl.full([BLOCK_M], 0, tl.int32) + num_pairs, mask=pad & exists)

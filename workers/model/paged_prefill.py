@@ -1,0 +1,153 @@
+"""Varlen paged prefill attention in Triton: every multi-row chunk of a step in one kernel launch.
+
+A program owns BLOCK_Q query rows of one chunk for all query heads of one KV head (GQA rows packed
+into the tile's M dimension), reads K/V through the block table with an online softmax in float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from workers.model.paged_decode import triton
+
+if triton is not None:
+    import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+class TileConfig(NamedTuple):
+    """Launch shape: block_m packed (row, head) pairs per program, block_n keys per inner iteration."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+DEFAULT_TILES = TileConfig()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend(
+        acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, start, end, q_pos, qk_scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    ):
+        """Online softmax over keys start..end-1 (end exclusive); CAUSAL_MASK hides keys after each row."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for first in range(start, end, BLOCK_N):
+            offs_n = first + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, k_t) * qk_scale  # log2 domain
+            if CAUSAL_MASK:
+                s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return acc, l, m
+
+    @triton.jit(do_not_specialize=["num_seqs", "first_tile", "stride_tb"])  # vary per step: one compile
+    def _prefill_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, starts_ptr, lens_ptr, qk_scale, num_seqs, first_tile,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_tb,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        kv_head = tl.program_id(0)
+        # Tiles in reverse: the last rows of each chunk (the most keys) are scheduled first.
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        # Chunk s owns tiles from starts[s] // BLOCK_Q + s - first_tile on (at least ceil(rows / BLOCK_Q) of them).
+        lo = tl.zeros([], tl.int32)
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            owns = tl.load(starts_ptr + mid) // BLOCK_Q + mid - first_tile <= tile
+            lo = tl.where(owns, mid, lo)
+            hi = tl.where(owns, hi, mid)
+        seq = lo
+        q_start = tl.load(starts_ptr + seq)
+        n = tl.load(starts_ptr + seq + 1) - q_start
+        ctx = tl.load(lens_ptr + seq)
+        row0 = (tile - (q_start // BLOCK_Q + seq - first_tile)) * BLOCK_Q
+        if row0 < n:
+            offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+            offs_d = tl.arange(0, HEAD_DIM)
+            r = row0 + offs_m // GROUP_PAD
+            h = offs_m % GROUP_PAD
+            row_ok = (r < n) & (h < GROUP)
+            heads = kv_head * GROUP + h
+            q = tl.load(
+                q_ptr + (q_start + r)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0,
+            )
+            q_pos = ctx - n + r  # causal aligned to the end of the context: row j sees keys 0..ctx-n+j
+            table_ptr = tables_ptr + seq * stride_tb
+            m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+            # Keys every row of the tile sees need no mask; the tail up to the tile's last row does.
+            full_end = (ctx - n + row0 + 1) // BLOCK_N * BLOCK_N
+            kv_end = ctx - n + tl.minimum(row0 + BLOCK_Q, n)
+            acc, l, m = _attend(
+                acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, 0, full_end, q_pos, qk_scale,
+                stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
+            )
+            acc, l, m = _attend(
+                acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
+                stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+            )
+            out = acc / l[:, None]
+            tl.store(
+                o_ptr + (q_start + r)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None],
+            )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    first_row: int,
+    last_row: int,
+    scale: float,
+    out: torch.Tensor,
+    tiles: TileConfig = DEFAULT_TILES,
+) -> None:
+    """Attention of chunks 0..S-1, rows first_row..last_row-1 of q/out [T, heads, head_dim]: chunk s is rows
+    query_starts[s]:query_starts[s+1] ([S + 1] int32, device; query_starts[0] = first_row) whose context
+    (its own rows included, already in the caches) is context_lens[s] tokens in blocks block_tables[s]."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("prefill_attention needs contiguous head_dim and K/V caches of equal strides")
+    if group_pad > tiles.block_m:
+        raise ValueError(f"{group} query heads per KV head do not fit block_m={tiles.block_m}")
+    block_q = tiles.block_m // group_pad
+    num_seqs = query_starts.shape[0] - 1
+    first_tile = first_row // block_q
+    num_tiles = last_row // block_q + num_seqs - first_tile
+    _prefill_kernel[(kv_heads, num_tiles)](
+        q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2_E, num_seqs, first_tile,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_Q=block_q, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
