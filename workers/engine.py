@@ -217,7 +217,7 @@ class LLMEngine:
         return self.runner.export_kv(seq, on_device)
 
     def close(self) -> None:
-        """Stops the other ranks of a multi-GPU instance (nothing to do for one device)."""
+        """Frees the decode graphs and stops the other ranks of a multi-GPU instance."""
         self.runner.close()
 
     def release(self, request_id: str) -> bool:

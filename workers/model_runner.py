@@ -8,6 +8,7 @@ others (workers/rank_group.py) and samples; every rank runs the text tower on it
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 
@@ -253,7 +254,12 @@ class ModelRunner:
         return torch.cat(parts, dim=3)
 
     def close(self) -> None:
-        """Stops the other ranks of this instance (rank 0 only)."""
+        """Frees the decode CUDA graphs first (under tensor parallelism they hold captured NCCL work, and tearing
+        the communicator down under live graphs can wait forever), then stops the other ranks (rank 0 only)."""
+        if self.graphs is not None:
+            self.graphs = None
+            gc.collect()
+            torch.cuda.synchronize(self.device)
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None

@@ -182,9 +182,18 @@ class RankGroup:
             pass
         for proc in self.procs:
             proc.join(timeout=30)
+        stuck = [p.name for p in self.procs if p.is_alive()]
         self._kill()
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if not stuck:
             dist.destroy_process_group()
+            return
+        # A destroy with a killed peer can wait forever for it: abort this end of the communicator instead.
+        log.warning("rank process(es) %s did not stop within 30 s and were killed; aborting the process group", stuck)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
 
     def _kill(self) -> None:
         self._closing.set()
@@ -238,4 +247,5 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
             runner.gather_kv(message[1], message[2])
         else:
             raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
+    runner.close()  # its decode graphs hold captured NCCL work: free them before the communicator goes
     dist.destroy_process_group()
