@@ -19,6 +19,7 @@ from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.sequence import Sequence
 from workers.sim.config import SimulationConfig
 from workers.sim.step_model import StepModel, StepWork
+from workers.sim.trace import RequestTrace
 from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 
 IMAGE_PAD_ID = 151655
@@ -50,6 +51,9 @@ class SimulatedEngine:
         self.eos_token_ids = EOS_IDS
         self.last_step_s = 0.0
         self.busy_s = 0.0
+        self.overrun_s = 0.0  # wall seconds steps ran past step_model x time_scale (a starved CPU, Python overhead)
+        self._busy_until: float | None = None  # when the previous step ended with work left
+        self._trace = RequestTrace(sim.trace_dir, f"{id(self):x}") if sim.trace_dir and realtime else None
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
@@ -59,6 +63,8 @@ class SimulatedEngine:
     def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
                         resume_token_ids: Seq[int] = (), prefill_only: bool = False,
                         kv_import: KvExport | None = None) -> Sequence | RequestOutput:
+        if self._trace is not None:
+            self._trace.enter(request_id, self.overrun_s)
         token_ids = list(prompt.token_ids) + list(resume_token_ids)
         if len(token_ids) + (kv_import is not None) > self.config.max_model_len:
             return RequestOutput(request_id, [], True, FinishReason.ERROR,
@@ -148,9 +154,27 @@ class SimulatedEngine:
             time.sleep(max(started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0))
         if not out.is_empty:
             changed += self.scheduler.update(out, self._sample(out))
-        outputs += [_output(seq) for seq in changed]
+        if self.realtime:
+            self._account_overrun(started)
+        if self._trace is not None:
+            for seq in changed:
+                if seq.is_finished:
+                    self._trace.leave(seq.request_id, self.overrun_s)
+        outputs += [_output(seq) for seq in changed if self._hand_out(seq)]
         self._steps += 1
         return outputs
+
+    def _hand_out(self, seq: Sequence) -> bool:
+        """Stream this sequence's tokens now? Its first token, its end, and every stream_interval tokens."""
+        unsent = seq.num_generated_tokens - seq.num_streamed_tokens
+        return seq.is_finished or seq.num_streamed_tokens == 0 or unsent >= self.sim.stream_interval
+
+    def _account_overrun(self, started: float) -> None:
+        """Adds the step's wall time beyond its simulated length, and any gap since a previous busy step."""
+        ended = time.monotonic()
+        gap = started - self._busy_until if self._busy_until is not None else 0.0
+        self.overrun_s += gap + max(ended - started - self.last_step_s * self.sim.time_scale, 0.0)
+        self._busy_until = ended if self.scheduler.has_unfinished() else None
 
     @staticmethod
     def work(out: SchedulerOutput) -> StepWork:

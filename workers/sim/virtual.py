@@ -35,6 +35,7 @@ class Workload:
 @dataclass
 class Result:
     latencies_s: list[float] = field(default_factory=list)
+    issued_s: list[float] = field(default_factory=list)  # each finished request's arrival, in latencies_s order
     first_token_s: list[float] = field(default_factory=list)
     makespan_s: float = 0.0
     busy_s: float = 0.0
@@ -133,6 +134,7 @@ class VirtualCluster:
                             heapq.heappush(events, (e.clock + xfer, next(seq_no), "kv", out.request_id))
                         else:
                             result.latencies_s.append(e.clock - issued[out.request_id])
+                            result.issued_s.append(issued[out.request_id])
 
 
 def poisson_arrivals(qps: float, count: int, seed: int = 0) -> list[float]:
