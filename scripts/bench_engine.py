@@ -182,6 +182,7 @@ def moe_layer_times(model) -> dict[str, float]:
     fused Triton kernels and for the torch._grouped_mm path."""
     import torch
 
+    from scripts.gpu_timing import graph_us
     from workers.model import moe
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
@@ -191,25 +192,7 @@ def moe_layer_times(model) -> dict[str, float]:
     for tokens in (1, 2, 64, 256, 8192):
         x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
         for path, experts in paths.items():
-            layer = lambda: experts(x, *mlp.gate(x))  # noqa: E731
-            with torch.inference_mode():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    layer()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    layer()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[f"{path}_T{tokens}"] = round(start.elapsed_time(end) * 1e3 / 20, 1)
-            del graph
+            times[f"{path}_T{tokens}"] = graph_us(lambda: experts(x, *mlp.gate(x)), calls=1, replays=20)
     return times
 
 

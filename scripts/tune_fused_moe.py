@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from scripts.gpu_timing import graph_us, time_us  # noqa: E402
 from workers.model import fused_moe, moe_routing  # noqa: E402
 from workers.model.fused_moe import TileConfig  # noqa: E402
 from workers.model.moe import SparseMoeBlock  # noqa: E402
@@ -43,41 +44,6 @@ LARGE = [
         (128, 128, 32, 8, 5), (64, 128, 128, 8, 3),
     )
 ]
-
-
-def time_us(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def graph_us(fn, calls: int = 10, replays: int = 5) -> float:
-    """GPU microseconds per fn() call: `calls` calls captured in one CUDA graph (no launch gaps), replayed."""
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) * 1e3 / (calls * replays), 1)
 
 
 @contextlib.contextmanager

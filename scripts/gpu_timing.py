@@ -1,0 +1,41 @@
+"""GPU timing for the benchmark scripts: microseconds per call, eager (events around a loop) or replayed from one
+CUDA graph (no launch gaps, as the engine's decode graphs run)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def time_us(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def graph_us(fn, calls: int = 10, replays: int = 5) -> float:
+    """GPU microseconds per fn() call: `calls` calls captured in one CUDA graph (no launch gaps), replayed."""
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) * 1e3 / (calls * replays), 1)
