@@ -28,13 +28,21 @@ from harness.ray_workers import (
     init_ray,
     simulated_factory_for_pool,
 )
-from harness.system_config import PoolSection, SystemConfig, engine_config, router_config, simulation_config
+from harness.system_config import (
+    KvLinkSection,
+    PoolSection,
+    SystemConfig,
+    engine_config,
+    router_config,
+    simulation_config,
+)
 from router.client import RouterClient
 from router.shards import ShardedRouterClient, connect_router
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
 from workers.chat import encode_chat
 from workers.config import EngineConfig
+from workers.kv_transfer import KvLinkConfig
 from workers.tokenizer import load_tokenizer
 from workers.types import PromptInput
 
@@ -212,6 +220,14 @@ def parallel_engine_factory(engine: EngineConfig, pool: PoolSection) -> Callable
     return engine_factory_for(EngineConfig.model_validate({**engine.model_dump(), **layout}))
 
 
+def kv_link_template(section: KvLinkSection, engine: EngineConfig) -> KvLinkConfig | None:
+    """The pair's link on the engine's (rank 0's) device; the fleet fills in the prefill node's host and the role."""
+    if not section.enabled:
+        return None
+    device = "cuda:0" if engine.device == "cuda" else engine.device
+    return KvLinkConfig(host="", port=section.port, role="prefill", device=device, timeout_s=section.timeout_s)
+
+
 class Cluster:
     """Context manager: router process + Ray worker fleet, registered, healthy and warm inside the block."""
 
@@ -269,6 +285,7 @@ class Cluster:
             kv_block_size=engine.block_size,
             max_model_len=engine.max_model_len,
             heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
+            kv_link=kv_link_template(self._config.workers.kv_link, engine),
         )
         if simulated is None:
             self._fleet = WorkerFleet(self._config.workers.pools, template, router_addresses=addresses,
@@ -295,6 +312,10 @@ class Cluster:
             raise RuntimeError(f"router at {self.router_address} failed: {exc.code().name}: {exc.details()}") from None
         finally:
             await client.close()
+
+    def kv_link_transfers(self) -> dict[str, int]:
+        """worker_id -> KV transfers over the workers' kv link (empty without one)."""
+        return self._fleet.kv_link_transfers() if self._fleet is not None else {}
 
     def stop(self) -> None:
         """Idempotent: actors, Ray (stopped if embedded, disconnected if joined), then the router."""

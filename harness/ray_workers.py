@@ -1,5 +1,6 @@
 """Model workers as Ray actors: one actor per model instance on a STRICT_PACK placement group holding its
-GPUs/CPUs, restarted by Ray when it dies (it rebuilds its engine and re-registers with the router)."""
+GPUs/CPUs, restarted by Ray when it dies (it rebuilds its engine and re-registers with the router).
+A prefill/decode pair with a KV link connects it (workers/kv_transfer.py) before serving."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.system_config import PoolSection, RaySection
+from workers.kv_transfer import KvLinkConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ class WorkerSpec:
     max_model_len: int = 0
     heartbeat_interval_s: float = 1.0
     listen_host: str = "127.0.0.1"
+    # The GPU-to-GPU KV link of a prefill/decode pair; in the fleet's template its host and role are placeholders
+    # (the fleet sets the prefill worker's node and each worker's role).
+    kv_link: KvLinkConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,7 @@ class ModelWorker:
     `colocated` specs are served by the same process on their own ports (simulated workers: many per process)."""
 
     def __init__(self, spec: WorkerSpec, *colocated: WorkerSpec) -> None:
+        from workers.kv_transfer import KvLink
         from workers.server import WorkerServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -75,6 +81,7 @@ class ModelWorker:
         for one in (spec, *colocated):
             served = one.engine_factory()
             self._engines.append(served.async_engine)
+            link = None if one.kv_link is None else KvLink(one.kv_link)  # waits for the peer to connect
             server = WorkerServer(
                 served.async_engine,
                 one.worker_id,
@@ -87,6 +94,7 @@ class ModelWorker:
                 max_model_len=one.max_model_len,
                 heartbeat_interval_s=one.heartbeat_interval_s,
                 generation_defaults=served.generation_defaults,
+                kv_link=link,
             )
             asyncio.run_coroutine_threadsafe(server.start(), self._loop).result()
             self._servers[one.worker_id] = server
@@ -99,6 +107,10 @@ class ModelWorker:
     def addresses(self) -> dict[str, str]:
         """worker_id -> address of every worker this process serves."""
         return {worker_id: server.address for worker_id, server in self._servers.items()}
+
+    def kv_link_transfers(self) -> dict[str, int]:
+        """worker_id -> KV transfers its link has sent (prefill) or received (decode), for workers with a link."""
+        return {wid: s.kv_link.transfers for wid, s in self._servers.items() if s.kv_link is not None}
 
     def stop(self) -> None:
         """Stops serving (deregisters by going silent) and shuts the engines down."""
@@ -154,7 +166,9 @@ class WorkerFleet:
         """`template` gives every worker's spec; its worker_id and role are replaced per worker, and its engine
         factory by `factory_for_pool(pool)` when given. `workers_per_actor` > 1 and `use_gpus=False` are for
         simulated workers (many per process, no GPUs); `cpus_per_actor` then replaces the pools' cpus_per_worker.
-        `router_addresses` (sharded routers): the n-th worker registers with router n mod len(router_addresses)."""
+        `router_addresses` (sharded routers): the n-th worker registers with router n mod len(router_addresses).
+        A template with a kv_link joins the prefill and the decode worker (one of each): the prefill worker listens
+        on its node's address."""
         self._pools = pools
         self._template = template
         self._factory_for_pool = factory_for_pool
@@ -169,13 +183,11 @@ class WorkerFleet:
         return [wid for instance in self.instances for wid in (instance.worker_id, *instance.colocated)]
 
     def start(self) -> None:
-        actor_class = ray.remote(ModelWorker)
+        """Places every instance, then starts its actor (once all are placed: a kv link needs the prefill's node)."""
+        planned = []
         for pool in self._pools:
             gpus = pool.gpus_per_worker if self._use_gpus else 0
             cpus = self._cpus_per_actor or pool.cpus_per_worker
-            template = self._template
-            if self._factory_for_pool is not None:
-                template = dataclasses.replace(template, engine_factory=self._factory_for_pool(pool))
             for first in range(0, pool.count, self._workers_per_actor):
                 ids = [f"{pool.role}-{i}" for i in range(first, min(first + self._workers_per_actor, pool.count))]
                 bundle = {"CPU": cpus, **pool.resources}
@@ -183,19 +195,37 @@ class WorkerFleet:
                     bundle["GPU"] = gpus
                 group = placement_group([bundle], strategy="STRICT_PACK", name=f"q3vl-{ids[0]}")
                 self.instances.append(_Instance(ids[0], None, group, tuple(ids[1:])))
-                specs = [dataclasses.replace(template, worker_id=wid, role=pool.role, router_address=next(self._router_turn))
-                         for wid in ids]
-                self.instances[-1].actor = actor_class.options(
-                    name=f"q3vl-{ids[0]}",
-                    num_cpus=cpus,
-                    num_gpus=gpus,
-                    resources=dict(pool.resources),
-                    max_restarts=-1,
-                    max_concurrency=4,  # address() must answer while another call waits
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-                ).remote(*specs)
+                planned.append((self.instances[-1], pool, ids, cpus, gpus))
         for instance in self.instances:
             ray.get(instance.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        link = self._template.kv_link
+        if link is not None:
+            prefill = next(instance for instance, pool, *_ in planned if pool.role == "prefill")
+            link = dataclasses.replace(link, host=_node_address(prefill.group))
+        actor_class = ray.remote(ModelWorker)
+        for instance, pool, ids, cpus, gpus in planned:
+            template = self._template
+            if self._factory_for_pool is not None:
+                template = dataclasses.replace(template, engine_factory=self._factory_for_pool(pool))
+            if link is not None:
+                template = dataclasses.replace(
+                    template, kv_link=dataclasses.replace(link, role=pool.role) if pool.role != "aggregated" else None)
+            specs = [dataclasses.replace(template, worker_id=wid, role=pool.role, router_address=next(self._router_turn))
+                     for wid in ids]
+            instance.actor = actor_class.options(
+                name=f"q3vl-{ids[0]}",
+                num_cpus=cpus,
+                num_gpus=gpus,
+                resources=dict(pool.resources),
+                max_restarts=-1,
+                max_concurrency=4,  # address() must answer while another call waits
+                scheduling_strategy=PlacementGroupSchedulingStrategy(instance.group, placement_group_bundle_index=0),
+            ).remote(*specs)
+
+    def kv_link_transfers(self) -> dict[str, int]:
+        """worker_id -> KV transfers over its link (sent by the prefill worker, received by the decode worker)."""
+        counts = ray.get([instance.actor.kv_link_transfers.remote() for instance in self.instances])
+        return {wid: n for one in counts for wid, n in one.items()}
 
     def addresses(self, timeout_s: float) -> dict[str, str]:
         """worker_id -> gRPC address, once every actor has (re)built its engine; waits out restarts."""
@@ -226,6 +256,12 @@ class WorkerFleet:
             ray.kill(instance.actor, no_restart=True)
             remove_placement_group(instance.group)
         self.instances.clear()
+
+
+def _node_address(group: PlacementGroup) -> str:
+    """The IP address of the node holding the group's (first) bundle."""
+    node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 
 def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:

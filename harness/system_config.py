@@ -19,6 +19,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -132,8 +133,20 @@ class PoolSection(_Strict):
         return self
 
 
+class KvLinkSection(_Strict):
+    """The GPU-to-GPU KV hand-off (workers/kv_transfer.py, NCCL; gloo on CPU) between the one prefill and the one
+    decode instance: the prefill worker listens on `port` of its node, the decode worker connects there. Off,
+    the KV goes over gRPC (PullKv). A restarted end does not rejoin its running peer (it waits timeout_s, fails and
+    is restarted again); meanwhile the router prefills on the decode worker."""
+
+    enabled: bool = False
+    port: int = Field(29650, ge=1024, le=65535)
+    timeout_s: PositiveFloat = Field(600.0, description="how long each end waits for the other to connect")
+
+
 class WorkersSection(_Strict):
     pools: list[PoolSection] = Field(min_length=1)
+    kv_link: KvLinkSection = KvLinkSection()
 
     @model_validator(mode="after")
     def _prefill_needs_decode(self) -> WorkersSection:
@@ -141,6 +154,20 @@ class WorkersSection(_Strict):
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("a prefill pool needs a decode pool and vice versa")
         return self
+
+    @field_validator("kv_link")
+    @classmethod
+    def _kv_link_joins_one_pair(cls, value: KvLinkSection, info: ValidationInfo) -> KvLinkSection:
+        pools = info.data.get("pools")
+        if not value.enabled or pools is None:
+            return value
+        count = {role: sum(p.count for p in pools if p.role == role) for role in ("prefill", "decode", "aggregated")}
+        if (count["prefill"], count["decode"], count["aggregated"]) != (1, 1, 0):
+            raise ValueError(f"enabled: supported for one prefill and one decode instance and no aggregated pool "
+                             f"(one link joins one pair); these pools have {count['prefill']} prefill, "
+                             f"{count['decode']} decode and {count['aggregated']} aggregated instances: "
+                             f"set enabled: false (KV over gRPC)")
+        return value
 
     @property
     def disaggregated(self) -> bool:
@@ -239,6 +266,12 @@ class SystemConfig(_Strict):
     measurements: MeasurementsSection
     requests: RequestsSection = RequestsSection()
     ray: RaySection = RaySection()
+
+    @model_validator(mode="after")
+    def _kv_link_needs_a_model(self) -> SystemConfig:
+        if self.workers.kv_link.enabled and self.model.simulated_hardware is not None:
+            raise ValueError("workers.kv_link.enabled: simulated workers hold no KV cache to send; set it false")
+        return self
 
     @model_validator(mode="after")
     def _datasets_for_scenarios(self) -> SystemConfig:

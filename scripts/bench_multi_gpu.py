@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import json
 import logging
 import math
@@ -108,39 +109,44 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def poisson_latencies(engine, prompts, w: Workload, qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
-    """Requests arrive with exponential gaps at `qps` (preprocessing starts at arrival, on a thread pool, as in
-    the AsyncEngine); each one's seconds from arrival to its last token. Arrivals stop at cap_s; a request not
-    finished cap_s + 12 s after the start counts as infinitely late (and is aborted)."""
-    from workers.types import PromptInput
-
+def poisson_arrivals(qps: float, requests: int, cap_s: float, seed: int) -> list[float]:
+    """Seconds from the level's start at which its requests arrive: exponential gaps at `qps`, none after cap_s."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(requests):
         t += rng.expovariate(qps)
         arrivals.append(t)
-    arrivals = [a for a in arrivals if a <= cap_s]
+    return [a for a in arrivals if a <= cap_s]
+
+
+def drive_poisson(engine, prompts, w: Workload, arrivals: list[float], stop_s: float, tag: str, on_finished,
+                  **prepare_kw) -> int:
+    """Adds request `tag`-n at arrivals[n] (preprocessing starts at arrival, on a thread pool, as in the
+    AsyncEngine) and steps the engine; on_finished(rid, its arrival on time.monotonic()) as each one finishes.
+    Stops stop_s after the start at the latest: the requests left are aborted, their count returned."""
+    from workers.types import PromptInput
+
     arrived: dict[str, float] = {}
-    latencies: list[float] = []
     preparing: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        t0, nxt = time.perf_counter(), 0
+        t0, nxt = time.monotonic(), 0
         while nxt < len(arrivals) or preparing or engine.has_unfinished():
-            now = time.perf_counter() - t0
-            if now > cap_s + P99_LIMITS_S[0]:
+            now = time.monotonic() - t0
+            if now > stop_s:
                 break
             while nxt < len(arrivals) and arrivals[nxt] <= now:
                 rid = f"{tag}-{nxt}"
                 ids, image = prompts[nxt % len(prompts)]
-                arrived[rid] = arrivals[nxt]
-                preparing.append(pool.submit(engine.prepare_request, rid, PromptInput(ids, [image]), greedy(w.output_tokens)))
+                arrived[rid] = t0 + arrivals[nxt]
+                preparing.append(pool.submit(engine.prepare_request, rid, PromptInput(ids, [image]),
+                                             greedy(w.output_tokens), **prepare_kw))
                 nxt += 1
             while preparing and preparing[0].done():
                 engine.add_prepared(preparing.popleft().result())
             if engine.has_unfinished():
                 for o in engine.step():
                     if o.finished:
-                        latencies.append(time.perf_counter() - t0 - arrived.pop(o.request_id))
+                        on_finished(o.request_id, arrived.pop(o.request_id))
             else:
                 time.sleep(0.001)
         for f in preparing:
@@ -149,12 +155,22 @@ def poisson_latencies(engine, prompts, w: Workload, qps: float, requests: int, c
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return latencies + [math.inf] * len(arrived)
+    return len(arrived)
 
 
-def qps_search(engine, prompts, w: Workload, offline_rate: float, args, share: float = 1.0) -> dict:
+def poisson_latencies(engine, prompts, w: Workload, qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
+    """Requests arrive with exponential gaps at `qps` until cap_s; each one's seconds from arrival to its last
+    token; a request not finished cap_s + 12 s after the start counts as infinitely late (and is aborted)."""
+    latencies: list[float] = []
+    late = drive_poisson(engine, prompts, w, poisson_arrivals(qps, requests, cap_s, seed), cap_s + P99_LIMITS_S[0], tag,
+                         lambda rid, arrived: latencies.append(time.monotonic() - arrived))
+    return latencies + [math.inf] * late
+
+
+def qps_search(measure, offline_rate: float, args, share: float = 1.0) -> dict:
     """Poisson levels at args.qps_fractions of the offline rate (this process takes `share` of the arrivals);
-    stops when the part's time is spent. Latencies are returned for a caller that merges instances."""
+    measure(qps, requests, cap_s, seed, tag) runs one level and returns its latencies (inf: unfinished).
+    Stops when the part's time is spent. Latencies are returned for a caller that merges instances."""
     levels, deadline = [], args.part_deadline
     for i, fraction in enumerate(float(f) for f in args.qps_fractions.split(",")):
         qps = fraction * offline_rate * share
@@ -162,7 +178,7 @@ def qps_search(engine, prompts, w: Workload, offline_rate: float, args, share: f
         if time.time() + level_s + P99_LIMITS_S[0] + 5 > deadline:
             levels.append({"fraction": fraction, "skipped": "part time spent"})
             break
-        lat = poisson_latencies(engine, prompts, w, qps, math.ceil(args.qps_requests * share), level_s, 1000 + i, f"q{i}")
+        lat = measure(qps, math.ceil(args.qps_requests * share), level_s, 1000 + i, f"q{i}")
         levels.append({"fraction": fraction, "qps": round(qps, 3), "requests": len(lat), "latencies_s": [round(x, 3) for x in lat]})
     return {"levels": levels}
 
@@ -230,7 +246,8 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
         warm_up(engine)
         prompts = catalogue_prompts(w)
         result["catalogue"] = catalogue(engine, prompts, w)
-        result["poisson"] = summarize_levels(qps_search(engine, prompts, w, result["catalogue"]["samples_per_s"], args)["levels"])
+        measure = functools.partial(poisson_latencies, engine, prompts, w)
+        result["poisson"] = summarize_levels(qps_search(measure, result["catalogue"]["samples_per_s"], args)["levels"])
         if args.decode:
             result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in w.decode_batches[1:]}
     finally:
@@ -251,7 +268,8 @@ def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
         time.sleep(0.05)
     result = catalogue(engine, prompts, w)
     # its own Poisson stream at half the aggregate rate: two such streams are one at the full rate, routed at random
-    result["poisson"] = qps_search(engine, prompts, w, 2 * result["samples_per_s"], args, share=0.5)
+    result["poisson"] = qps_search(functools.partial(poisson_latencies, engine, prompts, w), 2 * result["samples_per_s"],
+                                   args, share=0.5)
     return result
 
 
@@ -281,45 +299,49 @@ def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
             "samples_per_s_engine_only": round(sum(r["samples"] for r in results) / max(r["engine_s"] for r in results), 3)}
 
 
-def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) -> None:
-    """GPU 0: prefill_only requests; each finished one's KV goes to GPU 1 over NCCL, its handle down the pipe."""
-    import torch
-
+def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
+    """GPU 0: prefill_only requests; each finished one's KV goes to GPU 1 over NCCL, its handle down the pipe as
+    ("kv", rid, prompt index, tokens, first token, hint, extra). Then the Poisson levels, driven from here."""
     from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink, KvLinkConfig
 
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
-    prompts = catalogue_prompts(w)[:samples]
+    prompts = catalogue_prompts(w)[: w.samples]
 
-    def hand_off(rid: str, timed: list, wait: bool) -> None:
-        """wait: time until the decode GPU holds the KV (solo); else the time to queue it (the run)."""
+    def hand_off(rid: str, index: int, wait: bool, **extra) -> tuple[float, int]:
+        """(seconds, KV bytes); wait: until the decode GPU holds the KV (solo), else until the send is queued."""
         s = time.perf_counter()
         kv = engine.export_kv(rid, on_device=True)
         hint = link.send(kv)
-        pipe.send((rid, kv.num_tokens, kv.first_token_id, hint, prefill_s.pop(rid, None)))
+        pipe.send(("kv", rid, index, kv.num_tokens, kv.first_token_id, hint, extra))
         if wait:
             link.flush()
-        timed.append((time.perf_counter() - s, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()))
+        took = time.perf_counter() - s
         engine.release(rid)
+        return took, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()
 
-    # one request alone: its prefill time against its hand-off time
-    single: list = []
-    added: dict[str, float] = {}  # timed run: when each request was added, for its prefill time
-    prefill_s: dict[str, float] = {}
-    prepared, _ = prepare_all(engine, prompts[:1], w, "solo", prefill_only=True)
-    sync_all()
-    t0 = time.perf_counter()
-    engine.add_prepared(prepared[0])
-    while engine.has_unfinished():
-        engine.step()
-    sync_all()
-    solo_prefill = time.perf_counter() - t0
-    hand_off("solo0", single, True)
-    pipe.send("go")  # decode side drained the solo request; the timed run starts
+    def prefill_alone(rid: str) -> float:
+        (prepared,), _ = prepare_all(engine, prompts[:1], w, rid, prefill_only=True)
+        sync_all()
+        t0 = time.perf_counter()
+        engine.add_prepared(prepared)
+        while engine.has_unfinished():
+            engine.step()
+        sync_all()
+        return time.perf_counter() - t0
+
+    # One request alone, its prefill time against its hand-off time; the link's first transfer before it also
+    # sets up the NCCL peer-to-peer connection, so it is reported on its own.
+    prefill_alone("first")
+    first, _ = hand_off("first0", 0, True)
+    solo_prefill = prefill_alone("solo")
+    solo, kv_bytes = hand_off("solo0", 0, True)
+    pipe.send(("go",))  # the decode side drains these two; the timed run starts
     pipe.recv()
-    handoffs: list = []
+    handoffs: list[float] = []
+    added: dict[str, float] = {}  # when each request was added, for its prefill time
     t0 = time.perf_counter()
     prepared, prepare_s = prepare_all(engine, prompts, w, "c", prefill_only=True)
     for p in prepared:
@@ -332,64 +354,113 @@ def _pd_prefill(checkpoint: Path, w: Workload, port: int, pipe, samples: int) ->
         busy += time.perf_counter() - s
         for o in outs:
             if o.finished:
-                prefill_s[o.request_id] = time.perf_counter() - added[o.request_id]
-                hand_off(o.request_id, handoffs, False)
+                prefill_s = time.perf_counter() - added[o.request_id]
+                handoffs.append(hand_off(o.request_id, int(o.request_id[1:]), False, prefill_s=prefill_s)[0])
     link.flush()
-    pipe.send(("done", {
-        "solo_prefill_ms": round(solo_prefill * 1e3, 2), "solo_handoff_ms": round(single[0][0] * 1e3, 3),
-        "kv_bytes_per_request": single[0][1], "solo_handoff_gb_per_s": round(single[0][1] / single[0][0] / 1e9, 2),
-        "handoff_queue_ms_median": round(statistics.median(t for t, _ in handoffs) * 1e3, 3),
-        "handoff_queue_ms_p99": round(sorted(t for t, _ in handoffs)[int(0.99 * (len(handoffs) - 1))] * 1e3, 3),
-        "handoff_s_total": round(sum(t for t, _ in handoffs), 3), "prefill_steps_s": round(busy, 3),
+    pipe.send(("offline_done", {
+        "first_handoff_ms": round(first * 1e3, 3),
+        "solo_prefill_ms": round(solo_prefill * 1e3, 2), "solo_handoff_ms": round(solo * 1e3, 3),
+        "kv_bytes_per_request": kv_bytes, "solo_handoff_gb_per_s": round(kv_bytes / solo / 1e9, 2),
+        "handoff_queue_ms_median": round(statistics.median(handoffs) * 1e3, 3),
+        "handoff_queue_ms_p99": round(p99(handoffs) * 1e3, 3),
+        "handoff_s_total": round(sum(handoffs), 3), "prefill_steps_s": round(busy, 3),
         "preprocess_s": round(prepare_s, 3), "prefill_wall_s": round(time.perf_counter() - t0, 3),
     }))
+    _, offline_rate = pipe.recv()
+
+    def measure(qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
+        """One Poisson level: arrivals and prefills here, each KV handed off as it is ready; the decode side
+        returns the latencies (arrival here to last token there, one host clock)."""
+        arrivals = poisson_arrivals(qps, requests, cap_s, seed)
+        start = time.monotonic()
+        drive_poisson(engine, prompts, w, arrivals, cap_s + P99_LIMITS_S[0], tag,
+                      lambda rid, arrived: hand_off(rid, int(rid.split("-")[1]) % len(prompts), False, arrived=arrived),
+                      prefill_only=True)
+        pipe.send(("level", len(arrivals), start + cap_s + P99_LIMITS_S[0]))
+        return pipe.recv()
+
+    pipe.send(("done", summarize_levels(qps_search(measure, offline_rate, args)["levels"])))
+    link.flush()
 
 
-def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, samples: int, result_pipe) -> None:
-    """GPU 1: receives each request's KV from GPU 0 and decodes it."""
+def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> None:
+    """GPU 1: receives each request's KV from GPU 0 and decodes it: the offline run, then each Poisson level."""
     from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink, KvLinkConfig
     from workers.types import PromptInput
 
-    import torch
-
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
-    prompts = {f"c{i}": p for i, p in enumerate(catalogue_prompts(w)[:samples])}
-    prompts["solo0"] = prompts["c0"]
-    generated, stats, t0, expected = 0, None, None, samples * (w.output_tokens - 1) + (w.output_tokens - 1)
-    per_request: list[tuple[float, float]] = []  # (prefill s from its add to its first token, hand-off s)
-    while stats is None or engine.has_unfinished():
-        while pipe.poll(0 if engine.has_unfinished() else 0.01):
-            msg = pipe.recv()
-            if msg == "go":
-                while engine.has_unfinished():
-                    generated += sum(len(o.new_token_ids) for o in engine.step())
-                t0 = time.perf_counter()
-                pipe.send("started")
-                continue
-            if msg[0] == "done":
-                stats = msg[1]
-                continue
-            rid, n, first, hint, prefill_s = msg
-            kv = link.receive(hint, n, first)
-            if prefill_s is not None:  # arrival on this GPU minus the send's start on the other (one host, one clock)
-                per_request.append((prefill_s, time.monotonic() - json.loads(hint)["sent_at"]))
-            ids, image = prompts[rid]
-            engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
-        if engine.has_unfinished():
-            generated += sum(len(o.new_token_ids) for o in engine.step())
+    prompts = catalogue_prompts(w)[: w.samples]
+    generated = 0
+    finished_at: dict[str, float] = {}
+    arrived: dict[str, float] = {}  # Poisson requests of the level: their arrival on GPU 0's side (one clock)
+    per_request: list[tuple[float, float]] = []  # offline run: (prefill s from its add to its first token, hand-off s)
+
+    def step() -> None:
+        nonlocal generated
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+            if o.finished:
+                finished_at[o.request_id] = time.monotonic()
+
+    def serve() -> tuple:
+        """Takes the hand-offs and decodes them until a control message comes (returned)."""
+        while True:
+            while pipe.poll(0 if engine.has_unfinished() else 0.01):
+                msg = pipe.recv()
+                if msg[0] != "kv":
+                    return msg
+                _, rid, index, n, first, hint, extra = msg
+                kv = link.receive(hint, n, first)
+                if "prefill_s" in extra:  # arrival on this GPU minus the send's start on the other
+                    per_request.append((extra["prefill_s"], time.monotonic() - json.loads(hint)["sent_at"]))
+                if "arrived" in extra:
+                    arrived[rid] = extra["arrived"]
+                ids, image = prompts[index]
+                engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
+            if engine.has_unfinished():
+                step()
+
+    def drain(deadline: float = math.inf) -> None:
+        """Decodes what is running until done or `deadline` (time.monotonic()); the rest is aborted."""
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            step()
+        for rid in arrived.keys() - finished_at.keys():
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+
+    assert serve() == ("go",)
+    drain()
+    generated, t0 = 0, time.perf_counter()
+    pipe.send(("started",))
+    control, stats = serve()
+    assert control == "offline_done", control
+    drain()
     sync_all()
     wall = time.perf_counter() - t0
-    if generated != expected:
-        raise RuntimeError(f"decode side generated {generated} tokens, expected {expected}")
-    stats.update(decode_wall_s=round(wall, 3), samples=samples, samples_per_s=round(samples / wall, 3),
+    if generated != w.samples * (w.output_tokens - 1):
+        raise RuntimeError(f"decode side generated {generated} tokens, expected {w.samples * (w.output_tokens - 1)}")
+    stats.update(decode_wall_s=round(wall, 3), samples=w.samples, samples_per_s=round(w.samples / wall, 3),
                  prefill_ms_median=round(statistics.median(p for p, _ in per_request) * 1e3, 2),
                  handoff_ms_median=round(statistics.median(h for _, h in per_request) * 1e3, 3),
                  handoff_ms_p99=round(p99([h for _, h in per_request]) * 1e3, 3),
                  handoff_note="per request of the offline run: prefill = its add to its first token (queueing included "
-                              "when all arrive at once); hand-off = export + send on GPU 0 until the KV is on GPU 1")
+                              "when all arrive at once); hand-off = export + send on GPU 0 until the KV is on GPU 1; "
+                              "first_handoff_ms: the link's first transfer (NCCL peer-to-peer set-up included), "
+                              "solo_handoff_ms: one request alone on the warm link",
+                 poisson_note="arrivals and prefill on GPU 0, decode on GPU 1; latency from arrival to the last token")
+    pipe.send(("rate", stats["samples_per_s"]))
+    while (msg := serve())[0] == "level":
+        _, requests, deadline = msg
+        drain(deadline)
+        latencies = [finished_at[rid] - at for rid, at in arrived.items() if rid in finished_at]
+        pipe.send(latencies + [math.inf] * (requests - len(latencies)))
+        arrived.clear()
+    assert msg[0] == "done", msg
+    stats["poisson"] = msg[1]
     link.close()
     result_pipe.send(stats)
 
@@ -404,10 +475,10 @@ def part_pd(args, checkpoint: Path, w: Workload) -> dict:
     results, result_end = ctx.Pipe()
     port = _free_port()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    pre = ctx.Process(target=_pd_prefill, args=(checkpoint, w, port, a, w.samples))
+    pre = ctx.Process(target=_pd_prefill, args=(args, checkpoint, w, port, a))
     pre.start()
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"
-    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, w.samples, result_end))
+    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, result_end))
     dec.start()
     del os.environ["CUDA_VISIBLE_DEVICES"]
     dec.join(args.part_timeout)

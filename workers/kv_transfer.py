@@ -8,7 +8,8 @@ in-order pairing always holds, and no receive waits while the link is idle (an i
 watchdog). The header is also the KvHandle's `transport_hint`; a decode Generate carrying it claims transfer n
 from the received ones (receive()). workers/server.py PullKv stays the portable path.
 
-Setup is explicit: both workers are given the same host:port (`--kv-link`); the prefill side listens there.
+Setup is explicit: both workers are given the same host:port (`--kv-link`, or the harness's `workers.kv_link`
+system setting); the prefill side listens there.
 One link joins one prefill and one decode worker; a pool with several of either needs one link per pair and
 the router naming the decode worker before the prefill (see workers/server.py).
 """
@@ -19,6 +20,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +88,7 @@ class KvLink:
             raise KvLinkError(f"kv link {config.address}: the prefill side uses {peer}, this decode side {backend} "
                               f"(device {config.device}); both ends must be on CUDA (nccl) or both on the CPU (gloo)")
         if backend == "nccl":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast: it can take shared GPUs down
             torch.cuda.set_device(self.device)
             self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2, dist.ProcessGroupNCCL.Options())
             self._stream = torch.cuda.Stream(self.device)  # receives run here, beside the engine's stream
@@ -104,6 +107,11 @@ class KvLink:
             self._waiting_store = self.store.clone()  # own connection: a waiting client blocks its socket
             self._receiver = threading.Thread(target=self._receive_loop, name=f"kv-link-{config.port}", daemon=True)
             self._receiver.start()
+
+    @property
+    def transfers(self) -> int:
+        """Transfers sent (prefill side) or received (decode side) so far."""
+        return self._next
 
     # ---- prefill side ----------------------------------------------------------------------------------------
 
