@@ -69,6 +69,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
             max_tokens=config.requests.max_tokens,
             timeout_s=config.requests.timeout_s,
             reconnect_s=config.requests.reconnect_s,
+            stream_interval=config.requests.stream_interval,
             token=config.router.get("token"),
             report_first_token=settings.use_token_latencies,
         ),

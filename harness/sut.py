@@ -52,6 +52,7 @@ class SUTSettings:
     report_first_token: bool = False  # LoadGen's use_token_latencies (off for this benchmark)
     reconnect_s: float = 0.0  # how long a query waits for an unreachable router to come back (0: fails at once)
     reconnect_interval_s: float = 0.5
+    stream_interval: int = 0  # GenerateRequest.stream_interval: 0 streams every engine step's tokens
 
 
 class FailedSamplesLog:
@@ -186,6 +187,7 @@ class RouterSUT:
             resume_token_ids=tokens,
             sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens - len(tokens)),
             deadline_s=self._settings.timeout_s,
+            stream_interval=self._settings.stream_interval,
         )
 
     async def _stream(self, request: pb.GenerateRequest, query_id: int, tokens: list[int]) -> list[int]:

@@ -234,6 +234,10 @@ class RequestsSection(_Strict):
     max_tokens: PositiveInt = 150
     timeout_s: PositiveFloat = 7200.0
     reconnect_s: NonNegativeFloat = 60.0  # a query re-sent while the router is unreachable (restarting), this long
+    # Tokens a worker may batch into one chunk after the first (GenerateRequest.stream_interval). q3vl tracks
+    # end-to-end latency only, so per-token chunks would only cost router and SUT CPU; a migrated request
+    # regenerates at most this many tokens.
+    stream_interval: NonNegativeInt = 16
 
 
 class RaySection(_Strict):

@@ -31,6 +31,9 @@ NUM_SAMPLES = 8
 TIMEOUT_S = 1.5
 
 
+STREAM_INTERVAL = 16
+
+
 class RouterDouble(pb_grpc.RouterServiceServicer):
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -125,7 +128,7 @@ def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.Tes
     sut = TimedSUT(
         store,
         lambda ids: "".join(chr(i) for i in ids),
-        SUTSettings(router_address=address, timeout_s=TIMEOUT_S),
+        SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL),
         failed,
         Progress("test", enabled=False),
     )
@@ -178,8 +181,9 @@ def test_issue_queries_returns_while_the_router_is_still_working(router_double, 
 
 
 def test_server_run_completes_every_issued_query(router_double, tmp_path):
-    _, address = router_double
+    router, address = router_double
     sut = run_loadgen(address, tmp_path, lg.TestScenario.Server, lg.TestMode.PerformanceOnly)
+    assert {r.stream_interval for r in router.requests} == {STREAM_INTERVAL}  # the SUT asks for batched chunks
     issued, completed, failed = sut.progress.counts
     assert issued == completed >= NUM_SAMPLES
     assert failed == len(json.loads((tmp_path / FAILED_SAMPLES_FILE).read_text())) > 0

@@ -82,6 +82,18 @@ def test_tokens_produced_while_a_chunk_is_in_flight_are_coalesced():
     run(body())
 
 
+def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_at_least_that_many():
+    async def body():
+        async with Worker(InstantEngine(step_delay_s=0.002)) as w:
+            tokens, chunks = await collect(w.stub.Generate(request("si", max_tokens=20, stream_interval=8)))
+            assert len(tokens) == 20 and chunks[-1].finish_reason == pb.LENGTH
+            assert chunks[0].token_ids  # the first token is not held back
+            assert all(len(c.token_ids) >= 8 for c in chunks[1:-1])
+            assert len(chunks) <= 4  # first, then at most two full chunks of 8, then the rest with the finish
+
+    run(body())
+
+
 def test_cancelled_call_aborts_the_engine_request():
     async def body():
         async with Worker(InstantEngine(step_delay_s=0.02)) as w:

@@ -113,7 +113,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         s.running.add(rid)
         try:
-            async for chunk in s.coalesce(rid, outputs):
+            async for chunk in s.coalesce(rid, outputs, request.stream_interval):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
                 yield chunk
@@ -241,8 +241,11 @@ class WorkerServer:
         return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                               max_tokens=s.max_tokens or self.generation_defaults.max_tokens, seed=seed)
 
-    async def coalesce(self, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateChunk]:
-        """One chunk per send: whatever the engine produced while the previous chunk was being written."""
+    async def coalesce(
+        self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        """One chunk per send: whatever the engine produced while the previous chunk was being written. With
+        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
@@ -255,12 +258,13 @@ class WorkerServer:
             queue.put_nowait(_END)
 
         task = asyncio.get_running_loop().create_task(pump())
+        sent_any = False
+        chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
         try:
             while True:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
                 for item in items:
                     if item is _END:
                         if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -276,9 +280,13 @@ class WorkerServer:
                         chunk.prompt_tokens = item.num_prompt_tokens
                         chunk.completion_tokens = item.num_generated_tokens
                         break
-                yield chunk
-                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return
+                finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if finished or (chunk.token_ids and (not sent_any or len(chunk.token_ids) >= interval)):
+                    yield chunk
+                    if finished:
+                        return
+                    sent_any = True
+                    chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
