@@ -26,6 +26,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from workers.sim.latency import kept_up  # noqa: E402
+
 BOUND_MS = {"server": 12000, "interactive": 1500}
 
 
@@ -222,21 +225,6 @@ def latency_drift(rows: list[tuple[float, float, float]]) -> float:
     second = statistics.median(r[1] for r in rows[n // 4: n // 2])
     third = statistics.median(r[1] for r in rows[n // 2: 3 * n // 4])
     return third / second
-
-
-def kept_up(rows: list[tuple[float, float, float]], skip: float = 0.4) -> float:
-    """After the first `skip` of the run (the cluster filling up): queries completed in [start + L, last issue]
-    over queries issued in [start, last issue - L], L the median latency of that part. ~1 while the cluster
-    keeps up, ~capacity/offered once it falls behind; NaN when that part is shorter than L."""
-    if len(rows) < 8:
-        return float("nan")
-    start = rows[0][0] + skip * (rows[-1][0] - rows[0][0])
-    last = rows[-1][0]
-    lag = statistics.median(r[1] for r in rows if r[0] >= start)
-    issued = sum(start <= r[0] <= last - lag for r in rows)
-    if not issued:
-        return float("nan")
-    return sum(start + lag <= r[0] + r[1] <= last for r in rows) / issued
 
 
 def latency_split(rows: list[tuple[float, float, float]], traced, time_scale: float) -> dict:

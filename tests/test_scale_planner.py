@@ -29,3 +29,23 @@ def test_planner_can_write_a_real_checkpoint_config(tmp_path):
     config = load_system_config(out)
     assert config.model.checkpoint == "/models/Qwen3-VL-30B-A3B-Instruct" and not config.simulation
     assert config.engine["device"] == "cuda"
+
+
+def test_a_growing_backlog_is_rejected_even_when_its_p99_and_drain_fit_the_bound(monkeypatch):
+    from pathlib import Path
+
+    from scripts import plan_layout
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.step_model import StepModel
+    from workers.sim.virtual import Workload
+
+    monkeypatch.setitem(plan_layout.HORIZON_S, "server", 15.0)  # short: a backlog stays under 12 s
+    sim = SimulationConfig(model="qwen3-vl-30b-a3b")
+    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=256, max_num_batched_tokens=8192)
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    args = (engine, sim, model, "aggregated", "least_loaded", 1, "server", Workload(), 32)
+    offline = plan_layout._cluster(*args[:6]).run([0.0] * 256, Workload()).throughput
+    ok, p99 = plan_layout._meets(*args, 1.3 * offline)
+    assert p99 <= 12 and not ok  # p99 and the drain would pass; completions fall behind arrivals
+    assert plan_layout._meets(*args, 0.5 * offline)[0]

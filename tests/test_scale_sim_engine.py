@@ -58,9 +58,9 @@ def test_step_time_charges_prefill_vision_and_decode():
     e.step()
     decode = e.last_step_s
     m = e.step_model
+    c = m.calibration
     assert prefill * 1e3 == pytest.approx(
-        m.step_ms(type(e).work(type("O", (), {"chunks": []})())) + 12.994 - m.calibration.attention_ms_per_context_token * 1024
-        + m.calibration.prefill_ms_per_token * 200 + m.calibration.visual_token_extra_ms * 64 + m.vision_ms(256), rel=1e-6)
+        c.base_ms(201, m.model.expert_share) + c.visual_token_extra_ms * 64 + m.vision_ms(256), rel=1e-6)
     assert 0 < decode < prefill
 
 

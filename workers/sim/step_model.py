@@ -4,12 +4,15 @@
 Components (each measured on the H200, then scaled):
   * vision: ms per pre-merge patch (+ a quadratic term: attention within one image), charged when an image's
     prompt starts prefilling;
-  * prefill: ms per prompt token in a step, plus an excess per visual token (DeepStack injection and the
-    mixed-chunk attention of multimodal prompts, fitted on the catalogue run's GPU time split);
-  * decode: a per-step cost interpolated over the measured batch sizes (1, 64, 256 at context 1024), plus
-    attention proportional to the context tokens read.
-Scaling: compute-bound parts (vision, prefill) by FLOP/s and model FLOPs per token; memory-bound parts (decode)
-by HBM bandwidth and bytes per step; TP divides both with an efficiency factor (communication is not measured).
+  * tokens: one curve over a step's tokens (decodes + prompt tokens) through the measured decode steps (batch 1,
+    64, 256 at context 1024, attention taken out) and the 8,192-token text-prefill step; up to batch 256 it
+    follows the share of experts the tokens touch (weight reads), past it each token adds compute;
+  * an excess per visual prompt token (DeepStack injection and the mixed-chunk attention of multimodal prompts,
+    fitted on the catalogue run's GPU time split);
+  * decode attention proportional to the context tokens read.
+Scaling: compute-bound parts (vision, tokens past batch 256) by FLOP/s and model FLOPs per token; memory-bound
+parts (the curve up to 256 tokens, attention) by HBM bandwidth and bytes per step; TP divides both with an
+efficiency factor (communication is not measured).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import bisect
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 REPO = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO / "mlperf_configs" / "hardware"
-DEFAULT_BENCH = REPO / "benchmarks" / "2026-11-30-run2-30b-a3b.json"
+DEFAULT_BENCH = REPO / "benchmarks" / "2026-11-30-run9-30b-a3b.json"  # session 2 code, one H200
 CALIBRATION_HARDWARE = "h200"
 
 Precision = Literal["bf16", "fp8", "fp4"]
@@ -79,6 +83,12 @@ class ModelShape:
     kv_layers: int
     kv_heads: int = 4
     head_dim: int = 128
+    experts: int = 128        # routed experts per MoE layer, `active` of them per token (both Qwen3-VL MoE sizes)
+    active: int = 8
+
+    def expert_share(self, tokens: float) -> float:
+        """Expected share of a layer's experts that `tokens` tokens route to (uniform routing)."""
+        return 1.0 - (1.0 - self.active / self.experts) ** tokens
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         return self.kv_layers * self.kv_heads * self.head_dim * 2 * KV_BYTES[kv_dtype]
@@ -94,17 +104,31 @@ MODELS = {
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured H200 times of our engine (30B-A3B, bf16), from one bench_engine.py JSON."""
+    """Measured H200 times of our engine (30B-A3B, bf16), from one bench_engine.py JSON.
+
+    A step's cost before decode attention and vision is a curve over its tokens T (one per sequence plus its
+    prompt tokens) through the measured decode steps (T = batch, their attention taken out) and the text-prefill
+    step (T = max_num_batched_tokens + its chunks). Up to the largest decode batch a step is bound by weight reads
+    (between points the cost follows the share of experts T tokens touch); past it each token adds compute."""
 
     source: str
     vision_ms_per_patch: float
     vision_ms_per_patch_sq: float
-    prefill_ms_per_token: float
     visual_token_extra_ms: float
-    decode_batches: tuple[int, ...]
-    decode_step_ms: tuple[float, ...]  # at context DECODE_REF_CONTEXT per sequence
+    step_tokens: tuple[int, ...]
+    step_base_ms: tuple[float, ...]
     decode_ref_context: int
     attention_ms_per_context_token: float
+
+    @property
+    def memory_bound_tokens(self) -> int:
+        """The largest measured decode batch: steps up to it are charged as weight reads."""
+        return self.step_tokens[-2]
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        """Compute per token past the largest decode batch (the curve's last segment)."""
+        return (self.step_base_ms[-1] - self.step_base_ms[-2]) / (self.step_tokens[-1] - self.step_tokens[-2])
 
     @classmethod
     def from_bench(cls, path: Path = DEFAULT_BENCH, visual_fit: Path | None | Literal[False] = None) -> Calibration:
@@ -117,9 +141,12 @@ class Calibration:
         data = json.loads(Path(path).read_text())
         ours, work = data["ours"], data["workload"]
         ref_ctx = work["decode_context"]
-        batches = tuple(sorted(int(b) for b in ours["decode"]))
-        steps = tuple(ours["decode"][str(b)]["step_ms_median"] for b in batches)
         attention = ATTENTION_MS_AT_REF / (256 * 1024)
+        batches = sorted(int(b) for b in ours["decode"])
+        bases = [ours["decode"][str(b)]["step_ms_median"] - attention * b * ref_ctx for b in batches]
+        budget = work["max_num_batched_tokens"]
+        tokens = (*batches, budget + budget // work["prefill_len"])  # the prefill step: its tokens + one per chunk
+        bases = (*bases, ours["prefill_step_ms_median"])            # (its prefill attention is inside)
         # Vision: the 1,024-patch micro-benchmark and the catalogue's 4,096-patch images fix a*p + b*p^2.
         cat = ours["catalogue"]
         grid = work["image_size"] // 16
@@ -128,33 +155,27 @@ class Calibration:
         t2 = cat["gpu_time_split"]["vision_s"] * 1e3 / cat["samples"]
         b = (t2 - t1 * cat_patches / p1) / (cat_patches**2 - cat_patches * p1)
         a = (t1 - b * p1 * p1) / p1
-        # Prefill: text-only 8,192-token steps of 4 prompts, less the per-step cost of a 4-sequence batch.
-        seqs = work["max_num_batched_tokens"] // work["prefill_len"]
-        base = _interp(batches, steps, seqs) - attention * seqs * ref_ctx  # as step_ms charges a pure prefill step
-        per_token = (ours["prefill_step_ms_median"] - base) / work["max_num_batched_tokens"]
-        # Excess per visual token: catalogue prefill GPU time beyond what the text rate predicts.
-        prompt = cat["prompt_tokens"]
-        visual = cat_patches // 4
-        tokens = cat["samples"] * prompt
-        n_steps = tokens / work["max_num_batched_tokens"]
-        text_ms = tokens * per_token + n_steps * base
-        extra = max(cat["gpu_time_split"]["prefill_s"] * 1e3 - text_ms, 0.0) / (cat["samples"] * visual)
-        if visual_fit is False:
-            extra = 0.0
+        # Excess per visual token: the catalogue's prefill GPU time (steps with a prompt chunk, less vision) beyond
+        # its prompt tokens at the text-prefill step's rate.
+        text_ms = cat["samples"] * cat["prompt_tokens"] / budget * ours["prefill_step_ms_median"]
+        extra = max(cat["gpu_time_split"]["prefill_s"] * 1e3 - text_ms, 0.0) / (cat["samples"] * cat_patches // 4)
         return cls(
             source=str(Path(path).name), vision_ms_per_patch=a, vision_ms_per_patch_sq=max(b, 0.0),
-            prefill_ms_per_token=per_token, visual_token_extra_ms=extra, decode_batches=batches,
-            decode_step_ms=steps, decode_ref_context=ref_ctx, attention_ms_per_context_token=attention,
+            visual_token_extra_ms=0.0 if visual_fit is False else extra, step_tokens=tokens, step_base_ms=bases,
+            decode_ref_context=ref_ctx, attention_ms_per_context_token=attention,
         )
 
-
-def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
-    """Piecewise-linear in x; linear extrapolation past the last two points, flat below the first."""
-    if x <= xs[0]:
-        return ys[0]
-    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    def base_ms(self, tokens: float, expert_share: Callable[[float], float]) -> float:
+        """The curve at `tokens`: piecewise linear in the share of experts touched where that share still grows
+        by 5% or more between two points, else in tokens; flat below the first point, linear past the last."""
+        xs, ys = self.step_tokens, self.step_base_ms
+        if tokens <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        s0, s1 = expert_share(x0), expert_share(x1)
+        f = (expert_share(tokens) - s0) / (s1 - s0) if s1 - s0 >= 0.05 else (tokens - x0) / (x1 - x0)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * f
 
 
 @dataclass
@@ -227,15 +248,15 @@ class StepModel:
         """Duration of one step, in milliseconds."""
         if work.num_seqs == 0 and not work.vision_patches:
             return 0.0
-        c = self.calibration
+        c, share = self.calibration, self.model.expert_share
         ms = 0.0
-        if work.num_seqs:
-            base = _interp(c.decode_batches, c.decode_step_ms, work.num_seqs)
-            base -= c.attention_ms_per_context_token * work.num_seqs * c.decode_ref_context
-            ms += max(base, 0.0) * self.memory_scale
-            ms += c.attention_ms_per_context_token * work.decode_context_tokens * self.attention_scale
-        ms += (c.prefill_ms_per_token * work.prefill_tokens
-               + c.visual_token_extra_ms * work.visual_prefill_tokens) * self.compute_scale
+        if work.num_seqs:  # weight reads up to the largest decode batch, compute per token past it
+            tokens, knee = work.num_seqs + work.prefill_tokens, c.memory_bound_tokens
+            ms += c.base_ms(min(tokens, knee), share) * self.memory_scale
+            if tokens > knee:
+                ms += (c.base_ms(tokens, share) - c.base_ms(knee, share)) * self.compute_scale
+        ms += c.attention_ms_per_context_token * work.decode_context_tokens * self.attention_scale
+        ms += c.visual_token_extra_ms * work.visual_prefill_tokens * self.compute_scale
         ms += sum(self.vision_ms(p) for p in work.vision_patches)
         return ms
 
