@@ -137,8 +137,9 @@ async def serve_simulated_workers(router: str, count: int, hardware: str, simula
 
 
 async def router_ceiling(shards: int, workers_per_shard: int, hardware: str, simulation: dict, concurrency: int,
-                         seconds: float) -> dict:
-    """Closed-loop requests/s through `shards` router processes, each fronting its own simulated workers."""
+                         seconds: float, stream_interval: int = 0) -> dict:
+    """Closed-loop requests/s through `shards` router processes, each fronting its own simulated workers; the
+    requests ask for chunks of `stream_interval` tokens (0: every engine step's tokens)."""
     import uuid
 
     from router.shards import ShardedRouterClient
@@ -158,12 +159,14 @@ async def router_ceiling(shards: int, workers_per_shard: int, hardware: str, sim
         async with ShardedRouterClient(addresses) as client:
             await client.wait_for_workers(workers_per_shard, timeout=120)
             request = lambda: pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                                                 sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=150))
+                                                 sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=150),
+                                                 stream_interval=stream_interval)
             await closed_loop(lambda: drain(client.generate(request())), concurrency, 2.0)  # warm-up
             result = await closed_loop(lambda: drain(client.generate(request())), concurrency, seconds)
     finally:
         procs.stop()
-    return {"shards": shards, "workers_per_shard": workers_per_shard, "concurrency": concurrency, **result,
+    return {"shards": shards, "workers_per_shard": workers_per_shard, "concurrency": concurrency,
+            "request_stream_interval": stream_interval, **result,
             "requests_per_s_per_shard": round(result["requests_per_s"] / shards, 1)}
 
 
@@ -477,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--router-ceiling", metavar="SHARDS", default=None,
                         help="instead of a sweep: closed-loop req/s through 1..SHARDS router shards (e.g. 1,2)")
+    parser.add_argument("--request-stream-interval", default="0",
+                        help="with --router-ceiling: GenerateRequest.stream_interval values to compare (e.g. 0,16)")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--serve-workers", metavar="ROUTER", help=argparse.SUPPRESS)
@@ -521,8 +526,9 @@ def main(argv: list[str] | None = None) -> None:
 
         sim = {"model": args.model, "weights": args.weights}
         points = [asyncio.run(router_ceiling(int(n), args.workers // int(n), args.hardware, sim, args.concurrency,
-                                             args.seconds)) for n in args.router_ceiling.split(",")]
-        per_shard = points[0]["requests_per_s_per_shard"]  # one shard alone: its ceiling on this machine
+                                             args.seconds, int(interval)))
+                  for interval in args.request_stream_interval.split(",") for n in args.router_ceiling.split(",")]
+        per_shard = max(p["requests_per_s_per_shard"] for p in points if p["shards"] == 1)  # one shard's ceiling here
         print(json.dumps({"hardware": args.hardware, "workers": args.workers, "points": points,
                           "nvl72_qps": 2323, "shards_needed_at_measured_rate": -(-2323 // int(per_shard))}, indent=1))
         return
