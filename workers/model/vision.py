@@ -1,5 +1,6 @@
 """The Qwen3-VL vision tower: transformers' own vision module, loaded with the checkpoint's model.visual.* weights,
-with its per-image attention loop replaced by one SDPA call per run of equal-size images.
+with its per-image attention loop replaced by one SDPA call per run of equal-size images and its patch-embedding
+Conv3d run as the equivalent GEMM.
 
 encode() turns pixel patches of several images into main embeddings plus the DeepStack features.
 """
@@ -47,6 +48,23 @@ class BatchedVisionAttention(nn.Module):
         return self.proj(out.reshape(seq, -1))
 
 
+class PatchLinear(nn.Module):
+    """The patch embedding's Conv3d as the GEMM it is: its kernel covers each whole [C, T, P, P] patch with the
+    same stride, so every output is one dot product of a flattened patch with a flattened filter. cuDNN has no
+    good algorithm for that degenerate convolution in bf16; a linear layer runs it as one cuBLAS GEMM."""
+
+    def __init__(self, conv: nn.Conv3d):
+        super().__init__()
+        if tuple(conv.stride) != tuple(conv.kernel_size) or any(conv.padding) or conv.groups != 1 or any(d != 1 for d in conv.dilation):
+            raise ValueError(f"patch embedding {conv} is not a non-overlapping patch projection")
+        self.weight, self.bias = conv.weight, conv.bias  # [out, C, T, P, P]: the checkpoint's own tensors
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """patches [N, C, T, P, P] -> [N, out, 1, 1, 1], as the convolution returns them."""
+        out = F.linear(patches.reshape(patches.shape[0], -1), self.weight.view(self.weight.shape[0], -1), self.bias)
+        return out.view(*out.shape, 1, 1, 1)
+
+
 def frame_runs(grid_thw: torch.Tensor) -> list[tuple[int, int]]:
     """(patches per frame, consecutive frames of that size) for grid_thw [n, 3] (t frames of h*w each)."""
     lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
@@ -78,6 +96,7 @@ class VisionEncoder:
                     f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})"
                 )
         self.model = model.to(device=device, dtype=dtype).eval()
+        model.patch_embed.proj = PatchLinear(model.patch_embed.proj)
         rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb_vision
         self.attentions = [BatchedVisionAttention(block.attn, rotary) for block in model.blocks]
         for block, attn in zip(model.blocks, self.attentions):
