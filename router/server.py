@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.config import RouterConfig, split_host_port
 from router.dispatch import Dispatcher, RouterError
 from router.registry import SERVING_ROLES, Registry
-from router.transport import TokenAuthInterceptor, add_listener, call_metadata, open_channel, server_options
+from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from router.wire import pb, pb_grpc
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,8 @@ class RouterServer:
 
     async def start(self) -> None:
         config = self.config
-        interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
         self._server = grpc.aio.server(
-            interceptors=interceptors, options=server_options(config.limits.max_message_bytes)
+            interceptors=server_interceptors(config.token), options=server_options(config.limits.max_message_bytes)
         )
         pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(config, self.registry, self.dispatcher, self._update_health), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -106,8 +106,12 @@ def test_malformed_protobuf_bytes_are_refused_and_the_router_keeps_serving(route
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     async for _ in raw(garbage, metadata=call_metadata(TOKEN)):
                         pass
-                # grpc.aio answers a request it cannot parse with UNKNOWN ("Error parsing message ...").
-                assert err.value.code() != grpc.StatusCode.OK and "Error parsing message" in err.value.details()
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"{GENERATE}: request is not a valid message" in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # without the token, nothing is parsed or said
+                    async for _ in raw(garbage):
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             await channel.close()
             assert len(await served(w.client, "after-garbage")) == 4
 

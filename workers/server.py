@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from router.config import MIB, is_loopback, split_host_port
-from router.transport import TokenAuthInterceptor, add_listener, call_metadata, open_channel, server_options
+from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from router.wire import pb, pb_grpc
 from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink, KvLinkConfig, KvLinkError
@@ -205,8 +205,7 @@ class WorkerServer:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
-        interceptors = [TokenAuthInterceptor(self.token)] if self.token else []
-        self._server = grpc.aio.server(interceptors=interceptors, options=server_options(self.max_message_bytes))
+        self._server = grpc.aio.server(interceptors=server_interceptors(self.token), options=server_options(self.max_message_bytes))
         pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self), self._server)
         self.port = add_listener(self._server, self.listen, None)
         await self._server.start()
