@@ -1,10 +1,12 @@
-"""Times candidate tile configurations of the fused MoE kernels per token count on this GPU and writes the
-fastest ones to workers/model/fused_moe_configs/{device}.json (read by workers.model.fused_moe.tile_config).
-With --compare it writes nothing and prints one JSON object instead: the MoE layer (router + experts) per token
-count before (torch router, argsort alignment, tiles at every size) and after (router and align kernels, GEMV
-kernels up to SMALL_BATCH_TOKENS), each part alone, and a sweep of the GEMV tiles.
+"""Times candidate tile configurations of the fused MoE GEMMs per token count and writes the fastest to a tuned
+table (workers/model/fused_moe_configs/{device}.json, read by workers.model.fused_moe.tile_config, or --out).
+With --compare it writes nothing and prints one JSON object: the experts per token count with two tuned tables side
+by side (before/after), the after table's parts (align, gated GEMM, down GEMM, k-sum) and the whole MoE layer.
 
-Usage (on the GPU): python3 scripts/tune_fused_moe.py [--compare] [--experts 128 --hidden 2048 --inter 768 --top-k 8]
+Usage (on the GPU): python3 scripts/tune_fused_moe.py [--out FILE] [--tokens 16,64,...]
+                    python3 scripts/tune_fused_moe.py --compare [--before OLD.json] [--after NEW.json]
+CPU smoke (Triton's interpreter, tiny shapes, wall-clock times that mean nothing):
+  TRITON_INTERPRET=1 python3 scripts/tune_fused_moe.py --smoke [--compare]
 """
 
 from __future__ import annotations
@@ -13,35 +15,34 @@ import argparse
 import contextlib
 import json
 import sys
+import time
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.gpu_timing import graph_us, time_us  # noqa: E402
-from workers.model import fused_moe, moe_routing  # noqa: E402
+from workers.model import fused_moe  # noqa: E402
 from workers.model.fused_moe import TileConfig  # noqa: E402
 from workers.model.moe import SparseMoeBlock  # noqa: E402
 
-TOKENS = (16, 64, 256, 8192)  # up to fused_moe.SMALL_BATCH_TOKENS tokens the GEMV kernels run, not the tiles
-COMPARE_TOKENS = (1, 8, 64, 256, 8192)
-GEMV_GATED = [  # (BLOCK_N, BLOCK_K, warps) without register spills on sm_90
-    TileConfig(1, n, k, w, 1)
-    for n, k, w in ((4, 512, 4), (2, 512, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 4), (2, 2048, 4), (4, 2048, 8), (8, 512, 8))
+TOKENS = (16, 64, 256, 1024, 4096, 8192, 16384)  # up to fused_moe.SMALL_BATCH_TOKENS the GEMV kernels run instead
+COMPARE_TOKENS = (1, 64, 256, 4096, 8192, 16384)
+SMALL_PAIRS = 512  # up to this many pairs experts see a few rows each: the weights stream, BLOCK_M stays 16
+SMALL = [TileConfig(16, n, k, 4, s, 1) for n in (64, 128) for k in (64, 128) for s in (3, 5)]
+# Above SMALL_PAIRS both GEMMs take one BLOCK_M (one alignment of the pairs). The gated kernel holds two
+# BLOCK_M x BLOCK_N accumulators (gate and up), so its BLOCK_N is half the down kernel's.
+LARGE_GATED = [
+    TileConfig(*c) for c in (
+        (32, 128, 64, 4, 4, 1), (64, 64, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (64, 128, 64, 8, 3, 8),
+        (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (128, 128, 64, 8, 4, 8),
+    )
 ]
-GEMV_DOWN = [
-    TileConfig(1, n, k, w, 1)
-    for n, k, w in ((4, 128, 8), (4, 128, 4), (2, 128, 4), (2, 256, 4), (1, 256, 4), (2, 256, 8), (4, 256, 8), (4, 256, 16))
-]
-SMALL = [TileConfig(16, n, k, 4, s) for n in (64, 128) for k in (64, 128) for s in (3, 5)]
-LARGE = [
-    TileConfig(m, n, k, w, s)
-    for m, n, k, w, s in (
-        (16, 128, 64, 4, 4), (16, 256, 64, 8, 4), (32, 128, 64, 4, 4), (32, 256, 64, 8, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-        (64, 128, 64, 8, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-        (128, 128, 32, 8, 5), (64, 128, 128, 8, 3),
+LARGE_DOWN = [
+    TileConfig(*c) for c in (
+        (32, 256, 64, 8, 4, 1), (64, 128, 64, 4, 4, 1), (64, 256, 64, 8, 4, 1), (64, 256, 64, 4, 3, 8),
+        (128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 256, 64, 8, 3, 8),
     )
 ]
 
@@ -58,96 +59,184 @@ def patched(module, **values):
             setattr(module, name, value)
 
 
-def compare(e: int, h: int, i: int, k: int) -> dict:
-    """Layer and part timings, before and after, as one JSON-ready dict (graph replay, bf16, random weights)."""
-    torch.manual_seed(0)
-    block = SparseMoeBlock(e, k, h, i).cuda().bfloat16()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.05)
-    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+def timer(device: str):
+    """us per fn() call: CUDA events over a loop on the GPU; on CPU (the interpreter smoke) wall clock, once."""
+    if device != "cuda":
+        def wall_us(fn) -> float:
+            fn()
+            start = time.perf_counter()
+            fn()
+            return round((time.perf_counter() - start) * 1e6, 1)
+        return wall_us
 
-    def before(x):
-        top_w, top_i = moe_routing.route_reference(F.linear(x, block.gate.weight), k, 0, e)
-        return fused_moe.tiled_experts(x, top_w, top_i, gate_up, down)
-
-    out: dict = {"device": torch.cuda.get_device_name(), "experts": e, "hidden": h, "inter": i, "top_k": k,
-                 "small_batch_tokens": fused_moe.SMALL_BATCH_TOKENS, "layer_us": {"before": {}, "after": {}},
-                 "router_us": {"torch": {}, "triton": {}}, "align_us": {"argsort": {}, "triton": {}},
-                 "experts_us": {"tiles": {}, "after": {}}, "gemv_us": {}}
-    for tokens in COMPARE_TOKENS:
-        t = str(tokens)
-        x = torch.randn(tokens, h, device="cuda").bfloat16()
-        logits = F.linear(x, block.gate.weight)
-        top_w, top_i = block.gate(x)
-        block_m = fused_moe.tile_config(tokens * k, True, fused_moe.shape_key(e, i, h, True), out["device"]).block_m
-        with patched(fused_moe, align_pairs=moe_routing.align_pairs_reference):
-            out["layer_us"]["before"][t] = graph_us(lambda: before(x))
-            out["experts_us"]["tiles"][t] = graph_us(lambda: fused_moe.tiled_experts(x, top_w, top_i, gate_up, down))
-        out["layer_us"]["after"][t] = graph_us(lambda: block(x))
-        out["experts_us"]["after"][t] = graph_us(lambda: fused_moe.fused_experts(x, top_w, top_i, gate_up, down))
-        out["router_us"]["torch"][t] = graph_us(lambda: moe_routing.route_reference(logits, k, 0, e))
-        out["router_us"]["triton"][t] = graph_us(lambda: moe_routing.route_triton(logits, k, 0, e))
-        out["align_us"]["argsort"][t] = graph_us(lambda: moe_routing.align_pairs_reference(top_i, e, block_m))
-        out["align_us"]["triton"][t] = graph_us(lambda: moe_routing.align_pairs_triton(top_i, e, block_m))
-        if tokens <= fused_moe.SMALL_BATCH_TOKENS:
-            sweep = out["gemv_us"][t] = {}
-            for name, configs in (("GEMV_GATED", GEMV_GATED), ("GEMV_DOWN", GEMV_DOWN)):
-                for cfg in configs:  # the whole GEMV path with one kernel's tiles changed
-                    with patched(fused_moe, **{name: cfg}):
-                        key = f"{name} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}"
-                        try:
-                            sweep[key] = graph_us(lambda: fused_moe.small_batch_experts(x, top_w, top_i, gate_up, down))
-                        except Exception as exc:  # noqa: BLE001 - a tile that does not compile
-                            sweep[key] = type(exc).__name__
-    return out
+    def cuda_us(fn, iters: int = 20) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return round(start.elapsed_time(end) * 1e3 / iters, 1)
+    return cuda_us
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--compare", action="store_true", help="time the MoE layer before/after; print JSON, write nothing")
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--top-k", type=int, default=8)
-    args = p.parse_args()
-    e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
-    if args.compare:
-        print(json.dumps(compare(e, h, i, k)), flush=True)
-        return
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * 0.02).bfloat16()
-    down = (torch.randn(e, h, i, device="cuda", generator=gen) * 0.02).bfloat16()
-    table: dict[str, list] = {fused_moe.shape_key(e, i, h, True): [], fused_moe.shape_key(e, h, i, False): []}
-    for tokens in TOKENS:
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def problem(tokens: int, e: int, h: int, k: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], top_w [T, k], top_i [T, k]: k distinct experts per token, uniformly at random."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(tokens, h, device=device, generator=gen).to(dtype)
+    top_i = torch.rand(tokens, e, device=device, generator=gen).topk(k, dim=-1).indices
+    top_w = torch.rand(tokens, k, device=device, generator=gen).to(dtype)
+    return x, top_w, top_i
+
+
+def expert_weights(e: int, h: int, i: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gate_up = (torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02).to(dtype)
+    down = (torch.randn(e, h, i, device=device, generator=gen) * 0.02).to(dtype)
+    return gate_up, down
+
+
+def tflops(pairs: int, h: int, i: int, us: float) -> float:
+    return round(2 * pairs * 3 * i * h / us / 1e6, 1)  # gate, up and down: 3 * I * H multiply-adds per pair
+
+
+def tune(e: int, h: int, i: int, k: int, tokens_list, device: str, small: list[TileConfig],
+         large: tuple[list[TileConfig], list[TileConfig]]) -> dict[str, list]:
+    """The fastest configs per token count as table rows, every candidate's time printed as it goes; above
+    SMALL_PAIRS the gated and down configs of the one BLOCK_M with the least time for both."""
+    time_fn = timer(device)
+    gate_up, down = expert_weights(e, h, i, device)
+    keys = fused_moe.shape_key(e, i, h, True), fused_moe.shape_key(e, h, i, False)
+    table: dict[str, list] = {key: [] for key in keys}
+    for tokens in tokens_list:
         pairs = tokens * k
-        x = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
-        top_i = torch.rand(tokens, e, device="cuda", generator=gen).topk(k, dim=-1).indices
-        top_w = torch.rand(tokens, k, device="cuda", generator=gen).bfloat16()
-        act = x.new_empty(pairs, i)
-        ys = x.new_empty(pairs, h)
-        for gated, key in ((True, fused_moe.shape_key(e, i, h, True)), (False, fused_moe.shape_key(e, h, i, False))):
-            best = None
-            for cfg in SMALL if pairs <= 512 else LARGE:
+        x, top_w, top_i = problem(tokens, e, h, k, device, seed=tokens)
+        act, ys = x.new_empty(pairs, i), x.new_empty(pairs, h)
+        spaces = (small, small) if pairs <= SMALL_PAIRS else large
+        timed: list[dict[TileConfig, float]] = [{}, {}]
+        for gated, key, space, times in zip((True, False), keys, spaces, timed):
+            for cfg in space:
                 ids, experts = fused_moe.align_pairs(top_i, e, cfg.block_m)
                 if gated:
                     run = lambda: fused_moe._gemm(x, gate_up, act, None, ids, experts, k, True, cfg)  # noqa: E731
                 else:
                     run = lambda: fused_moe._gemm(act, down, ys, top_w.reshape(-1), ids, experts, 1, False, cfg)  # noqa: E731
                 try:
-                    us = time_us(run)
+                    times[cfg] = us = time_fn(run)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile (e.g. shared memory)
-                    print(f"T={tokens} {key} {cfg}: {type(exc).__name__}", flush=True)
+                    print(f"T={tokens} {key} {astuple(cfg)}: {type(exc).__name__}", flush=True)
                     continue
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-            us, cfg = best
-            flops = 2 * pairs * (2 * i if gated else i) * h
-            print(f"T={tokens:5d} {key:26s} best {cfg} {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
-            table[key].append([pairs, [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]])
-    out = fused_moe.TUNED_DIR / f"{torch.cuda.get_device_name().replace(' ', '_')}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(table, indent=1) + "\n")
+                flops = 2 * pairs * (2 * i if gated else i) * h
+                print(f"T={tokens:5d} {key:26s} {astuple(cfg)} {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        if pairs <= SMALL_PAIRS:
+            best = [min(times, key=times.get) for times in timed]
+        else:
+            block_ms = {cfg.block_m for cfg in timed[0]} & {cfg.block_m for cfg in timed[1]}
+            best = min(([min((c for c in times if c.block_m == m), key=times.get) for times in timed] for m in block_ms),
+                       key=lambda pair: timed[0][pair[0]] + timed[1][pair[1]])
+        for key, times, cfg in zip(keys, timed, best):
+            print(f"T={tokens:5d} {key:26s} best {astuple(cfg)} {times[cfg]:8.1f} us", flush=True)
+            table[key].append([pairs, list(astuple(cfg))])
+    return table
+
+
+def merged(old: dict[str, list[tuple[int, TileConfig]]], new: dict[str, list]) -> dict[str, list]:
+    """The old table's rows with the newly tuned pair counts replaced or added, sorted by pairs."""
+    out = {key: {pairs: list(astuple(cfg)) for pairs, cfg in rows} for key, rows in old.items()}
+    for key, rows in new.items():
+        out.setdefault(key, {}).update({pairs: cfg for pairs, cfg in rows})
+    return {key: [[pairs, rows[pairs]] for pairs in sorted(rows)] for key, rows in out.items()}
+
+
+def table_text(table: dict[str, list]) -> str:
+    """The tuned table as JSON with one [pairs, config] row a line."""
+    keys = [f' {json.dumps(key)}: [\n' + ",\n".join(f"  {json.dumps(row)}" for row in rows) + "\n ]" for key, rows in table.items()]
+    return "{\n" + ",\n".join(keys) + "\n}\n"
+
+
+def compare(e: int, h: int, i: int, k: int, tokens_list, device: str, before_path: Path | None, after_path: Path | None) -> dict:
+    """Experts time per token count with two tuned tables side by side (each defaults to the one this device
+    reads), the parts with the "after" table (align, gated GEMM, down GEMM, k-sum), and the whole MoE layer
+    (router + experts, with the "after" table)."""
+    time_fn = timer(device)
+    name = device_name(device)
+    gate_up, down = expert_weights(e, h, i, device)
+    tables = {label: fused_moe.read_table(path) if path else fused_moe._tuned(name)
+              for label, path in (("before", before_path), ("after", after_path))}
+    torch.manual_seed(0)
+    block = SparseMoeBlock(e, k, h, i).to(device, gate_up.dtype)
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
+    keys = fused_moe.shape_key(e, i, h, True), fused_moe.shape_key(e, h, i, False)
+    out: dict = {"device": name, "experts": e, "hidden": h, "inter": i, "top_k": k,
+                 "tables": {label: str(path or "this device's") for label, path in (("before", before_path), ("after", after_path))},
+                 "small_batch_tokens": fused_moe.SMALL_BATCH_TOKENS, "experts_us": {"before": {}, "after": {}},
+                 "tflops": {"before": {}, "after": {}}, "after_parts_us": {}, "layer_us": {}, "configs": {}}
+    for tokens in tokens_list:
+        t, pairs = str(tokens), tokens * k
+        x, top_w, top_i = problem(tokens, e, h, k, device, seed=tokens)
+        for label, table in tables.items():
+            with patched(fused_moe, _tuned=lambda _name, table=table: table):
+                us = time_fn(lambda: fused_moe.fused_experts(x, top_w, top_i, gate_up, down))
+            out["experts_us"][label][t] = us
+            out["tflops"][label][t] = tflops(pairs, h, i, us)
+        if tokens <= fused_moe.SMALL_BATCH_TOKENS:  # the GEMV kernels: no tiles
+            continue
+        with patched(fused_moe, _tuned=lambda _name: tables["after"]), torch.no_grad():
+            out["layer_us"][t] = time_fn(lambda: block(x))
+            cfgs = [fused_moe.tile_config(pairs, gated, key, name) for gated, key in zip((True, False), keys)]
+        out["configs"][t] = [list(astuple(cfg)) for cfg in cfgs]
+        ids = [fused_moe.align_pairs(top_i, e, cfg.block_m) for cfg in cfgs]
+        act, ys = x.new_empty(pairs, i), x.new_empty(pairs, h)
+        out["after_parts_us"][t] = {
+            "align": time_fn(lambda: fused_moe.align_pairs(top_i, e, cfgs[0].block_m)),
+            "gated": time_fn(lambda: fused_moe._gemm(x, gate_up, act, None, *ids[0], k, True, cfgs[0])),
+            "down": time_fn(lambda: fused_moe._gemm(act, down, ys, top_w.reshape(-1), *ids[1], 1, False, cfgs[1])),
+            "k_sum": time_fn(lambda: ys.view(tokens, k, h).sum(dim=1)),
+        }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", action="store_true", help="print before/after JSON, write nothing")
+    p.add_argument("--before", type=Path, help="--compare: the tuned table before (default: this device's)")
+    p.add_argument("--after", type=Path, help="--compare: the tuned table after (default: this device's)")
+    p.add_argument("--out", type=Path, help="where the tuned table goes (default: the table this device reads); "
+                                            "rows of pair counts not tuned now are kept from this device's table")
+    p.add_argument("--tokens", help="comma-separated token counts (default: the tuning or compare set)")
+    p.add_argument("--smoke", action="store_true", help="CPU and tiny shapes (TRITON_INTERPRET=1): checks the script runs")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--top-k", type=int, default=8)
+    args = p.parse_args()
+    e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
+    device = "cuda"
+    tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else COMPARE_TOKENS if args.compare else TOKENS
+    small, large = SMALL, (LARGE_GATED, LARGE_DOWN)
+    if args.smoke:
+        device, (e, h, i, k), tokens_list = "cpu", (8, 64, 32, 2), [1, 12, 300]
+        small, large = SMALL[:1], ([TileConfig(16, 32, 32, 4, 1, 0), TileConfig(16, 16, 32, 4, 1, 2)],) * 2
+    if args.compare:
+        print(json.dumps(compare(e, h, i, k, tokens_list, device, args.before, args.after)), flush=True)
+        return
+    text = table_text(merged(fused_moe._tuned(device_name(device)), tune(e, h, i, k, tokens_list, device, small, large)))
+    if args.smoke and args.out is None:
+        print(text, end="")
+        return
+    out = args.out or fused_moe.TUNED_DIR / f"{device_name(device).replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
     print(f"wrote {out}")
 
 

@@ -91,6 +91,37 @@ def test_tiled_path_with_the_align_kernel_matches_the_grouped_reference(monkeypa
     torch.testing.assert_close(got, experts.grouped(x, top_w, top_i, True), rtol=1e-4, atol=1e-4)
 
 
+@interpreter
+@pytest.mark.parametrize("group_m", [0, 1, 3], ids=["column-order", "columns-first", "groups-of-3-ragged-last"])
+def test_every_launch_order_of_the_tiles_matches_the_grouped_reference(monkeypatch, group_m):
+    """Every expert gets 17 pairs: 16 full blocks of 16 rows (none padding-only) over 2 (gated) and 4 (down)
+    column blocks, so groups of 3 row blocks end with a group of 1."""
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *args: fused_moe.TileConfig(16, 16, 32, 4, 1, group_m))
+    experts = random_experts(8, 64, 32, seed=group_m)
+    token = torch.randperm(68, generator=torch.Generator().manual_seed(group_m))
+    top_i = torch.stack([token % 8, (token + 4) % 8], dim=1)
+    top_w = torch.rand(68, 2, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(68, 64, generator=torch.Generator().manual_seed(3))
+    assert fused_moe.align_pairs(top_i, 8, 16)[1].lt(8).all()
+    got = fused_moe.tiled_experts(x, top_w, top_i, experts.gate_up_proj.data, experts.down_proj.data)
+    torch.testing.assert_close(got, experts.grouped(x, top_w, top_i), rtol=1e-4, atol=1e-4)
+
+
+def test_tuned_table_rows_are_looked_up_by_pair_count_and_five_numbers_mean_column_order(monkeypatch, tmp_path):
+    key = fused_moe.shape_key(8, 32, 64, True)
+    (tmp_path / "Some_GPU.json").write_text(
+        f'{{"{key}": [[4096, [64, 128, 64, 4, 4, 8]], [64, [16, 64, 128, 4, 5]], [65536, [128, 128, 64, 8, 4, 1]]]}}')
+    monkeypatch.setattr(fused_moe, "TUNED_DIR", tmp_path)
+    fused_moe._tuned.cache_clear()
+    try:
+        configs = [fused_moe.tile_config(pairs, True, key, "Some GPU") for pairs in (10, 64, 65, 4096, 10**6)]
+    finally:
+        fused_moe._tuned.cache_clear()
+    assert configs[0] == configs[1] == fused_moe.TileConfig(16, 64, 128, 4, 5, group_m=0)
+    assert configs[2] == configs[3] == fused_moe.TileConfig(64, 128, 64, 4, 4, group_m=8)
+    assert configs[4] == fused_moe.TileConfig(128, 128, 64, 8, 4, group_m=1)
+
+
 # --- CUDA, Qwen3-VL-30B-A3B shapes (128 experts, top-8, hidden 2048, moe_intermediate 768), bfloat16 ---
 
 def block_30b(seed: int) -> SparseMoeBlock:
@@ -119,7 +150,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 2, 8, 64, 8192)])
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 2, 8, 64, 8192, 16384)])
 def test_fused_moe_layer_matches_float64_at_30b_shapes(tokens):
     """T <= 8: the router kernel and the GEMV path; above: the router kernel, the align kernel and the tiles."""
     block = block_30b(seed=tokens)
@@ -130,6 +161,18 @@ def test_fused_moe_layer_matches_float64_at_30b_shapes(tokens):
     assert torch.isfinite(got).all()
     assert rel(got, ref) < 1e-2
     assert rel(got, block.experts.grouped(x, top_w, top_i)) < 1e-2
+
+
+@pytest.mark.parametrize("group_m", [pytest.param(g, marks=gpu) for g in (0, 1, 8)])
+def test_every_launch_order_matches_float64_at_30b_prefill_shapes(monkeypatch, group_m):
+    """4096 tokens (32768 pairs) with the prefill tiles in each launch order."""
+    tiles = {True: fused_moe.TileConfig(128, 128, 64, 8, 4, group_m), False: fused_moe.TileConfig(128, 256, 64, 8, 3, group_m)}
+    monkeypatch.setattr(fused_moe, "tile_config", lambda pairs, gated, *args: tiles[gated])
+    block = block_30b(seed=group_m)
+    x = torch.randn(4096, 2048, device="cuda").bfloat16()
+    top_w, top_i = block.gate(x)
+    got = fused_moe.tiled_experts(x, top_w, top_i, block.experts.gate_up_proj, block.experts.down_proj)
+    assert rel(got, float64_moe(block.experts, x, top_w, top_i)) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 8, 64, 300)])

@@ -31,6 +31,10 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # Launch order of the tiled GEMMs: GROUP_M blocks of rows go through every BLOCK_N column before the next
+    # group starts, so programs running together share A rows and expert weight tiles in L2. 0: column order
+    # (each column over all row blocks in turn; what a tuned-table row of five numbers means).
+    group_m: int = 0
 
 
 # Decode batches up to this many tokens take the GEMV kernels: one program per (pair, BLOCK_N rows of gate
@@ -48,13 +52,17 @@ def shape_key(num_experts: int, n: int, k: int, gated: bool) -> str:
     return f"E={num_experts},N={n},K={k},{'gated' if gated else 'down'}"
 
 
+def read_table(path: Path) -> dict[str, list[tuple[int, TileConfig]]]:
+    """A tuned table: {shape_key: [[pairs, [block_m, block_n, block_k, num_warps, num_stages(, group_m)]], ...]}
+    -> rows sorted by pairs."""
+    table = json.loads(path.read_text())
+    return {key: sorted(((pairs, TileConfig(*cfg)) for pairs, cfg in rows), key=lambda row: row[0]) for key, rows in table.items()}
+
+
 @functools.cache
 def _tuned(device_name: str) -> dict[str, list[tuple[int, TileConfig]]]:
     path = TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
-    if not path.is_file():
-        return {}
-    table = json.loads(path.read_text())
-    return {key: [(pairs, TileConfig(*cfg)) for pairs, cfg in rows] for key, rows in table.items()}
+    return read_table(path) if path.is_file() else {}
 
 
 def tile_config(num_pairs: int, gated: bool, shape: str | None = None, device_name: str | None = None) -> TileConfig:
@@ -65,12 +73,12 @@ def tile_config(num_pairs: int, gated: bool, shape: str | None = None, device_na
     if rows:
         return next((cfg for pairs, cfg in rows if pairs >= num_pairs), rows[-1][1])
     if num_pairs <= 64:
-        return TileConfig(16, 64, 128, 4, 4)
+        return TileConfig(16, 64, 128, 4, 4, 1)
     if num_pairs <= 4096:
-        return TileConfig(16, 128 if gated else 256, 64, 4 if gated else 8, 4)
+        return TileConfig(16, 128 if gated else 256, 64, 4 if gated else 8, 4, 1)
     if num_pairs <= 16384:
-        return TileConfig(64, 64 if gated else 128, 64, 4, 4)
-    return TileConfig(128, 64 if gated else 128, 64, 8, 4)
+        return TileConfig(64, 64 if gated else 128, 64, 4, 4, 1)
+    return TileConfig(128, 128 if gated else 256, 64, 8, 4 if gated else 3, 1)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -79,16 +87,25 @@ def supports(x: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_pairs"])  # varies with the token count: one compile per tile config
+    # num_pairs and num_blocks vary with the token count: one compile per tile config
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
-        num_pairs, num_experts, N, K, row_div,
+        num_pairs, num_blocks, num_experts, N, K, row_div,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid = tl.program_id(0)  # one program per (BLOCK_M rows, BLOCK_N columns), in TileConfig.group_m's order
+        if GROUP_M == 0:
+            pid_m = pid % num_blocks
+            pid_n = pid // num_blocks
+        else:
+            in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+            first_m = pid // in_group * GROUP_M
+            rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
+            pid_m = first_m + pid % in_group % rows_in_group
+            pid_n = pid % in_group // rows_in_group
         expert = tl.load(block_expert_ptr + pid_m)
         if expert >= num_experts:
             return
@@ -212,13 +229,13 @@ def _gemm(
     """out[pair] = a[pair // row_div] @ b[expert(pair)].T (gated: silu(gate) * up; weights: times weight[pair])."""
     num_experts, rows, k = b.shape
     n = rows // 2 if gated else rows
-    grid = (block_expert.numel(), triton.cdiv(n, cfg.block_n))
-    _moe_gemm_kernel[grid](
+    num_blocks = block_expert.numel()
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(n, cfg.block_n),)](
         a, b, out, weights if weights is not None else out, sorted_ids, block_expert,
-        out.shape[0], num_experts, n, k, row_div,
+        out.shape[0], num_blocks, num_experts, n, k, row_div,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
