@@ -27,8 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
-USER, ASSISTANT, NEWLINE = 872, 77091, 198
 PRESETS = {"30b-a3b": "qwen3-vl-30b-a3b", "235b-a22b": "qwen3-vl-235b-a22b", "tiny": "qwen3-vl-30b-a3b"}
 NO_EOS = [-1]  # generation_config eos for the bench: every request runs to max_tokens
 
@@ -77,34 +75,6 @@ def write_config(shape: str, num_layers: int | None, out_dir: Path) -> None:
     gen = json.loads(gen_path.read_text())
     gen.update(eos_token_id=NO_EOS, do_sample=False)
     gen_path.write_text(json.dumps(gen))
-
-
-def jpeg(size: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    small = rng.integers(0, 256, (size // 8, size // 8, 3), dtype=np.uint8)  # smooth-ish, photo-sized JPEG
-    image = Image.fromarray(small).resize((size, size), Image.BICUBIC)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def catalogue_prompts(w: Workload, seed: int = 0) -> list[tuple[list[int], bytes]]:
-    """(token ids with the <|image_pad|> run expanded, JPEG bytes) per sample."""
-    from workers.vision_geometry import image_geometry
-
-    rng = np.random.default_rng(seed)
-    images = [jpeg(w.image_size, seed + i) for i in range(min(8, w.samples))]
-    out = []
-    for i in range(w.samples):
-        data = images[i % len(images)]
-        visual = image_geometry(data).num_tokens
-        text = rng.integers(1000, 100000, w.text_tokens).tolist()
-        ids = [IM_START, USER, NEWLINE, VISION_START] + [IMAGE_PAD] * visual + [VISION_END] + text
-        ids += [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
-        out.append((ids, data))
-    return out
 
 
 class Sync:
@@ -222,6 +192,62 @@ def run_until_done(engine, sync) -> tuple[float, list[float]]:
     return time.perf_counter() - t0, step_times
 
 
+CATALOGUE_KEYS = {"fixed": "catalogue", "realistic": "catalogue_realistic"}
+
+
+def catalogues(args, w: Workload) -> dict[str, list]:
+    """The workloads named by --workloads, built before the engine (the realistic one tokenizes real prompts)."""
+    from scripts.catalogue_workload import build_workload
+
+    return {kind: build_workload(kind, w.samples, w.image_size, w.text_tokens, w.output_tokens)
+            for kind in args.workloads.split(",")}
+
+
+def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None) -> dict:
+    """Offline: every request arrives at once. Preparation (image decode, resize, patches) runs on a thread pool
+    and each request joins the engine when ready, as in the worker (AsyncEngine); samples/s is from the first
+    preparation to the last token."""
+    from scripts.catalogue_workload import describe
+    from workers.types import SamplingParams
+
+    t0 = time.perf_counter()
+    prepared_s = None
+    generated = steps = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        pending = [pool.submit(engine.prepare_request, f"c{i}", r.prompt,
+                               SamplingParams(temperature=0.0, max_tokens=r.output_tokens))
+                   for i, r in enumerate(requests)]
+        while pending or engine.has_unfinished():
+            ready = [f for f in pending if f.done()]
+            for f in ready:
+                p = f.result()
+                if p.sequence is None:
+                    raise RuntimeError(f"catalogue sample {p.request_id} rejected: {p.error}")
+                engine.add_prepared(p)
+            pending = [f for f in pending if f not in ready]
+            if not pending and prepared_s is None:
+                prepared_s = time.perf_counter() - t0
+            if not engine.has_unfinished():
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                continue
+            if profile_out is not None and steps == 20:  # two mixed prefill+decode steps, mid-run
+                generated += profile_steps(engine, 2, profile_out)
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+            steps += 1
+    sync()
+    wall_s = time.perf_counter() - t0
+    expected = sum(r.output_tokens for r in requests)
+    if generated != expected:
+        raise RuntimeError(f"catalogue run generated {generated} tokens, expected {expected}")
+    result = {
+        **describe(requests), "preprocess_done_s": round(prepared_s, 3), "wall_s": round(wall_s, 3),
+        "samples_per_s": round(len(requests) / wall_s, 3), "output_tokens_per_s": round(expected / wall_s, 1),
+    }
+    if split is not None:
+        result["gpu_time_split"] = split.split(wall_s)
+    return result
+
+
 def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     import torch
 
@@ -229,10 +255,14 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from workers.engine import LLMEngine
     from workers.types import PromptInput, SamplingParams
 
+    from scripts.catalogue_workload import longest_request
+
     sync = Sync(args.device)
+    workloads = catalogues(args, w)
+    max_model_len = max([4096] + [longest_request(r) for r in workloads.values()])
     cfg = EngineConfig(
         checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
-        max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=4096,
+        max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
     )
@@ -303,40 +333,12 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         log.info("decode batch %d: %s", batch, decode[str(batch)])
     result["decode"] = decode
 
-    # catalogue-like workload, offline: all samples added at once
-    prompts = catalogue_prompts(w)
+    # catalogue workloads, offline: every sample arrives at once; preprocessing overlaps the engine's steps
     split = GpuTimeSplit(engine)
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        prepared = list(pool.map(
-            lambda item: engine.prepare_request(f"c{item[0]}", PromptInput(item[1][0], [item[1][1]]),
-                                                greedy(w.output_tokens)),
-            enumerate(prompts),
-        ))
-    prepare_s = time.perf_counter() - t0
-    for p in prepared:
-        if p.sequence is None:
-            raise RuntimeError(f"catalogue sample {p.request_id} rejected: {p.error}")
-        engine.add_prepared(p)
-    generated = 0
-    t1 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        if args.profile_out is not None and steps == 20:  # two mixed prefill+decode steps, mid-run
-            generated += profile_steps(engine, 2, args.profile_out)
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-        steps += 1
-    sync()
-    engine_s = time.perf_counter() - t1
-    if generated != w.samples * w.output_tokens:
-        raise RuntimeError(f"catalogue run generated {generated} tokens, expected {w.samples * w.output_tokens}")
-    result["catalogue"] = {
-        "samples": w.samples, "prompt_tokens": len(prompts[0][0]), "output_tokens": w.output_tokens,
-        "preprocess_s": round(prepare_s, 3), "engine_s": round(engine_s, 3),
-        "samples_per_s": round(w.samples / (prepare_s + engine_s), 3),
-        "samples_per_s_engine_only": round(w.samples / engine_s, 3),
-        "gpu_time_split": split.split(engine_s),
-    }
+    for kind, requests in workloads.items():
+        split.reset()
+        result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync, args.profile_out if kind == "fixed" else None)
+        log.info("catalogue %s: %s", kind, result[CATALOGUE_KEYS[kind]])
     if args.device.startswith("cuda"):
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         free, total = torch.cuda.mem_get_info()
@@ -374,7 +376,10 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
         processor = proc_cls(**proc_kwargs)
     result["image_processor"] = proc_cls.__name__
-    prompts = catalogue_prompts(w)[: w.baseline_batch]
+    from scripts.catalogue_workload import IMAGE_PAD, fixed_catalogue
+
+    prompts = [(r.prompt.token_ids, r.prompt.images[0])
+               for r in fixed_catalogue(w.baseline_batch, w.image_size, w.text_tokens, w.output_tokens)]
     gen = dict(max_new_tokens=w.output_tokens, min_new_tokens=w.output_tokens, do_sample=False, pad_token_id=0)
 
     def generate(items) -> None:
@@ -428,6 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
     p.add_argument("--num-layers", type=int, default=None, help="fewer text layers for quick runs")
     p.add_argument("--samples", type=int, default=None, help="catalogue samples (default 256; tiny 4)")
+    p.add_argument("--workloads", default=None, help="catalogue workloads, comma-separated: fixed (the issue's "
+                   "one-image-size workload), realistic (synthetic catalogue with the real dataset's statistics); "
+                   "default both, tiny: fixed")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -440,6 +448,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cpu" if args.shape == "tiny" else "cuda"
+    if args.workloads is None:
+        args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
+    from scripts.catalogue_workload import WORKLOADS
+
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}")
     return args
 
 

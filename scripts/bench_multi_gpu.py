@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.bench_engine import Workload, catalogue_prompts, write_config  # noqa: E402
+from scripts.bench_engine import Workload, run_catalogue, write_config  # noqa: E402
+from scripts.catalogue_workload import WORKLOADS, build_workload, describe, longest_request  # noqa: E402
 
 log = logging.getLogger("bench_multi_gpu")
 PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
@@ -39,13 +40,34 @@ PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
 SMOKE = os.environ.get("Q3VL_BENCH_SMOKE") == "1"  # CPU run of every part on tiny dims (checks the plumbing)
 
 
-def engine_config(checkpoint: Path, device: str, w: Workload, **kw):
+WORKLOAD_FILE = "workload.pkl"
+
+
+def catalogue_requests(args, w: Workload) -> list:
+    """The --workload requests: the driver builds them once and stores them beside each part's config
+    (store_requests); a part reads them back."""
+    import pickle
+
+    path = args.config_dir / WORKLOAD_FILE if args.config_dir else None
+    if path is not None and path.is_file():
+        return pickle.loads(path.read_bytes())
+    return build_workload(args.workload, w.samples, w.image_size, w.text_tokens, w.output_tokens)
+
+
+def store_requests(config_dir: Path, requests: list) -> None:
+    import pickle
+
+    (config_dir / WORKLOAD_FILE).write_bytes(pickle.dumps(requests))
+
+
+def engine_config(checkpoint: Path, device: str, w: Workload, requests: list, **kw):
     from workers.config import EngineConfig
 
     if SMOKE:
         device, kw["num_kv_blocks"] = "cpu", 2048
     return EngineConfig(checkpoint=checkpoint, load_format="random", device=device, max_num_seqs=w.max_num_seqs,
-                        max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=4096, **kw)
+                        max_num_batched_tokens=w.max_num_batched_tokens,
+                        max_model_len=max(4096, longest_request(requests)), **kw)
 
 
 def sync_all() -> None:
@@ -70,35 +92,18 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-def prepare_all(engine, prompts, w: Workload, prefix: str, **kw) -> tuple[list, float]:
-    import concurrent.futures
-
-    from workers.types import PromptInput
-
+def prepare_all(engine, requests, prefix: str, **kw) -> tuple[list, float]:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         prepared = list(pool.map(
-            lambda item: engine.prepare_request(f"{prefix}{item[0]}", PromptInput(item[1][0], [item[1][1]]),
-                                                greedy(w.output_tokens), **kw),
-            enumerate(prompts)))
+            lambda item: engine.prepare_request(f"{prefix}{item[0]}", item[1].prompt, greedy(item[1].output_tokens), **kw),
+            enumerate(requests)))
     return prepared, time.perf_counter() - t0
 
 
-def catalogue(engine, prompts, w: Workload) -> dict:
-    """Offline: all samples at once; samples/s including the CPU preprocessing."""
-    prepared, prepare_s = prepare_all(engine, prompts, w, "c")
-    for p in prepared:
-        engine.add_prepared(p)
-    generated, t1 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    sync_all()
-    engine_s = time.perf_counter() - t1
-    if generated != len(prompts) * w.output_tokens:
-        raise RuntimeError(f"generated {generated} tokens, expected {len(prompts) * w.output_tokens}")
-    return {"samples": len(prompts), "preprocess_s": round(prepare_s, 3), "engine_s": round(engine_s, 3),
-            "samples_per_s": round(len(prompts) / (prepare_s + engine_s), 3),
-            "samples_per_s_engine_only": round(len(prompts) / engine_s, 3)}
+def catalogue(engine, requests) -> dict:
+    """Offline: all samples at once, preprocessing overlapping the steps (bench_engine.run_catalogue)."""
+    return run_catalogue(engine, requests, None, sync_all)
 
 
 P99_LIMITS_S = (12.0, 1.5)
@@ -119,13 +124,11 @@ def poisson_arrivals(qps: float, requests: int, cap_s: float, seed: int) -> list
     return [a for a in arrivals if a <= cap_s]
 
 
-def drive_poisson(engine, prompts, w: Workload, arrivals: list[float], stop_s: float, tag: str, on_finished,
+def drive_poisson(engine, requests, arrivals: list[float], stop_s: float, tag: str, on_finished,
                   **prepare_kw) -> int:
     """Adds request `tag`-n at arrivals[n] (preprocessing starts at arrival, on a thread pool, as in the
     AsyncEngine) and steps the engine; on_finished(rid, its arrival on time.monotonic()) as each one finishes.
     Stops stop_s after the start at the latest: the requests left are aborted, their count returned."""
-    from workers.types import PromptInput
-
     arrived: dict[str, float] = {}
     preparing: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -136,10 +139,10 @@ def drive_poisson(engine, prompts, w: Workload, arrivals: list[float], stop_s: f
                 break
             while nxt < len(arrivals) and arrivals[nxt] <= now:
                 rid = f"{tag}-{nxt}"
-                ids, image = prompts[nxt % len(prompts)]
+                request = requests[nxt % len(requests)]
                 arrived[rid] = t0 + arrivals[nxt]
-                preparing.append(pool.submit(engine.prepare_request, rid, PromptInput(ids, [image]),
-                                             greedy(w.output_tokens), **prepare_kw))
+                preparing.append(pool.submit(engine.prepare_request, rid, request.prompt,
+                                             greedy(request.output_tokens), **prepare_kw))
                 nxt += 1
             while preparing and preparing[0].done():
                 engine.add_prepared(preparing.popleft().result())
@@ -158,11 +161,12 @@ def drive_poisson(engine, prompts, w: Workload, arrivals: list[float], stop_s: f
     return len(arrived)
 
 
-def poisson_latencies(engine, prompts, w: Workload, qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
+def poisson_latencies(engine, catalogue_requests: list, qps: float, requests: int, cap_s: float, seed: int,
+                      tag: str) -> list[float]:
     """Requests arrive with exponential gaps at `qps` until cap_s; each one's seconds from arrival to its last
     token; a request not finished cap_s + 12 s after the start counts as infinitely late (and is aborted)."""
     latencies: list[float] = []
-    late = drive_poisson(engine, prompts, w, poisson_arrivals(qps, requests, cap_s, seed), cap_s + P99_LIMITS_S[0], tag,
+    late = drive_poisson(engine, catalogue_requests, poisson_arrivals(qps, requests, cap_s, seed), cap_s + P99_LIMITS_S[0], tag,
                          lambda rid, arrived: latencies.append(time.monotonic() - arrived))
     return latencies + [math.inf] * late
 
@@ -238,15 +242,15 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
     from workers.engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, tensor_parallel_size=tp, expert_parallel=ep,
+    requests = catalogue_requests(args, w)
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests, tensor_parallel_size=tp, expert_parallel=ep,
                                      enforce_eager=args.eager))
     result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.runner.num_kv_blocks,
               "cuda_graphs": engine.runner.graphs is not None}
     try:
         warm_up(engine)
-        prompts = catalogue_prompts(w)
-        result["catalogue"] = catalogue(engine, prompts, w)
-        measure = functools.partial(poisson_latencies, engine, prompts, w)
+        result["catalogue"] = catalogue(engine, requests)
+        measure = functools.partial(poisson_latencies, engine, requests)
         result["poisson"] = summarize_levels(qps_search(measure, result["catalogue"]["samples_per_s"], args)["levels"])
         if args.decode:
             result["decode_ms"] = {str(b): round(decode_steps(engine, b, w.decode_context, 16), 2) for b in w.decode_batches[1:]}
@@ -259,16 +263,17 @@ def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
     """One of the two data-parallel instances (CUDA_VISIBLE_DEVICES picks its GPU); half the samples."""
     from workers.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    requests = catalogue_requests(args, w)
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
     warm_up(engine)
-    prompts = catalogue_prompts(w)[args.shard :: 2]
+    requests = requests[args.shard :: 2]
     barrier = Path(args.barrier)  # both instances start the timed run together
     (barrier / f"ready{args.shard}").touch()
     while len(list(barrier.glob("ready*"))) < 2:
         time.sleep(0.05)
-    result = catalogue(engine, prompts, w)
+    result = catalogue(engine, requests)
     # its own Poisson stream at half the aggregate rate: two such streams are one at the full rate, routed at random
-    result["poisson"] = qps_search(functools.partial(poisson_latencies, engine, prompts, w), 2 * result["samples_per_s"],
+    result["poisson"] = qps_search(functools.partial(poisson_latencies, engine, requests), 2 * result["samples_per_s"],
                                    args, share=0.5)
     return result
 
@@ -295,8 +300,7 @@ def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
     for r in results:
         r.pop("poisson")
     return {"instances": results, "poisson": summarize_levels(merged),
-            "samples_per_s": round(sum(r["samples"] for r in results) / max(r["preprocess_s"] + r["engine_s"] for r in results), 3),
-            "samples_per_s_engine_only": round(sum(r["samples"] for r in results) / max(r["engine_s"] for r in results), 3)}
+            "samples_per_s": round(sum(r["samples"] for r in results) / max(r["wall_s"] for r in results), 3)}
 
 
 def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
@@ -305,10 +309,10 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink, KvLinkConfig
 
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    requests = catalogue_requests(args, w)
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
-    prompts = catalogue_prompts(w)[: w.samples]
 
     def hand_off(rid: str, index: int, wait: bool, **extra) -> tuple[float, int]:
         """(seconds, KV bytes); wait: until the decode GPU holds the KV (solo), else until the send is queued."""
@@ -323,7 +327,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
         return took, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()
 
     def prefill_alone(rid: str) -> float:
-        (prepared,), _ = prepare_all(engine, prompts[:1], w, rid, prefill_only=True)
+        (prepared,), _ = prepare_all(engine, requests[:1], rid, prefill_only=True)
         sync_all()
         t0 = time.perf_counter()
         engine.add_prepared(prepared)
@@ -343,7 +347,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     handoffs: list[float] = []
     added: dict[str, float] = {}  # when each request was added, for its prefill time
     t0 = time.perf_counter()
-    prepared, prepare_s = prepare_all(engine, prompts, w, "c", prefill_only=True)
+    prepared, prepare_s = prepare_all(engine, requests, "c", prefill_only=True)
     for p in prepared:
         engine.add_prepared(p)
         added[p.request_id] = time.perf_counter()
@@ -368,13 +372,13 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     }))
     _, offline_rate = pipe.recv()
 
-    def measure(qps: float, requests: int, cap_s: float, seed: int, tag: str) -> list[float]:
+    def measure(qps: float, count: int, cap_s: float, seed: int, tag: str) -> list[float]:
         """One Poisson level: arrivals and prefills here, each KV handed off as it is ready; the decode side
         returns the latencies (arrival here to last token there, one host clock)."""
-        arrivals = poisson_arrivals(qps, requests, cap_s, seed)
+        arrivals = poisson_arrivals(qps, count, cap_s, seed)
         start = time.monotonic()
-        drive_poisson(engine, prompts, w, arrivals, cap_s + P99_LIMITS_S[0], tag,
-                      lambda rid, arrived: hand_off(rid, int(rid.split("-")[1]) % len(prompts), False, arrived=arrived),
+        drive_poisson(engine, requests, arrivals, cap_s + P99_LIMITS_S[0], tag,
+                      lambda rid, arrived: hand_off(rid, int(rid.split("-")[1]) % len(requests), False, arrived=arrived),
                       prefill_only=True)
         pipe.send(("level", len(arrivals), start + cap_s + P99_LIMITS_S[0]))
         return pipe.recv()
@@ -383,16 +387,14 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     link.flush()
 
 
-def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> None:
+def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> None:
     """GPU 1: receives each request's KV from GPU 0 and decodes it: the offline run, then each Poisson level."""
     from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink, KvLinkConfig
-    from workers.types import PromptInput
-
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w))
+    requests = catalogue_requests(args, w)
+    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
-    prompts = catalogue_prompts(w)[: w.samples]
     generated = 0
     finished_at: dict[str, float] = {}
     arrived: dict[str, float] = {}  # Poisson requests of the level: their arrival on GPU 0's side (one clock)
@@ -418,8 +420,8 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> N
                     per_request.append((extra["prefill_s"], time.monotonic() - json.loads(hint)["sent_at"]))
                 if "arrived" in extra:
                     arrived[rid] = extra["arrived"]
-                ids, image = prompts[index]
-                engine.add_request(rid, PromptInput(ids, [image]), greedy(w.output_tokens - 1), kv_import=kv)
+                request = requests[index]
+                engine.add_request(rid, request.prompt, greedy(request.output_tokens - 1), kv_import=kv)
             if engine.has_unfinished():
                 step()
 
@@ -441,8 +443,9 @@ def _pd_decode(checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> N
     drain()
     sync_all()
     wall = time.perf_counter() - t0
-    if generated != w.samples * (w.output_tokens - 1):
-        raise RuntimeError(f"decode side generated {generated} tokens, expected {w.samples * (w.output_tokens - 1)}")
+    expected = sum(r.output_tokens - 1 for r in requests)
+    if generated != expected:
+        raise RuntimeError(f"decode side generated {generated} tokens, expected {expected}")
     stats.update(decode_wall_s=round(wall, 3), samples=w.samples, samples_per_s=round(w.samples / wall, 3),
                  prefill_ms_median=round(statistics.median(p for p, _ in per_request) * 1e3, 2),
                  handoff_ms_median=round(statistics.median(h for _, h in per_request) * 1e3, 3),
@@ -478,7 +481,7 @@ def part_pd(args, checkpoint: Path, w: Workload) -> dict:
     pre = ctx.Process(target=_pd_prefill, args=(args, checkpoint, w, port, a))
     pre.start()
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"
-    dec = ctx.Process(target=_pd_decode, args=(checkpoint, w, port, b, result_end))
+    dec = ctx.Process(target=_pd_decode, args=(args, checkpoint, w, port, b, result_end))
     dec.start()
     del os.environ["CUDA_VISIBLE_DEVICES"]
     dec.join(args.part_timeout)
@@ -493,14 +496,15 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
     """235B-A22B shape at args.layers layers, TP2 or EP2 (args.ep): decode step, prefill rate, catalogue."""
     from workers.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(checkpoint_root, "cuda:0", w, tensor_parallel_size=2, expert_parallel=args.ep,
-                                     enforce_eager=args.eager))
+    requests = catalogue_requests(args, w)
+    engine = LLMEngine(engine_config(checkpoint_root, "cuda:0", w, requests, tensor_parallel_size=2,
+                                     expert_parallel=args.ep, enforce_eager=args.eager))
     try:
         warm_up(engine)
         out = {"layers": args.layers, "expert_parallel": args.ep,
                "decode_ms": {str(b): round(decode_steps(engine, b, w.decode_context, 12), 2) for b in w.decode_batches[1:]},
                "prefill_tokens_per_s": round(prefill_rate(engine, 8, 2048), 1)}
-        out["catalogue"] = catalogue(engine, catalogue_prompts(w), w)
+        out["catalogue"] = catalogue(engine, requests)
     finally:
         engine.close()
     return out
@@ -510,7 +514,7 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
 
 def base_argv(args) -> list[str]:
     flags = (["--decode"] if args.decode else []) + (["--eager"] if args.eager else [])
-    return ["--samples", str(args.samples), "--part-timeout", str(args.part_timeout), "--qps-fractions", args.qps_fractions,
+    return ["--samples", str(args.samples), "--workload", args.workload, "--part-timeout", str(args.part_timeout), "--qps-fractions", args.qps_fractions,
             "--qps-requests", str(args.qps_requests), "--qps-level-s", str(args.qps_level_s),
             "--part-deadline", str(args.part_deadline), *flags]
 
@@ -563,6 +567,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--workload", choices=WORKLOADS, default="realistic",
+                   help="catalogue requests: realistic (synthetic catalogue with the real dataset's statistics) or "
+                        "fixed (the engine issue's 1024x1024 JPEG + 700 text tokens, 45 out)")
     p.add_argument("--samples-235b", type=int, default=64)
     p.add_argument("--layers-235b", default="4,8")
     p.add_argument("--decode", action="store_true", help="also decode step times at batch 64/256 (tp2/ep2)")
@@ -595,9 +602,10 @@ def main(argv=None) -> dict:
     import torch
 
     deadline = time.perf_counter() + args.budget_s
+    requests = build_workload(args.workload, w.samples, w.image_size, w.text_tokens, w.output_tokens)
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "workload": {"samples": w.samples, "prompt_tokens": 1734,
-                    "output_tokens": w.output_tokens, "image": "1024x1024 JPEG, 1,024 visual tokens"}}
+                    "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                    "workload": {"kind": args.workload, **describe(requests)}}
 
     def save() -> None:
         if args.out is not None:
@@ -607,6 +615,7 @@ def main(argv=None) -> dict:
         cfg30 = Path(tmp) / "30b"
         cfg30.mkdir()
         write_config("tiny" if SMOKE else "30b-a3b", None, cfg30)
+        store_requests(cfg30, requests)
         for part in args.parts.split(","):
             left = deadline - time.perf_counter()
             if left < 30:
@@ -624,6 +633,7 @@ def main(argv=None) -> dict:
                         if not d.exists():
                             d.mkdir()
                             write_config("tiny" if SMOKE else "235b-a22b", n, d)
+                            store_requests(d, requests[: args.samples_235b])
                         extra = ["--layers", str(n), "--samples", str(args.samples_235b)] + (["--ep"] if ep else [])
                         out[f"{'ep2' if ep else 'tp2'}_L{n}"] = run_part(args, "l235", extra, d, min(args.part_timeout, left))
                     key = "ep2" if ep else "tp2"

@@ -19,4 +19,7 @@ def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, caps
     assert all(d["tokens_per_s"] > 0 for d in ours["decode"].values())
     catalogue = ours["catalogue"]
     assert catalogue["samples"] == 2 and catalogue["samples_per_s"] > 0
-    assert catalogue["prompt_tokens"] == 64 + 32 + 10  # 128x128 JPEG raised to 64 visual tokens, 32 text, 10 template
+    # a 128x128 JPEG is raised to 64 visual tokens; 32 text tokens; 10 of the chat template
+    assert catalogue["prompt_tokens"]["max"] == 64 + 32 + 10 and catalogue["visual_tokens"]["median"] == 64
+    assert catalogue["output_tokens"]["mean"] == result["workload"]["output_tokens"]
+    assert 0 < catalogue["preprocess_done_s"] <= catalogue["wall_s"]

@@ -1,13 +1,22 @@
-"""The vision tower's own pieces: the patch embedding run as a GEMM equals transformers' Conv3d, and images of
-equal size are planned into one attention run."""
+"""The vision tower: our forward over transformers' vision module gives what the module gives (float32 on the CPU at
+a tiny shape; bf16 on CUDA at the 30B shape), the patch embedding run as a GEMM equals the Conv3d, images of equal
+size are planned into one attention run, and the per-grid tables are built once and kept within their budget."""
 
 from __future__ import annotations
+
+import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
-from workers.model.vision import PatchLinear, frame_runs
+from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, build_vision_module, frame_runs
+from workers.tiny_checkpoint import released_config, transformers_config
+from workers.weights import load_model_config
+
+# Several sizes in one batch: a run of two equal images, odd aspect ratios, and a video-like grid of two frames.
+GRIDS = [[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4], [1, 6, 2], [1, 8, 8]]
 
 
 def patch_conv(channels: int = 3, temporal: int = 2, patch: int = 16, out: int = 64) -> nn.Conv3d:
@@ -20,9 +29,8 @@ def patch_conv(channels: int = 3, temporal: int = 2, patch: int = 16, out: int =
 def test_patch_linear_gives_the_convolutions_output(dtype, tol):
     conv = patch_conv().to(dtype)
     patches = torch.randn(37, 3, 2, 16, 16, dtype=dtype)
-    expected = conv(patches)
-    got = PatchLinear(conv)(patches)
-    assert got.shape == expected.shape == (37, 64, 1, 1, 1)
+    expected = conv(patches).view(37, 64)
+    got = PatchLinear(conv)(patches.view(37, -1))
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
@@ -41,3 +49,148 @@ def test_an_overlapping_convolution_is_refused():
 def test_consecutive_frames_of_one_size_form_one_run():
     grid = torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4]])
     assert frame_runs(grid) == [(16, 2), (12, 1), (16, 2)]
+
+
+def randomized_module(vision_config, device: str, dtype: torch.dtype, arch: str = "moe") -> nn.Module:
+    """The module with every parameter random at unit gain (matrices ~N(0, 1/fan_in)), so attention is sharp and
+    no norm weight or bias is a no-op."""
+    module = build_vision_module(arch, vision_config, torch.device(device), dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            draw = torch.randn(param.shape, generator=gen, device=device)
+            if name.rsplit(".", 2)[-2].startswith("norm") and name.endswith("weight"):
+                param.copy_(1 + 0.1 * draw)
+            elif param.dim() == 1:
+                param.copy_(0.1 * draw)
+            else:
+                param.copy_(draw / param[0].numel() ** 0.5)
+    return module.eval()
+
+
+def pixels_for(grids: list[list[int]], width: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    patches = sum(t * h * w for t, h, w in grids)
+    return torch.randn(patches, width, generator=torch.Generator(device=device).manual_seed(1), device=device, dtype=dtype)
+
+
+def transformers_output(module: nn.Module, pixels: torch.Tensor, grid: torch.Tensor):
+    out = module(pixels, grid_thw=grid.to(pixels.device), return_dict=True)
+    return out.pooler_output, list(out.deepstack_features)
+
+
+@pytest.fixture(scope="module")
+def tiny_vision(tiny_moe_checkpoint):
+    return randomized_module(load_model_config(tiny_moe_checkpoint).hf_config.vision_config, "cpu", torch.float32)
+
+
+@torch.inference_mode()
+def test_our_tower_equals_transformers_module_on_a_mixed_batch(tiny_vision):
+    grid = torch.tensor(GRIDS)
+    pixels = pixels_for(GRIDS, tiny_vision.patch_embed.proj.weight[0].numel())
+    expected, expected_stack = transformers_output(tiny_vision, pixels, grid)
+    embeds, stack = VisionTower(tiny_vision)(pixels, grid)
+    assert embeds.shape == expected.shape == (pixels.shape[0] // 4, 64)
+    torch.testing.assert_close(embeds, expected, rtol=1e-5, atol=1e-5)
+    assert len(stack) == len(expected_stack) == 2
+    for got, want in zip(stack, expected_stack):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_each_image_encodes_as_it_would_alone(tiny_vision):
+    """Attention stays within each frame: an image's rows do not depend on its neighbours in the batch."""
+    tower = VisionTower(tiny_vision)
+    grid = torch.tensor(GRIDS)
+    pixels = pixels_for(GRIDS, tiny_vision.patch_embed.proj.weight[0].numel())
+    together, _ = tower(pixels, grid)
+    first = GRIDS[0][0] * GRIDS[0][1] * GRIDS[0][2]
+    alone, _ = tower(pixels[first:2 * first], grid[1:2])
+    torch.testing.assert_close(together[first // 4:2 * first // 4], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_grid_tables_are_built_once_per_grid_and_kept_within_budget(tiny_vision):
+    config = tiny_vision.config
+    tables = GridTables(tiny_vision.pos_embed, tiny_vision.rotary_pos_emb.inv_freq, config.spatial_merge_size)
+    pos, cos, sin = tables([(1, 4, 4), (1, 4, 4), (2, 2, 6)])
+    assert pos.shape == (16 + 16 + 24, config.hidden_size) and cos.shape == sin.shape == (56, config.hidden_size // config.num_heads // 2)
+    assert torch.equal(pos[:16], pos[16:32]) and torch.equal(pos[32:44], pos[44:])  # frames of a grid share them
+    assert tables._get((1, 4, 4))[0] is tables._get((1, 4, 4))[0]
+    small = GridTables(tiny_vision.pos_embed, tiny_vision.rotary_pos_emb.inv_freq, 2, budget_bytes=1)
+    small([(1, 4, 4), (1, 2, 2)])
+    assert list(small._tables) == [(1, 2, 2)]  # the least recently used grid went; the newest always stays
+
+
+def test_a_grid_off_the_merge_size_is_refused(tiny_vision):
+    tables = GridTables(tiny_vision.pos_embed, tiny_vision.rotary_pos_emb.inv_freq, 2)
+    with pytest.raises(ValueError, match=r"image grid \(1, 3, 4\) is not a multiple of the spatial merge size 2"):
+        tables([(1, 3, 4)])
+
+
+def test_a_patch_count_that_disagrees_with_the_grid_is_refused(tiny_vision):
+    pixels = torch.zeros(15, tiny_vision.patch_embed.proj.weight[0].numel())
+    with pytest.raises(ValueError, match="pixel_values has 15 patches"):
+        VisionTower(tiny_vision)(pixels, torch.tensor([[1, 4, 4]]))
+
+
+def test_encoder_loads_the_checkpoints_vision_weights(tiny_moe_checkpoint):
+    from workers.weights import VISION_PREFIX, iter_tensors
+
+    encoder = VisionEncoder(load_model_config(tiny_moe_checkpoint), tiny_moe_checkpoint, torch.device("cpu"), torch.float32)
+    state = dict(iter_tensors(tiny_moe_checkpoint, VISION_PREFIX))
+    assert torch.equal(encoder.model.blocks[0].attn.qkv.weight, state["blocks.0.attn.qkv.weight"])
+    assert encoder.model.rotary_pos_emb.inv_freq.dtype == torch.float32
+    grid = torch.tensor([[1, 4, 4]])
+    embeds, stack = encoder.encode(pixels_for([[1, 4, 4]], 1536), grid)
+    assert embeds.shape == (4, 64) and len(stack) == 2
+
+
+# ---- CUDA: the real 30B shape in bf16 ----------------------------------------------------------------------------
+
+# bf16 through 27 blocks rounds differently from transformers' module (fused LayerNorm, rotary FMA, position-embedding
+# sums; transformers 5.17 also sums those in bf16), so rows drift by a few bf16 steps. Measured against the module
+# run in float32, our error stays within 1.25x of the bf16 module's own (+1e-3); against the bf16 module, within 3e-2.
+GPU_REL_TOL = 3e-2
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grids", [[[1, 32, 32]] * 4, [[1, 64, 64], [1, 32, 48], [2, 16, 16]]], ids=["4x1024", "mixed"])
+@torch.inference_mode()
+def test_our_tower_equals_transformers_module_at_the_30b_shape_in_bf16(grids):
+    vision_config = transformers_config(released_config("qwen3-vl-30b-a3b")).vision_config
+    module = randomized_module(vision_config, "cuda", torch.bfloat16)
+    exact = copy.deepcopy(module).float()  # the same bf16 weights, run in float32
+    grid = torch.tensor(grids)
+    pixels = pixels_for(grids, 1536, "cuda", torch.bfloat16)
+    expected = transformers_output(module, pixels, grid)
+    exact_out = transformers_output(exact, pixels.float(), grid)
+    for gelu_epilogue in (False, True):
+        embeds, stack = VisionTower(module, gelu_epilogue=gelu_epilogue)(pixels, grid)
+        for got, want, truth in zip([embeds, *stack], [expected[0], *expected[1]], [exact_out[0], *exact_out[1]]):
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            assert relative_error(got, want) < GPU_REL_TOL
+            assert relative_error(got, truth) <= 1.25 * relative_error(want, truth) + 1e-3
+            assert torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1).min().item() > 0.999
+
+def test_bench_vision_tiny_cpu_mode_prints_one_json_object_per_run(tmp_path, capsys):
+    from scripts import bench_vision
+
+    out = tmp_path / "bench.json"
+    result = bench_vision.main(["--shape", "tiny", "--reps", "1", "--out", str(out)])
+    assert json.loads(capsys.readouterr().out) == result == json.loads(out.read_text())
+    assert {"device", "date", "command", "config", "workloads"} <= set(result)
+    assert set(result["workloads"]) == {"4x16", "2x64"}
+    for figures in result["workloads"].values():
+        assert figures["transformers_ms_per_image"] > 0 and figures["ours_ms_per_image"] > 0
+        assert figures["ours_error_vs_transformers"] < 1e-5  # float32: the same math as transformers'
+
+
+def test_the_gelu_epilogue_is_refused_for_another_activation(tiny_vision):
+    module = copy.deepcopy(tiny_vision)
+    module.config.hidden_act = "silu"
+    with pytest.raises(ValueError, match="hidden_act is 'silu'"):
+        VisionTower(module, gelu_epilogue=True)

@@ -1,0 +1,127 @@
+"""The Qwen3-VL vision tower on one device: transformers' module (SDPA) beside our forward over the same random
+weights, in one run; prints one JSON object (ms per image, medians; our outputs' error relative to transformers').
+
+Workloads: batches of equal square images, e.g. 16 x 1,024 patches (512x512 px) and 4 x 4,096 (1024x1024 px). On
+CUDA also our tower with the fc1 + GELU cuBLASLt epilogue. Errors are relative Frobenius norms, the largest over the
+main embeddings and the DeepStack features. `--shape tiny` is a CPU smoke mode with tiny dims.
+Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.gpu_timing import time_us  # noqa: E402
+from workers.model import vision_kernels  # noqa: E402
+from workers.model.vision import VisionTower, build_vision_module  # noqa: E402
+from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, transformers_config  # noqa: E402
+from workers.weights import init_random_weights  # noqa: E402
+
+PRESETS = {"30b-a3b": "qwen3-vl-30b-a3b", "235b-a22b": "qwen3-vl-235b-a22b", "tiny": "qwen3-vl-30b-a3b"}
+WORKLOADS = {"tiny": [(4, 4), (2, 8)], "real": [(16, 32), (4, 64)]}  # (images, grid side in patches)
+
+
+def median_ms(fn, reps: int, cuda: bool) -> float:
+    """Median over reps of one call's time: CUDA events around 3 calls (after a warm-up), or the wall clock."""
+    if cuda:
+        return statistics.median(time_us(fn, iters=3) for _ in range(reps)) / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
+
+
+def bench_workload(module, exact, towers: dict, images: int, side: int, reps: int, device: str) -> dict:
+    """Times per image; errors of the bf16 outputs against transformers' bf16 module and against `exact` (the same
+    weights run in float32)."""
+    cuda = device.startswith("cuda")
+    in_features = module.patch_embed.proj.weight[0].numel()
+    grid = torch.tensor([[1, side, side]] * images)
+    pixels = torch.randn(images * side * side, in_features, device=device).to(module.pos_embed.weight.dtype)
+    grid_on_device = grid.to(device)
+
+    def transformers_call(m=module, x=pixels):
+        out = m(x, grid_thw=grid_on_device, return_dict=True)
+        return [out.pooler_output, *out.deepstack_features]
+
+    result = {"images": images, "patches_per_image": side * side}
+    reference, truth = transformers_call(), transformers_call(exact, pixels.float())
+    result["transformers_ms_per_image"] = round(median_ms(transformers_call, reps, cuda) / images, 3)
+    result["transformers_error_vs_fp32"] = float(f"{relative_error(reference, truth):.3g}")
+    for name, tower in towers.items():
+        embeds, features = tower(pixels, grid)
+        result[f"{name}_ms_per_image"] = round(median_ms(lambda: tower(pixels, grid), reps, cuda) / images, 3)
+        result[f"{name}_error_vs_transformers"] = float(f"{relative_error([embeds, *features], reference):.3g}")
+        result[f"{name}_error_vs_fp32"] = float(f"{relative_error([embeds, *features], truth):.3g}")
+    result["speedup"] = round(result["transformers_ms_per_image"] / result["ours_ms_per_image"], 2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
+    p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (median)")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    args = p.parse_args(argv)
+    device = args.device or ("cpu" if args.shape == "tiny" else "cuda")
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench_vision: no CUDA device (use --shape tiny for the CPU smoke mode)")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    overrides = dict(TINY_OVERRIDES["moe"]) if args.shape == "tiny" else {}
+    vision_config = transformers_config(released_config(PRESETS[args.shape], overrides)).vision_config
+    torch.manual_seed(0)
+    module = build_vision_module("moe", vision_config, torch.device(device), dtype)
+    init_random_weights(module, seed=0)
+    module.eval()
+    exact = copy.deepcopy(module).float() if dtype != torch.float32 else module
+    towers = {"ours": VisionTower(module)}
+    if cuda:
+        towers["ours_gelu_epilogue"] = VisionTower(module, gelu_epilogue=True)
+    result = {
+        "bench": "vision_tower",
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python -m scripts.bench_vision", *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__,
+        "triton": vision_kernels.triton.__version__ if vision_kernels.triton is not None else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": {k: getattr(vision_config, k) for k in ("depth", "hidden_size", "num_heads", "intermediate_size",
+                                                            "out_hidden_size", "deepstack_visual_indexes")},
+        "reps": args.reps,
+        "workloads": {},
+    }
+    with torch.inference_mode():
+        for images, side in WORKLOADS["tiny" if args.shape == "tiny" else "real"]:
+            name = f"{images}x{side * side}"
+            result["workloads"][name] = bench_workload(module, exact, towers, images, side, args.reps, device)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
