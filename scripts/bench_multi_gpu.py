@@ -457,10 +457,10 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
                  poisson_note="arrivals and prefill on GPU 0, decode on GPU 1; latency from arrival to the last token")
     pipe.send(("rate", stats["samples_per_s"]))
     while (msg := serve())[0] == "level":
-        _, requests, deadline = msg
+        _, count, deadline = msg
         drain(deadline)
         latencies = [finished_at[rid] - at for rid, at in arrived.items() if rid in finished_at]
-        pipe.send(latencies + [math.inf] * (requests - len(latencies)))
+        pipe.send(latencies + [math.inf] * (count - len(latencies)))
         arrived.clear()
     assert msg[0] == "done", msg
     stats["poisson"] = msg[1]

@@ -1,13 +1,23 @@
 """bench_multi_gpu's Poisson search, shared by every layout (the PD split included): levels at fractions of the
-offline rate, skipped once the part's time is spent, and the highest rate whose p99 stays under 12 s / 1.5 s."""
+offline rate, skipped once the part's time is spent, and the highest rate whose p99 stays under 12 s / 1.5 s;
+and its CPU smoke mode through the data-parallel and prefill/decode parts."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from scripts.bench_multi_gpu import qps_search, summarize_levels
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def search_args(**kw) -> argparse.Namespace:
@@ -33,3 +43,22 @@ def test_levels_stop_when_the_part_time_is_spent():
     summary = summarize_levels(qps_search(lambda *a: [0.1], 10.0, search_args(part_deadline=time.time() + 5))["levels"])
     assert summary["levels"] == [{"fraction": 0.5, "skipped": "part time spent"}]
     assert summary["max_qps_p99_under_12s"] is None
+
+
+@pytest.mark.slow
+def test_smoke_mode_runs_the_data_parallel_and_prefill_decode_parts_through_two_poisson_levels(tmp_path):
+    """Q3VL_BENCH_SMOKE=1: every part on CPU with tiny dims (gloo ranks, the KV link over gloo), the plumbing only."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_multi_gpu.py"), "--parts", "dp2,pd", "--workload", "fixed",
+           "--samples", "4", "--qps-fractions", "0.3,0.6", "--qps-requests", "4", "--qps-level-s", "2",
+           "--part-timeout", "150", "--out", str(out)]
+    subprocess.run(cmd, env={**os.environ, "Q3VL_BENCH_SMOKE": "1"}, check=True, timeout=400, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["workload"]["kind"] == "fixed" and result["workload"]["samples"] == 4
+    assert [i["samples"] for i in result["dp2"]["instances"]] == [2, 2] and result["dp2"]["samples_per_s"] > 0
+    pd = result["pd"]
+    assert pd["samples"] == 4 and pd["kv_bytes_per_request"] > 0, pd
+    for part in (result["dp2"], pd):
+        levels = part["poisson"]["levels"]
+        assert [level["fraction"] for level in levels] == [0.3, 0.6], part
+        assert all(level["unfinished"] == 0 for level in levels)
