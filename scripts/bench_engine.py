@@ -414,6 +414,9 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         sync()
         wall = time.perf_counter() - t0
         generated = sum(len(getattr(o, "generated_tokens", None) or []) for o in outs.values())
+        if generated != len(text_ids) * w.output_tokens:  # no rate from a run that did not generate the tokens
+            raise RuntimeError(f"generate_batch returned {generated} of {len(text_ids) * w.output_tokens} tokens "
+                               f"({len(outs)} outputs)")
         result["generate_batch"] = {"requests": len(text_ids), "wall_s": round(wall, 3),
                                     "samples_per_s": round(len(text_ids) / wall, 3), "outputs": len(outs),
                                     "generated_tokens": generated, "expected_tokens": len(text_ids) * w.output_tokens,
