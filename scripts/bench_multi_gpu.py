@@ -547,14 +547,14 @@ def extrapolate(l4: dict, l8: dict, lo: int, hi: int) -> dict:
     """Linear in layers: per-layer = (t(hi) - t(lo)) / (hi - lo); t(94) = t(lo) + (94 - lo) * per-layer."""
     per = lambda a, b: (b - a) / (hi - lo)  # noqa: E731
     d = {b: per(l4["decode_ms"][b], l8["decode_ms"][b]) for b in l4["decode_ms"]}
-    cat = per(l4["catalogue"]["engine_s"], l8["catalogue"]["engine_s"])
+    cat = per(l4["catalogue"]["wall_s"], l8["catalogue"]["wall_s"])
     n = l4["catalogue"]["samples"]
-    cat94 = l4["catalogue"]["engine_s"] + (94 - lo) * cat
+    cat94 = l4["catalogue"]["wall_s"] + (94 - lo) * cat
     dec94 = {b: l4["decode_ms"][b] + (94 - lo) * d[b] for b in d}
     return {
         "label": "EXTRAPOLATION, not a measurement: linear in layers from two measured layer counts on 2 GPUs",
         "per_layer_decode_ms": {b: round(v, 3) for b, v in d.items()},
-        "per_layer_catalogue_engine_s": round(cat, 4),
+        "per_layer_catalogue_wall_s": round(cat, 4),
         "decode_ms_94_layers_2gpu": {b: round(v, 1) for b, v in dec94.items()},
         "catalogue_samples_per_s_94_layers_2gpu_if_it_fit": round(n / cat94, 3),
         "catalogue_samples_per_s_8gpu_two_tp4_instances_naive": round(2 * 2 * n / cat94, 3),

@@ -1,5 +1,7 @@
 """The step model: calibration from the bench JSON, its scaling to other hardware, and its 1xH200 validation."""
 
+from pathlib import Path
+
 import pytest
 
 from workers.sim.step_model import Calibration, StepModel, StepWork, load_hardware
@@ -79,3 +81,11 @@ def test_prediction_of_the_1x_and_2x_h200_runs_is_within_15_percent():
     for row in poisson:  # tail latency of a 2xH200 Poisson run: held to 20%
         assert row["requests"]["predicted"] == row["requests"]["measured"]
         assert abs(row["p99_s"]["error_pct"]) < 20, row
+
+
+def test_calibration_reads_the_session_3_bench_format_with_prompt_statistics():
+    # run13: catalogue prompt_tokens became {"mean", "median", "p99", "max"}; the vision fit improves with our tower
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "2026-11-30-run13-30b-a3b.json"
+    new, old = Calibration.from_bench(bench), Calibration.from_bench()
+    assert new.step_base_ms[0] == pytest.approx(old.step_base_ms[0] - (3.805 - 3.515))  # batch-1 decode, run9 -> run13
+    assert new.vision_ms_per_patch * 1024 < old.vision_ms_per_patch * 1024

@@ -157,7 +157,9 @@ class Calibration:
         a = (t1 - b * p1 * p1) / p1
         # Excess per visual token: the catalogue's prefill GPU time (steps with a prompt chunk, less vision) beyond
         # its prompt tokens at the text-prefill step's rate.
-        text_ms = cat["samples"] * cat["prompt_tokens"] / budget * ours["prefill_step_ms_median"]
+        prompt_tokens = cat["prompt_tokens"]  # one number before session 3; since then {"mean", "median", ...}
+        prompt_tokens = prompt_tokens["mean"] if isinstance(prompt_tokens, dict) else prompt_tokens
+        text_ms = cat["samples"] * prompt_tokens / budget * ours["prefill_step_ms_median"]
         extra = max(cat["gpu_time_split"]["prefill_s"] * 1e3 - text_ms, 0.0) / (cat["samples"] * cat_patches // 4)
         return cls(
             source=str(Path(path).name), vision_ms_per_patch=a, vision_ms_per_patch_sq=max(b, 0.0),
