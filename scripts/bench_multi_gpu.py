@@ -196,6 +196,9 @@ def summarize_levels(levels: list[dict]) -> dict:
             continue
         lat = level["latencies_s"]
         row = {k: v for k, v in level.items() if k != "latencies_s"}
+        if not lat:  # no arrival fell inside the level's window: nothing to rate
+            out.append({**row, "note": "no arrivals"})
+            continue
         row.update(p50_s=round(statistics.median(lat), 3), p99_s=round(p99(lat), 3), unfinished=sum(math.isinf(x) for x in lat))
         out.append(row)
         for limit in P99_LIMITS_S:
