@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image, features
 
-from workers.image_processing import ImageDecodeError, decode_image, preprocess
+from workers.image_processing import ImageDecodeError, decode_image, normalise_patches, patch_pixels, preprocess
 from workers.vision_geometry import image_geometry
 
 Qwen2VLImageProcessorPil = pytest.importorskip(
@@ -128,6 +128,17 @@ def test_preprocess_batch_concatenates_images_in_order_with_custom_pixel_bounds(
     assert grid_thw.tolist() == expected["image_grid_thw"].tolist()
     assert pixel_values.shape == (int(grid_thw.prod(dim=1).sum()), 1536)
     assert np.array_equal(pixel_values.numpy(), expected["pixel_values"])
+
+
+def test_the_engine_keeps_uint8_patches_and_normalises_them_where_they_are_used():
+    image = decode_image(rgb_jpeg(700, 300, 1), LIMIT)
+    patches, grid_thw = patch_pixels([image])
+    pixel_values, _ = preprocess([image])
+    assert patches.dtype == torch.uint8 and patches.shape == (int(grid_thw.prod(dim=1).sum()), 3, 256)
+    assert patches.nbytes * 8 == pixel_values.nbytes  # one frame of bytes, not two frames of float32
+    assert torch.equal(normalise_patches(patches), pixel_values)
+    assert torch.equal(normalise_patches(patches[5:9]), pixel_values[5:9])  # row by row: any slice, any batch
+    assert torch.equal(normalise_patches(patches, torch.bfloat16), pixel_values.bfloat16())  # rounded once
 
 
 @pytest.mark.parametrize("width, height", [(333, 217), (1001, 769), (20, 30), (4000, 150)])

@@ -92,6 +92,36 @@ def _merge_block_patches(image: Image.Image, min_pixels: int, max_pixels: int) -
     return blocks.reshape(grid_h * grid_w, 3, PATCH_SIZE * PATCH_SIZE), grid_h, grid_w
 
 
+def patch_pixels(
+    images: Sequence[Image.Image], min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images -> (patches uint8 [sum of patches, 3, 256], grid_thw int64 [n_images, 3]): smart-resized (bicubic),
+    cut into 16x16 patches in 2x2 merge-block order, not yet normalised (a quarter of float32's bytes, and one
+    temporal frame: normalise_patches makes the vision tower's rows, on whatever device the patches are)."""
+    if not images:
+        raise ValueError("preprocess needs at least one image")
+    patched = [_merge_block_patches(to_rgb(image), min_pixels, max_pixels) for image in images]
+    patches = np.concatenate([p for p, _, _ in patched]) if len(patched) > 1 else patched[0][0]
+    grid_thw = torch.tensor([(1, grid_h, grid_w) for _, grid_h, grid_w in patched], dtype=torch.int64)
+    log.debug("cut %d images into %d patches", len(patched), patches.shape[0])
+    return torch.from_numpy(np.ascontiguousarray(patches)), grid_thw
+
+
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def normalise_patches(patches: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 patches [n, 3, 256] -> the vision tower's rows [n, 1536] in dtype: rescaled 1/255 and normalised with
+    mean = std = 0.5 (one table lookup of transformers' exact float32 values, rounded once to dtype), each still
+    image its own second frame."""
+    key = (patches.device, dtype)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES.setdefault(key, torch.from_numpy(_NORMALISED).to(patches.device, dtype))
+    values = table[patches.long()]  # [n, 3, 256]
+    return values[:, :, None, :].expand(-1, -1, TEMPORAL_PATCH_SIZE, -1).reshape(patches.shape[0], PATCH_DIM)
+
+
 def preprocess(
     images: Sequence[Image.Image], min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,16 +130,5 @@ def preprocess(
     Smart-resize (bicubic), rescale 1/255, normalise with mean = std = 0.5, patch rows in 2x2 merge
     blocks: what the Qwen3-VL vision tower takes. Non-RGB images are converted with `to_rgb` first.
     """
-    if not images:
-        raise ValueError("preprocess needs at least one image")
-    patched = [_merge_block_patches(to_rgb(image), min_pixels, max_pixels) for image in images]
-    total = sum(patches.shape[0] for patches, _, _ in patched)
-    pixel_values = np.empty((total, 3, TEMPORAL_PATCH_SIZE, PATCH_SIZE * PATCH_SIZE), dtype=np.float32)
-    start = 0
-    for patches, _, _ in patched:
-        # A still image is its own second frame: both temporal slots get the same values.
-        pixel_values[start : start + patches.shape[0]] = _NORMALISED[patches][:, :, None, :]
-        start += patches.shape[0]
-    grid_thw = torch.tensor([(1, grid_h, grid_w) for _, grid_h, grid_w in patched], dtype=torch.int64)
-    log.debug("preprocessed %d images into %d patches", len(patched), total)
-    return torch.from_numpy(pixel_values.reshape(total, PATCH_DIM)), grid_thw
+    patches, grid_thw = patch_pixels(images, min_pixels, max_pixels)
+    return normalise_patches(patches), grid_thw

@@ -19,6 +19,7 @@ from workers.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.kv_cache import KvCache, KvExport
 from workers.model.attention import AttentionMetadata
+from workers.image_processing import normalise_patches
 from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch
 from workers.model.mm_inputs import MultiModalInput
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
@@ -206,13 +207,12 @@ class ModelRunner:
         """One vision-tower pass over all images of the given sequences."""
         if not seqs:
             return
-        # Each image's patches go to the device on their own: no host-side concatenation of large float32 arrays.
-        # On CUDA from page-locked memory, so the copy is one asynchronous DMA rather than a staged pageable copy.
+        # Each request's uint8 patches go to the device on their own (on CUDA from page-locked memory: one
+        # asynchronous DMA) and are normalised there: an eighth of the float32 rows' bytes cross the bus.
         pinned = self.device.type == "cuda"
-        pixel_values = torch.cat([
-            (s.mm.pixel_values.pin_memory() if pinned else s.mm.pixel_values).to(self.device, non_blocking=True)
-            for s in seqs
-        ])
+        pixel_values = normalise_patches(torch.cat([
+            (s.mm.patches.pin_memory() if pinned else s.mm.patches).to(self.device, non_blocking=True) for s in seqs
+        ]), self.vision.dtype)
         grid_thw = torch.cat([s.mm.grid_thw for s in seqs])
         embeds, deepstack = self.vision.encode(pixel_values, grid_thw)
         sizes = [len(s.mm.image_rows) for s in seqs]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.image_processing import ImageDecodeError, decode_image, preprocess
+from workers.image_processing import ImageDecodeError, decode_image, patch_pixels
 from workers.types import PromptInput
 from workers.vision_geometry import ImageGeometryError
 
@@ -22,7 +22,7 @@ class PromptError(ValueError):
 @dataclass
 class MultiModalInput:
     positions: torch.Tensor  # [3, prompt_len] int64 MRoPE positions of the prompt
-    pixel_values: torch.Tensor | None  # [patches, 1536] float32
+    patches: torch.Tensor  # [patches, 3, 256] uint8, normalised into the tower's rows on the device
     grid_thw: torch.Tensor | None  # [images, 3] int64
     image_rows: torch.Tensor  # [visual tokens] int64 prompt indices of the <|image_pad|> tokens, in order
 
@@ -102,7 +102,7 @@ def prepare_prompt(
         except (ImageDecodeError, ImageGeometryError) as exc:
             raise PromptError(f"image {n}: {exc}") from exc
     try:
-        pixel_values, grid_thw = preprocess(images, min_pixels, max_pixels)
+        patches, grid_thw = patch_pixels(images, min_pixels, max_pixels)
     except (ValueError, ImageGeometryError) as exc:
         raise PromptError(f"image preprocessing failed: {exc}") from exc
     grids = [(int(h) // spatial_merge_size, int(w) // spatial_merge_size) for _, h, w in grid_thw.tolist()]
@@ -111,7 +111,7 @@ def prepare_prompt(
     image_rows = torch.cat([torch.arange(start, start + length) for start, length in spans])
     digests = [hashlib.blake2b(data, digest_size=16).digest() for data in prompt.images]
     return PreparedPrompt(
-        mm=MultiModalInput(positions=positions, pixel_values=pixel_values, grid_thw=grid_thw, image_rows=image_rows),
+        mm=MultiModalInput(positions=positions, patches=patches, grid_thw=grid_thw, image_rows=image_rows),
         mrope_position_delta=delta,
         image_spans=[(s, n, d) for (s, n), d in zip(spans, digests)],
     )
