@@ -69,17 +69,9 @@ def timer(device: str):
             return round((time.perf_counter() - start) * 1e6, 1)
         return wall_us
 
-    def cuda_us(fn, iters: int = 20) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return round(start.elapsed_time(end) * 1e3 / iters, 1)
-    return cuda_us
+    from scripts.gpu_timing import time_us
+
+    return lambda fn, iters=20: round(time_us(fn, iters), 1)
 
 
 def device_name(device: str) -> str:
