@@ -376,7 +376,8 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
         processor = proc_cls(**proc_kwargs)
     result["image_processor"] = proc_cls.__name__
-    from scripts.catalogue_workload import IMAGE_PAD, fixed_catalogue
+    from scripts.catalogue_workload import fixed_catalogue
+    from workers.tokenizer import IMAGE_PAD_ID
 
     prompts = [(r.prompt.token_ids, r.prompt.images[0])
                for r in fixed_catalogue(w.baseline_batch, w.image_size, w.text_tokens, w.output_tokens)]
@@ -391,7 +392,7 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
                 input_ids, attention_mask=torch.ones_like(input_ids),
                 pixel_values=processed["pixel_values"].to(args.device, dtype),
                 image_grid_thw=processed["image_grid_thw"].to(args.device),
-                mm_token_type_ids=(input_ids == IMAGE_PAD).int(), **gen,
+                mm_token_type_ids=(input_ids == IMAGE_PAD_ID).int(), **gen,
             )
         assert out.shape[1] == input_ids.shape[1] + w.output_tokens
 
@@ -406,7 +407,7 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
                           "note": "images through the transformers image processor, greedy, fixed output length"}
     try:
         # the same prompts with every <|image_pad|> replaced by a text token: same length, no image
-        text_ids = [[1000 if t == IMAGE_PAD else t for t in ids] for ids, _ in prompts]
+        text_ids = [[1000 if t == IMAGE_PAD_ID else t for t in ids] for ids, _ in prompts]
         cb_config = GenerationConfig(max_new_tokens=w.output_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workers.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 from workers.types import PromptInput
 
-IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
-USER, ASSISTANT, NEWLINE = 872, 77091, 198
+USER, ASSISTANT, NEWLINE = 872, 77091, 198  # "user", "assistant", "\n" in Qwen's vocabulary
 OUTPUT_MEAN, OUTPUT_SD, OUTPUT_CAP = 42.9, 8.6, 150
 WORKLOADS = ("fixed", "realistic")
 
@@ -55,8 +55,8 @@ def fixed_catalogue(samples: int, image_size: int, text_tokens: int, output_toke
         data = images[i % len(images)]
         visual = image_geometry(data).num_tokens
         text = rng.integers(1000, 100000, text_tokens).tolist()
-        ids = [IM_START, USER, NEWLINE, VISION_START] + [IMAGE_PAD] * visual + [VISION_END] + text
-        ids += [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
+        ids = [IM_START_ID, USER, NEWLINE, VISION_START_ID] + [IMAGE_PAD_ID] * visual + [VISION_END_ID] + text
+        ids += [IM_END_ID, NEWLINE, IM_START_ID, ASSISTANT, NEWLINE]
         out.append(CatalogueRequest(PromptInput(ids, [data]), output_tokens))
     return out
 
@@ -103,7 +103,7 @@ def describe(requests: list[CatalogueRequest]) -> dict:
     return {
         "samples": len(requests),
         "prompt_tokens": stats([len(r.prompt.token_ids) for r in requests]),
-        "visual_tokens": stats([r.prompt.token_ids.count(IMAGE_PAD) for r in requests]),
+        "visual_tokens": stats([r.prompt.token_ids.count(IMAGE_PAD_ID) for r in requests]),
         "output_tokens": stats([r.output_tokens for r in requests]),
     }
 

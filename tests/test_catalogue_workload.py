@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from harness.prompt import system_prompt
 from scripts.catalogue_workload import (
-    IMAGE_PAD, OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths, realistic_catalogue,
+    OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths, realistic_catalogue,
 )
-from workers.tokenizer import load_tokenizer
+from workers.tokenizer import IMAGE_PAD_ID, load_tokenizer
 from workers.vision_geometry import image_geometry
 
 
@@ -18,7 +18,7 @@ def test_realistic_requests_are_the_exact_mlperf_prompts_of_jpeg_products():
     for r in requests:
         (image,) = r.prompt.images
         assert image[:3] == b"\xff\xd8\xff"  # every image a JPEG, passed on as stored
-        assert r.prompt.token_ids.count(IMAGE_PAD) == image_geometry(image).num_tokens
+        assert r.prompt.token_ids.count(IMAGE_PAD_ID) == image_geometry(image).num_tokens
         text = tokenizer.decode(r.prompt.token_ids, skip_special_tokens=False)
         assert text.startswith("<|im_start|>system\n" + system_prompt().split("\n")[0])
         assert text.endswith("<|im_start|>assistant\n")
