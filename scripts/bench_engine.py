@@ -166,19 +166,29 @@ def moe_layer_times(model) -> dict[str, float]:
     return times
 
 
-def profile_steps(engine, n: int, out: Path) -> int:
-    """Runs n engine steps under torch.profiler; writes the CUDA-time table to out; returns tokens generated."""
+def profile_steps(engine, n: int, out: Path, label: str) -> tuple[int, dict]:
+    """Runs n engine steps under torch.profiler (CUDA activity only, to add little host time); appends the
+    kernel-time table to out; returns (tokens generated, {wall_ms, kernel_ms, busy}): kernel time over wall is how
+    busy the GPU was across those steps (one stream, so kernels do not overlap)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     generated = 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             generated += sum(len(o.new_token_ids) for o in engine.step())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    out.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
-    return generated
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    averages = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e3
+    with out.open("a") as f:
+        f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms\n")
+        f.write(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+    return generated, {"steps": n, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
+                       "busy": round(kernel_ms / wall_ms, 3)}
 
 
 def run_until_done(engine, sync) -> tuple[float, list[float]]:
@@ -203,20 +213,28 @@ def catalogues(args, w: Workload) -> dict[str, list]:
             for kind in args.workloads.split(",")}
 
 
-def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None) -> dict:
+PROFILE_AT = {"preparing": 2, "prepared": 40}  # profiled windows: step index -> while / after images are prepared
+
+
+def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None,
+                  prepare_first: bool = False) -> dict:
     """Offline: every request arrives at once. Preparation (image decode, resize, patches) runs on a thread pool
     and each request joins the engine when ready, as in the worker (AsyncEngine); samples/s is from the first
-    preparation to the last token."""
+    preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
+    what overlapping costs the engine's steps); engine_wall_s is then from the first step."""
     from scripts.catalogue_workload import describe
     from workers.types import SamplingParams
 
     t0 = time.perf_counter()
-    prepared_s = None
+    prepared_s = engine_t0 = None
     generated = steps = 0
+    profiles = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         pending = [pool.submit(engine.prepare_request, f"c{i}", r.prompt,
                                SamplingParams(temperature=0.0, max_tokens=r.output_tokens))
                    for i, r in enumerate(requests)]
+        if prepare_first:
+            concurrent.futures.wait(pending)
         while pending or engine.has_unfinished():
             ready = [f for f in pending if f.done()]
             for f in ready:
@@ -230,21 +248,30 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
             if not engine.has_unfinished():
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 continue
-            if profile_out is not None and steps == 20:  # two mixed prefill+decode steps, mid-run
-                generated += profile_steps(engine, 2, profile_out)
+            engine_t0 = engine_t0 or time.perf_counter()
+            label = next((k for k, at in PROFILE_AT.items() if at == steps), None)
+            if profile_out is not None and label is not None:
+                n, profiles[label] = profile_steps(engine, 2, profile_out, f"{label} (step {steps})")
+                generated += n
+                steps += 2
+                continue
             generated += sum(len(o.new_token_ids) for o in engine.step())
             steps += 1
     sync()
-    wall_s = time.perf_counter() - t0
+    end = time.perf_counter()
+    wall_s = end - t0
     expected = sum(r.output_tokens for r in requests)
     if generated != expected:
         raise RuntimeError(f"catalogue run generated {generated} tokens, expected {expected}")
     result = {
         **describe(requests), "preprocess_done_s": round(prepared_s, 3), "wall_s": round(wall_s, 3),
         "samples_per_s": round(len(requests) / wall_s, 3), "output_tokens_per_s": round(expected / wall_s, 1),
+        "engine_wall_s": round(end - engine_t0, 3), "steps": steps,
     }
+    if profiles:
+        result["profiled_steps"] = profiles
     if split is not None:
-        result["gpu_time_split"] = split.split(wall_s)
+        result["gpu_time_split"] = split.split(end - engine_t0 if prepare_first else wall_s)
     return result
 
 
@@ -339,6 +366,10 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         split.reset()
         result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync, args.profile_out if kind == "fixed" else None)
         log.info("catalogue %s: %s", kind, result[CATALOGUE_KEYS[kind]])
+    if "fixed" in workloads:  # the same requests prepared before the first step: what the overlap costs the steps
+        split.reset()
+        result["catalogue_prepared_first"] = run_catalogue(engine, workloads["fixed"], split, sync, prepare_first=True)
+        log.info("catalogue prepared first: %s", result["catalogue_prepared_first"])
     if args.device.startswith("cuda"):
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         free, total = torch.cuda.mem_get_info()
@@ -446,7 +477,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler table of two catalogue steps")
+    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared) and 40-41")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
