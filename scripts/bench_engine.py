@@ -166,10 +166,10 @@ def moe_layer_times(model) -> dict[str, float]:
     return times
 
 
-def profile_steps(engine, n: int, out: Path, label: str) -> tuple[int, dict]:
-    """Runs n engine steps under torch.profiler (CUDA activity only, to add little host time); appends the
-    kernel-time table to out; returns (tokens generated, {wall_ms, kernel_ms, busy}): kernel time over wall is how
-    busy the GPU was across those steps (one stream, so kernels do not overlap)."""
+def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> tuple[int, dict]:
+    """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
+    kernel_ms, busy}): kernel time over wall is how busy the GPU was across those steps (one stream, so kernels do
+    not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -177,7 +177,8 @@ def profile_steps(engine, n: int, out: Path, label: str) -> tuple[int, dict]:
     generated = 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with profile(activities=activities) as prof:
         for _ in range(n):
             generated += sum(len(o.new_token_ids) for o in engine.step())
         torch.cuda.synchronize()
@@ -186,7 +187,8 @@ def profile_steps(engine, n: int, out: Path, label: str) -> tuple[int, dict]:
     kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e3
     with out.open("a") as f:
         f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms\n")
-        f.write(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+        sort_by = "self_cpu_time_total" if host else "self_cuda_time_total"
+        f.write(averages.table(sort_by=sort_by, row_limit=40 if host else 30, max_name_column_width=70) + "\n")
     return generated, {"steps": n, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
                        "busy": round(kernel_ms / wall_ms, 3)}
 
@@ -213,7 +215,8 @@ def catalogues(args, w: Workload) -> dict[str, list]:
             for kind in args.workloads.split(",")}
 
 
-PROFILE_AT = {"preparing": 2, "prepared": 40}  # profiled windows: step index -> while / after images are prepared
+# profiled windows (step index): while images are still prepared, the host's ops, after images are prepared
+PROFILE_AT = {"preparing": 2, "host": 20, "prepared": 40}
 
 
 def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None,
@@ -251,7 +254,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
             engine_t0 = engine_t0 or time.perf_counter()
             label = next((k for k, at in PROFILE_AT.items() if at == steps), None)
             if profile_out is not None and label is not None:
-                n, profiles[label] = profile_steps(engine, 2, profile_out, f"{label} (step {steps})")
+                n, profiles[label] = profile_steps(engine, 2, profile_out, f"{label} (step {steps})", host=label == "host")
                 generated += n
                 steps += 2
                 continue
@@ -477,7 +480,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared) and 40-41")
+    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared), 20-21 (host ops) and 40-41")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

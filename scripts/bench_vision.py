@@ -4,7 +4,9 @@ weights, in one run; prints one JSON object (ms per image, medians; our outputs'
 Workloads: batches of equal square images, e.g. 16 x 1,024 patches (512x512 px) and 4 x 4,096 (1024x1024 px). On
 CUDA also our tower with the fc1 + GELU cuBLASLt epilogue. Errors are relative Frobenius norms, the largest over the
 main embeddings and the DeepStack features. `--shape tiny` is a CPU smoke mode with tiny dims.
-Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--out FILE]
+`--new-shapes N`: for each attention backend, our tower on N image shapes it has not seen, the first call (any
+per-shape set-up included: a cuDNN attention plan is built per shape) beside the second.
+Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--new-shapes N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -76,11 +81,66 @@ def bench_workload(module, exact, towers: dict, images: int, side: int, reps: in
     return result
 
 
+ATTENTION_BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                      "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def bench_new_shapes(tower: VisionTower, in_features: int, dtype, device: str, count: int, max_side: int) -> dict:
+    """Per attention backend: our tower on `count` image shapes new to it (a batch of 1 to 4 equal images of h x w
+    patches, h and w even), wall ms of the first call (per-shape set-up included) and of the second. The position
+    tables are built beforehand, so only attention's per-shape cost differs between the two calls."""
+    rng = np.random.default_rng(0)
+    cuda = device.startswith("cuda")
+    seen: set[tuple[int, int, int]] = set()
+
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    result = {}
+    for name, backend in ATTENTION_BACKENDS.items():
+        shapes = []
+        for _ in range(100 * count):
+            if len(shapes) == count:
+                break
+            shape = (int(rng.integers(1, 5)), *(2 * int(v) for v in rng.integers(8, max_side // 2 + 1, 2)))
+            if shape not in seen:
+                seen.add(shape)
+                shapes.append(shape)
+        if len(shapes) < count:
+            raise ValueError(f"--new-shapes {count}: sides up to {max_side} give too few unseen shapes")
+        first, second = [], []
+        try:
+            with sdpa_kernel([backend]) if backend is not None else nullcontext():
+                for images, h, w in shapes:
+                    grid = torch.tensor([[1, h, w]] * images)
+                    tower.tables([(1, h, w)])
+                    x = torch.randn(images * h * w, in_features, device=device).to(dtype)
+                    first.append(timed(lambda: tower(x, grid)))
+                    second.append(timed(lambda: tower(x, grid)))
+        except RuntimeError as exc:  # a backend without a kernel for these shapes
+            result[name] = {"error": str(exc)[:300]}
+            continue
+        result[name] = {
+            "shapes": count, "patches": [images * h * w for images, h, w in shapes],
+            "first_ms_sum": round(sum(first), 1), "second_ms_sum": round(sum(second), 1),
+            "first_ms_median": round(statistics.median(first), 2), "second_ms_median": round(statistics.median(second), 2),
+        }
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (median)")
+    p.add_argument("--new-shapes", type=int, default=0, help="also first-call vs second-call times on this many "
+                   "unseen image shapes per attention backend")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
     device = args.device or ("cpu" if args.shape == "tiny" else "cuda")
@@ -116,6 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
         for images, side in WORKLOADS["tiny" if args.shape == "tiny" else "real"]:
             name = f"{images}x{side * side}"
             result["workloads"][name] = bench_workload(module, exact, towers, images, side, args.reps, device)
+        if args.new_shapes:
+            in_features = module.patch_embed.proj.weight[0].numel()
+            result["new_shapes"] = bench_new_shapes(towers.get("ours_gelu_epilogue", towers["ours"]), in_features, dtype,
+                                                    device, args.new_shapes, 40 if args.shape == "tiny" else 160)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)
