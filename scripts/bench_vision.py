@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -28,7 +29,7 @@ if str(REPO) not in sys.path:
 
 from scripts.gpu_timing import time_us  # noqa: E402
 from workers.model import vision_kernels  # noqa: E402
-from workers.model.vision import AttentionBackends, VisionTower, build_vision_module  # noqa: E402
+from workers.model.vision import VisionTower, build_vision_module  # noqa: E402
 from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, transformers_config  # noqa: E402
 from workers.weights import init_random_weights  # noqa: E402
 
@@ -79,7 +80,7 @@ def bench_workload(module, exact, towers: dict, images: int, side: int, reps: in
     return result
 
 
-ATTENTION_POLICIES = {"cudnn": 0, "flash": 10**9}  # AttentionBackends(cudnn_after): cuDNN from the first call, never
+ATTENTION_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
 def new_shapes(count: int, max_side: int, seed: int = 0) -> list[tuple[int, int, int]]:
@@ -117,16 +118,18 @@ def bench_new_shapes(tower: VisionTower, in_features: int, dtype, device: str, c
         tower.tables([(1, h, w)])
         inputs.append((torch.randn(images * h * w, in_features, device=device).to(dtype), torch.tensor([[1, h, w]] * images)))
     result: dict = {"shapes": [list(s) for s in shapes]}
-    policy = tower.backends
-    for name, cudnn_after in ATTENTION_POLICIES.items():
-        tower.backends = AttentionBackends(cudnn_after)
+    for name, backend in ATTENTION_BACKENDS.items():
         first, second = [], []
-        for x, grid in inputs:
-            first.append(round(timed(lambda: tower(x, grid)), 2))
-            second.append(round(timed(lambda: tower(x, grid)), 2))
+        try:
+            with sdpa_kernel([backend]):
+                for x, grid in inputs:
+                    first.append(round(timed(lambda: tower(x, grid)), 2))
+                    second.append(round(timed(lambda: tower(x, grid)), 2))
+        except RuntimeError as exc:  # no kernel of that backend here (the CPU)
+            result[name] = {"error": str(exc)[:300]}
+            continue
         result[name] = {"first_ms": first, "second_ms": second,
                         "first_ms_sum": round(sum(first), 1), "second_ms_sum": round(sum(second), 1)}
-    tower.backends = policy
     return result
 
 

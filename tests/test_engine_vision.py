@@ -11,10 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.model.vision import (
-    CUDNN_FIRST, FLASH_FIRST, AttentionBackends, GridTables, PatchLinear, VisionEncoder, VisionTower, build_vision_module,
-    frame_runs, power_of_two_runs,
-)
+from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, build_vision_module, frame_runs
 from workers.tiny_checkpoint import released_config, transformers_config
 from workers.weights import load_model_config
 
@@ -52,20 +49,6 @@ def test_an_overlapping_convolution_is_refused():
 def test_consecutive_frames_of_one_size_form_one_run():
     grid = torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4]])
     assert frame_runs(grid) == [(16, 2), (12, 1), (16, 2)]
-
-
-def test_runs_split_into_power_of_two_batches_of_frames():
-    assert power_of_two_runs([(16, 7), (12, 1), (16, 2)]) == [(4, 16), (2, 16), (1, 16), (1, 12), (2, 16)]
-
-
-def test_an_attention_shape_moves_to_cudnn_once_it_recurs():
-    """cuDNN builds a plan per new shape: a shape runs on flash for its first cudnn_after tower calls."""
-    backends = AttentionBackends(cudnn_after=2)
-    assert backends.plan([(1, 16), (2, 16)], cuda=True) == [FLASH_FIRST, FLASH_FIRST]
-    assert backends.plan([(1, 16)], cuda=True) == [FLASH_FIRST]
-    assert backends.plan([(1, 16), (2, 16), (1, 12)], cuda=True) == [CUDNN_FIRST, FLASH_FIRST, FLASH_FIRST]
-    assert backends.plan([(2, 16), (2, 16)], cuda=True) == [CUDNN_FIRST, CUDNN_FIRST]  # a call counts a shape once
-    assert backends.plan([(1, 16)], cuda=False) == [None]  # other devices: the default order
 
 
 def randomized_module(vision_config, device: str, dtype: torch.dtype, arch: str = "moe") -> nn.Module:
@@ -169,18 +152,6 @@ def test_encoder_loads_the_checkpoints_vision_weights(tiny_moe_checkpoint):
 GPU_REL_TOL = 3e-2
 
 
-@torch.inference_mode()
-def test_a_run_of_three_equal_frames_split_in_two_calls_gives_each_frame_alone(tiny_vision):
-    tower = VisionTower(tiny_vision)
-    grid = torch.tensor([[1, 4, 4]] * 3)
-    assert power_of_two_runs(frame_runs(grid)) == [(2, 16), (1, 16)]
-    pixels = pixels_for(grid.tolist(), tiny_vision.patch_embed.proj.weight[0].numel())
-    together, _ = tower(pixels, grid)
-    for i in range(3):
-        alone, _ = tower(pixels[16 * i:16 * (i + 1)], grid[:1])
-        torch.testing.assert_close(together[4 * i:4 * (i + 1)], alone, rtol=1e-5, atol=1e-5)
-
-
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -197,10 +168,8 @@ def test_our_tower_equals_transformers_module_at_the_30b_shape_in_bf16(grids):
     pixels = pixels_for(grids, 1536, "cuda", torch.bfloat16)
     expected = transformers_output(module, pixels, grid)
     exact_out = transformers_output(exact, pixels.float(), grid)
-    for gelu_epilogue, cudnn_after in ((False, 0), (True, 0), (True, 10**9)):  # attention on cuDNN, then flash
-        tower = VisionTower(module, gelu_epilogue=gelu_epilogue)
-        tower.backends = AttentionBackends(cudnn_after)
-        embeds, stack = tower(pixels, grid)
+    for gelu_epilogue in (False, True):
+        embeds, stack = VisionTower(module, gelu_epilogue=gelu_epilogue)(pixels, grid)
         for got, want, truth in zip([embeds, *stack], [expected[0], *expected[1]], [exact_out[0], *exact_out[1]]):
             assert got.shape == want.shape and got.dtype == torch.bfloat16
             assert relative_error(got, want) < GPU_REL_TOL

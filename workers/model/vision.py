@@ -1,7 +1,6 @@
 """The Qwen3-VL vision tower: transformers' vision module holds the checkpoint's model.visual.* weights, and our own
-forward runs over its parameters (fused residual add + LayerNorm and q/k rotary kernels, SDPA over runs of
-equal-size frames through a backend chosen per shape, the patch-embedding Conv3d as a GEMM, position and rotary
-tables cached per image grid).
+forward runs over its parameters (fused residual add + LayerNorm and q/k rotary kernels, one SDPA call per run of
+equal-size frames, the patch-embedding Conv3d as a GEMM, position and rotary tables cached per image grid).
 
 VisionEncoder.encode() turns pixel patches of several images into main embeddings plus the DeepStack features.
 """
@@ -9,14 +8,12 @@ VisionEncoder.encode() turns pixel patches of several images into main embedding
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
-from contextlib import nullcontext
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.model.vision_kernels import add_layer_norm, rotary_qk
 from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_random_weights, iter_tensors
@@ -24,14 +21,6 @@ from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_ra
 TABLE_CACHE_BYTES = 256 << 20  # per-grid position/rotary tables kept on the device (~2.7 MB per 1024-patch grid)
 
 Grid = tuple[int, int, int]  # (t, h, w): frames, patch rows, patch columns
-AttentionShape = tuple[int, int]  # (frames in one SDPA call, patches per frame)
-
-# On CUDA, cuDNN's fused attention runs the 30B tower ~25% faster than FlashAttention on large images (head_dim 72)
-# but builds an execution plan for every new shape: 50-850 ms, ~120 ms on average over 14 shapes; flash needs no
-# per-shape set-up (scripts/bench_vision.py --new-shapes, H200, 2026-11-30).
-FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, *FLASH_FIRST]
-CUDNN_AFTER = 4  # tower calls of one attention shape on flash before it moves to cuDNN (and pays its plan once)
 
 
 class PatchLinear(nn.Module):
@@ -54,29 +43,6 @@ def frame_runs(grid_thw: torch.Tensor) -> list[tuple[int, int]]:
     """(patches per frame, consecutive frames of that size) for grid_thw [n, 3] (t frames of h*w each)."""
     lengths = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
     return [(length, len(list(group))) for length, group in itertools.groupby(lengths)]
-
-
-def power_of_two_runs(runs: list[tuple[int, int]]) -> list[AttentionShape]:
-    """Each run of `count` equal frames split into batches of power-of-two sizes (7 -> 4, 2, 1), so the attention
-    shapes recur across towers calls whatever the batch's mix: frames are independent, the results are the same."""
-    return [(1 << bit, length) for length, count in runs for bit in reversed(range(count.bit_length())) if count >> bit & 1]
-
-
-class AttentionBackends:
-    """The SDPA backends each attention shape uses on CUDA: flash for its first `cudnn_after` tower calls, cuDNN's
-    from then on, so a shape pays cuDNN's plan only once it recurs. None (the default order) on other devices."""
-
-    def __init__(self, cudnn_after: int = CUDNN_AFTER):
-        self.cudnn_after = cudnn_after
-        self.calls: Counter[AttentionShape] = Counter()
-
-    def plan(self, shapes: list[AttentionShape], cuda: bool) -> list[list[SDPBackend] | None]:
-        """Backends for one tower call's shapes (in order); counts the call."""
-        if not cuda:
-            return [None] * len(shapes)
-        chosen = [CUDNN_FIRST if self.calls[shape] >= self.cudnn_after else FLASH_FIRST for shape in shapes]
-        self.calls.update(set(shapes))
-        return chosen
 
 
 def merge_block_order(h: int, w: int, merge: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,14 +127,12 @@ class VisionTower:
         self.merge_unit = config.spatial_merge_size**2
         self.deepstack = dict(zip(config.deepstack_visual_indexes, module.deepstack_merger_list))
         self.tables = GridTables(module.pos_embed, module.rotary_pos_emb.inv_freq, config.spatial_merge_size)
-        self.backends = AttentionBackends()
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P] (activation dtype, device), grid_thw [n, 3] -> (embeds [patches / 4, out],
         DeepStack features [[patches / 4, out], ...]) as transformers' module returns them."""
         grids = [tuple(g) for g in grid_thw.tolist()]
-        shapes = power_of_two_runs(frame_runs(grid_thw))
-        runs = list(zip(shapes, self.backends.plan(shapes, pixel_values.is_cuda)))
+        runs = frame_runs(grid_thw)
         pos, cos, sin = self.tables(grids)
         residual = self.patch(pixel_values)
         if residual.shape[0] != pos.shape[0]:
@@ -193,16 +157,15 @@ class VisionTower:
         return self._merger_mlp(merger, normed.view(-1, normed.shape[1] * self.merge_unit)), features
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   runs: list[tuple[AttentionShape, list[SDPBackend] | None]]) -> torch.Tensor:
-        """Bidirectional attention within each frame: one SDPA call per (frames, patches) shape, on its backends."""
+                   runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Bidirectional attention within each frame; consecutive frames of one size share one SDPA call."""
         seq, hidden = x.shape
         q, k, v = rotary_qk(F.linear(x, attn.qkv.weight, attn.qkv.bias), cos, sin, self.num_heads)
         outs, start = [], 0
-        for (count, length), backends in runs:
+        for length, count in runs:
             end = start + length * count
             qs, ks, vs = (t[start:end].view(count, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-            with sdpa_kernel(backends, set_priority=True) if backends is not None else nullcontext():
-                o = F.scaled_dot_product_attention(qs, ks, vs, scale=attn.scaling)
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=attn.scaling)
             outs.append(o.transpose(1, 2).reshape(end - start, hidden))
             start = end
         if start != seq:
