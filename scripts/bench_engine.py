@@ -12,7 +12,6 @@ import concurrent.futures
 import io
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -219,16 +218,13 @@ def catalogues(args, w: Workload) -> dict[str, list]:
 PROFILE_AT = {"preparing": 2, "host": 20, "prepared": 40}
 
 
-PREP_THREADS = 16  # as many preparation threads as the worker's default executor has on a 16-core host
-
-
 def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None,
-                  prepare_first: bool = False, prep_threads: int = PREP_THREADS) -> dict:
+                  prepare_first: bool = False, prep_threads: int | None = None) -> dict:
     """Offline: every request arrives at once. Preparation (image decode, resize, patches) runs on a thread pool
     and each request joins the engine when ready, as in the worker (AsyncEngine); samples/s is from the first
     preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
     what overlapping costs the engine's steps); engine_wall_s is then from the first step. prep_threads: the size of
-    the preparation pool."""
+    the preparation pool (default: the engine's preprocess_threads, as the worker)."""
     from scripts.catalogue_workload import describe
     from workers.types import SamplingParams
 
@@ -236,7 +232,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     prepared_s = engine_t0 = None
     generated = steps = 0
     profiles = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(prep_threads, os.cpu_count() or 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(prep_threads or engine.config.preprocess_threads) as pool:
         pending = [pool.submit(engine.prepare_request, f"c{i}", r.prompt,
                                SamplingParams(temperature=0.0, max_tokens=r.output_tokens))
                    for i, r in enumerate(requests)]
@@ -376,7 +372,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     if "fixed" in workloads:  # the same requests again: what the overlap costs the steps, on a warm engine
         variants = {"catalogue_prepared_first": dict(prepare_first=True)}
         if args.overlap_ab:
-            variants = {"catalogue_again": {}, **variants, "catalogue_4_prep_threads": dict(prep_threads=4)}
+            variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16)}
         for key, kwargs in variants.items():
             split.reset()
             result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
@@ -483,8 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "one-image-size workload), realistic (synthetic catalogue with the real dataset's statistics); "
                    "default both, tiny: fixed")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 4 "
-                   "preparation threads instead of 16: what overlapping preparation costs the engine's steps")
+    p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
+                   "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")

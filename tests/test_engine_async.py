@@ -72,3 +72,20 @@ def test_prefill_only_kv_is_exported_and_released_through_the_async_api(engine):
 
     outs, export, released = asyncio.run(main())
     assert export.num_tokens == 5 and export.first_token_id == outs[-1].new_token_ids[0] and released
+
+
+def test_requests_are_prepared_on_the_configured_pool_not_the_loops_executor(engine, monkeypatch):
+    """preprocess_threads bounds the preparation threads (more take CPU from the engine's thread)."""
+    import threading
+
+    assert engine._prepare_pool._max_workers == engine.engine.config.preprocess_threads == 4
+    seen = []
+    prepare = engine.engine.prepare_request
+    monkeypatch.setattr(engine.engine, "prepare_request", lambda *a, **k: seen.append(threading.current_thread().name) or prepare(*a, **k))
+    asyncio.run(collect(engine, "pooled", [1, 2, 3], 2))
+    assert len(seen) == 1 and seen[0].startswith("prepare")
+
+
+def test_a_preparation_pool_of_no_threads_is_refused(tiny_moe_checkpoint):
+    with pytest.raises(ValueError, match="preprocess_threads"):
+        EngineConfig(checkpoint=tiny_moe_checkpoint, preprocess_threads=0)

@@ -48,6 +48,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._load = engine.load()
+        # Image decoding and preprocessing run on a small pool of their own, off both the event loop and the engine
+        # thread, sized so that they leave the engine's thread its core (EngineConfig.preprocess_threads).
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            engine.config.preprocess_threads, thread_name_prefix="prepare"
+        )
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -66,9 +71,8 @@ class AsyncEngine:
         """Streams the request's outputs until one has finished=True. Leaving the loop early (or the
         caller being cancelled) aborts the request."""
         loop = asyncio.get_running_loop()
-        # Image decoding and preprocessing run on a worker thread, off both the event loop and the engine.
         prepared = await loop.run_in_executor(
-            None,
+            self._prepare_pool,
             functools.partial(
                 self.engine.prepare_request, request_id, prompt, sampling,
                 resume_token_ids=resume_token_ids, prefill_only=prefill_only, kv_import=kv_import,
@@ -124,6 +128,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         for stream in list(self._streams.values()):
             stream.put(EngineStoppedError("engine shut down"))
         self.engine.close()
