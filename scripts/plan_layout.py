@@ -1,6 +1,6 @@
 """Searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a hardware profile and a
 scenario with the step model (virtual clock, no sleeping) and writes the system YAML it recommends, the
-predicted figures in its comments. `--validate` prints the model against the measured 1xH200 bench runs.
+predicted figures in its comments. `--validate` prints the model against the measured 1x and 2xH200 bench runs.
 
     python scripts/plan_layout.py --hardware vera-rubin --gpus 72 --scenario server --out plan.yaml
 """
@@ -8,8 +8,10 @@ predicted figures in its comments. `--validate` prints the model against the mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue  # noqa: E402
 from scripts.sim_sweep import BOUND_MS, KEPT_UP_MIN, simulated_system  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.sim.config import SimulationConfig  # noqa: E402
-from workers.sim.engine import build_step_model  # noqa: E402
+from workers.sim.engine import IMAGE_PAD_ID, SimulatedEngine, build_step_model  # noqa: E402
 from workers.sim.latency import kept_up  # noqa: E402
 from workers.sim.step_model import Calibration, StepModel  # noqa: E402
 from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals  # noqa: E402
+from workers.types import SamplingParams  # noqa: E402
 
 SPLITS = {"aggregated": None, "pd-1:3": (1, 3), "pd-1:1": (1, 1)}
 
@@ -143,10 +147,14 @@ def write_plan(best: Plan, plans: list[Plan], args) -> None:
     Path(args.out).write_text("\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False))
 
 
-SESSION1, SESSION2 = "session 1 code", "session 2 code"
+SESSION1, SESSION2, SESSION4 = "session 1 code", "session 2 code", "session 4 code"
+RUN15_CODE = "session 4 code, 16 preparation threads"  # run15 -> run21: only the preparation pool (16 -> 4) changed
 VALIDATION_SIM = SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=45)
-PREPROCESS_THREADS = 16  # bench_engine/bench_multi_gpu prepare a catalogue run on min(16, cores) threads
+VALIDATION_ENGINE = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=256, max_num_batched_tokens=8192)
+PREPROCESS_THREADS = 16  # bench_engine/bench_multi_gpu prepared a session-2 catalogue run on min(16, cores) threads
+PREPARE_THREADS = 4      # session 4: EngineConfig.preprocess_threads, which bench_engine uses since run21
 BENCH_QPS_REQUESTS, BENCH_QPS_LEVEL_S = 120, 12.0  # run9's --qps-requests / --qps-level-s
+RUN15_QPS_REQUESTS, RUN15_QPS_LEVEL_S = 150, 15.0  # run15's (they give its measured request counts per level)
 
 
 def _h200(bench: Path, visual_fit: Path | None | bool = None) -> StepModel:
@@ -159,8 +167,7 @@ def _h200(bench: Path, visual_fit: Path | None | bool = None) -> StepModel:
 def _offline_row(run: str, model: StepModel, counts: dict[str, int], samples: int, preprocess_s: float,
                  measured_engine_s: float, measured: float) -> dict:
     """All `samples` at t=0 on `counts` engines; samples/s = samples / (engine makespan + preprocessing)."""
-    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=256, max_num_batched_tokens=8192)
-    cluster = VirtualCluster(engine, VALIDATION_SIM, {role: model for role in counts}, counts)
+    cluster = VirtualCluster(VALIDATION_ENGINE, VALIDATION_SIM, {role: model for role in counts}, counts)
     result = cluster.run([0.0] * samples, Workload())
     predicted = samples / (result.makespan_s + preprocess_s)
     return {"run": run, "calibration": model.calibration.source, "samples": samples,
@@ -172,7 +179,6 @@ def _offline_row(run: str, model: StepModel, counts: dict[str, int], samples: in
 def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict]:
     """bench_multi_gpu's dp2 Poisson levels replayed: each instance its own stream at half the rate (the same seed,
     the same cap on arrival time), latency = arrival to last token + one request's preprocessing."""
-    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=256, max_num_batched_tokens=8192)
     share = len(dp2["instances"])
     rows = []
     for i, level in enumerate(dp2["poisson"]["levels"]):
@@ -180,7 +186,7 @@ def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict
         per_instance = math.ceil(BENCH_QPS_REQUESTS / share)
         cap_s = min(BENCH_QPS_LEVEL_S, per_instance / qps)
         arrivals = [t for t in poisson_arrivals(qps, per_instance, 1000 + i) if t <= cap_s]
-        result = VirtualCluster(engine, VALIDATION_SIM, {"aggregated": model}, {"aggregated": 1}).run(arrivals, Workload())
+        result = VirtualCluster(VALIDATION_ENGINE, VALIDATION_SIM, {"aggregated": model}, {"aggregated": 1}).run(arrivals, Workload())
         latencies = sorted(x + preprocess_s for x in result.latencies_s * share)
         p99 = latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)]
         rows.append({"run": f"run9 dp2 Poisson {level['qps']} QPS ({SESSION2})", "calibration": model.calibration.source,
@@ -191,9 +197,8 @@ def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict
     return rows
 
 
-def validate() -> dict:
-    """The model beside every measured H200 run it can express: session-1 runs (calibrated on session-1 JSON)
-    and session-2 runs (calibrated on run9, the one-GPU bench of the same code), one JSON object."""
+def _session1_rows() -> list[dict]:
+    """Session-1 runs, each calibrated on session-1 JSON."""
     bench = REPO / "benchmarks"
     rows = []
     run2 = bench / "2026-11-30-run2-30b-a3b.json"
@@ -206,24 +211,172 @@ def validate() -> dict:
                                  measured["samples_per_s"]))
     run6 = json.loads((bench / "2026-11-30-run6-multi-gpu-x2.json").read_text())["dp2"]
     rows.append(_dp2_row(f"run6 dp2 2xH200 ({SESSION1})", _h200(bench / "2026-11-30-run5-30b-a3b.json"), run6))
+    return rows
 
+
+def _session2_rows() -> list[dict]:
+    """Session-2 runs (preprocessing before the engine's steps), calibrated on run9, the one-GPU bench of that code."""
+    bench = REPO / "benchmarks"
     run9_file = bench / "2026-11-30-run9-30b-a3b.json"
     model = _h200(run9_file)
     run9 = json.loads(run9_file.read_text())["ours"]["catalogue"]
-    rows.append(_offline_row(f"run9 1xH200 ({SESSION2})", model, {"aggregated": 1}, run9["samples"],
-                             run9["preprocess_s"], run9["engine_s"], run9["samples_per_s"]))
+    rows = [_offline_row(f"run9 1xH200 ({SESSION2})", model, {"aggregated": 1}, run9["samples"],
+                         run9["preprocess_s"], run9["engine_s"], run9["samples_per_s"])]
     multi = json.loads((bench / "2026-11-30-run9-multi-gpu-x2.json").read_text())
     rows.append(_dp2_row(f"run9 dp2 2xH200 ({SESSION2})", model, multi["dp2"]))
     pd = multi["pd"]
     rows.append(_offline_row(f"run9 pd 1 prefill + 1 decode 2xH200 ({SESSION2})", model, {"prefill": 1, "decode": 1},
                              pd["samples"], pd["preprocess_s"], pd["decode_wall_s"], pd["samples_per_s"]))
-    per_request = run9["preprocess_s"] * PREPROCESS_THREADS / run9["samples"]
-    rows += _poisson_rows(model, multi["dp2"], per_request)
-    return {"device": "H200, Qwen3-VL-30B-A3B bf16, catalogue workload (1,734 prompt / 45 output tokens)",
-            "notes": {"offline": "samples/s = samples / (simulated engine makespan + the run's measured preprocessing)",
-                      "poisson": f"latency + {per_request:.3f} s of preprocessing per request (run9's catalogue "
-                                 f"preprocess_s x {PREPROCESS_THREADS} threads / samples)",
-                      "pd": "measured engine_s is decode_wall_s (preprocessing included)"},
+    return rows + _poisson_rows(model, multi["dp2"], _run9_prepare_s())
+
+
+def _run9_prepare_s() -> float:
+    """One request's preprocessing in session 2: run9's catalogue preprocess_s x its threads / samples."""
+    run9 = json.loads((REPO / "benchmarks" / "2026-11-30-run9-30b-a3b.json").read_text())["ours"]["catalogue"]
+    return run9["preprocess_s"] * PREPROCESS_THREADS / run9["samples"]
+
+
+RUN21 = REPO / "benchmarks" / "2026-11-30-run21-30b-a3b.json"
+RUN15 = REPO / "benchmarks" / "2026-11-30-run15-multi-gpu-x2-realistic-pd.json"
+REPLAY_SIM = VALIDATION_SIM.model_copy(update={"output_tokens": OUTPUT_CAP})  # each request's max_tokens ends it
+
+
+def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[float]) -> list[float]:
+    """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
+    (VirtualCluster serves one request shape); each request's finishing time."""
+    engine = SimulatedEngine(VALIDATION_ENGINE, REPLAY_SIM, model, realtime=False)
+    order = sorted(range(len(requests)), key=joins.__getitem__)
+    finish, clock, nxt = [math.nan] * len(requests), 0.0, 0
+    while nxt < len(order) or engine.has_unfinished():
+        if not engine.has_unfinished():
+            clock = max(clock, joins[order[nxt]])
+        while nxt < len(order) and joins[order[nxt]] <= clock:
+            i = order[nxt]
+            engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens))
+            nxt += 1
+        outputs = engine.step()
+        if engine.last_step_s == 0.0 and not outputs:
+            raise RuntimeError(f"replay of {len(requests)} requests stalled: the KV pool cannot hold the next one")
+        clock += engine.last_step_s
+        for out in outputs:
+            if out.finished:
+                finish[int(out.request_id)] = clock
+    return finish
+
+
+def _overlapped_wall_s(model: StepModel, requests: list[CatalogueRequest], preprocess_done_s: float) -> float:
+    """An offline catalogue run as bench_engine times it since session 3: requests join as their preparation ends
+    (evenly over the run's measured preparation span), from the first preparation to the last token."""
+    n = len(requests)
+    return max(_replay(model, requests, [preprocess_done_s * (i + 1) / n for i in range(n)]))
+
+
+def _rate_row(run: str, model: StepModel, samples: int, measured: float, predicted_wall_s: float,
+              **times: tuple[float, float]) -> dict:
+    """A row of samples/s (samples / predicted_wall_s) beside the times it comes from, name=(measured, predicted)."""
+    predicted = samples / predicted_wall_s
+    return {"run": run, "calibration": model.calibration.source, "samples": samples,
+            **{name: {"measured": m, "predicted": round(p, 2)} for name, (m, p) in times.items()},
+            "samples_per_s": {"measured": measured, "predicted": round(predicted, 2),
+                              "error_pct": round(100 * (predicted / measured - 1), 1)}}
+
+
+def _session4_fixed_rows(model: StepModel) -> list[dict]:
+    """run21's fixed catalogue (one H200, 4 preparation threads): overlapped with the steps, and prepared first."""
+    data = json.loads(RUN21.read_text())
+    w, ours = data["workload"], data["ours"]
+    requests = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])
+    cat, first = ours["catalogue"], ours["catalogue_prepared_first"]
+    wall = _overlapped_wall_s(model, requests, cat["preprocess_done_s"])
+    engine_s = max(_replay(model, requests, [0.0] * len(requests)))
+    return [_rate_row(f"run21 1xH200 fixed catalogue ({SESSION4})", model, cat["samples"], cat["samples_per_s"],
+                      wall, wall_s=(cat["wall_s"], wall)),
+            _rate_row(f"run21 1xH200 fixed catalogue, prepared first ({SESSION4})", model, first["samples"],
+                      first["samples_per_s"], first["preprocess_done_s"] + engine_s,
+                      engine_wall_s=(first["engine_wall_s"], engine_s))]
+
+
+def _prepare_s_per_visual_token() -> float:
+    """Preparation of one request alone: run21's prepared-first catalogue time x its threads, per visual token."""
+    ours = json.loads(RUN21.read_text())["ours"]["catalogue_prepared_first"]
+    return ours["preprocess_done_s"] * PREPARE_THREADS / (ours["samples"] * ours["visual_tokens"]["mean"])
+
+
+def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest]) -> list[dict]:
+    """The realistic catalogue (scripts/catalogue_workload.realistic_catalogue, per-request images and output
+    lengths): run21 on one H200 (its 256 requests), run15 on two (the first 128: DP2 halves, TP2, DP2 Poisson)."""
+    cat = json.loads(RUN21.read_text())["ours"]["catalogue_realistic"]
+    ours = requests[:cat["samples"]]
+    wall = _overlapped_wall_s(model, ours, cat["preprocess_done_s"])
+    rows = [_rate_row(f"run21 1xH200 realistic catalogue ({SESSION4})", model, cat["samples"], cat["samples_per_s"],
+                      wall, wall_s=(cat["wall_s"], wall))]
+    run15 = json.loads(RUN15.read_text())
+    ours = requests[:run15["workload"]["samples"]]
+    dp2 = run15["dp2"]
+    shards = [ours[k::len(dp2["instances"])] for k in range(len(dp2["instances"]))]
+    walls = [_overlapped_wall_s(model, shard, inst["preprocess_done_s"]) for shard, inst in zip(shards, dp2["instances"])]
+    rows.append(_rate_row(f"run15 dp2 2xH200 realistic ({RUN15_CODE})", model, len(ours), dp2["samples_per_s"],
+                          max(walls), wall_s=(max(i["wall_s"] for i in dp2["instances"]), max(walls))))
+    tp2, measured = dataclasses.replace(model, tp=2), run15["tp2"]["catalogue"]
+    wall = _overlapped_wall_s(tp2, ours, measured["preprocess_done_s"])
+    rows.append(_rate_row(f"run15 tp2 2xH200 realistic, TP at the assumed {tp2.tp_efficiency} efficiency "
+                          f"({RUN15_CODE})", tp2, len(ours), measured["samples_per_s"], wall,
+                          wall_s=(measured["wall_s"], wall)))
+    return rows + _realistic_poisson_rows(model, shards, dp2)
+
+
+def _realistic_poisson_rows(model: StepModel, shards: list[list[CatalogueRequest]], dp2: dict) -> list[dict]:
+    """run15's dp2 Poisson levels replayed as bench_multi_gpu ran them: each instance its own stream at the level's
+    fraction of its own offline rate (seed 1000 + level, arrivals capped as the bench caps them), the n-th arrival
+    is its shard's request n; a request joins the engine after its preparation, latency is from its arrival."""
+    per_token = _prepare_s_per_visual_token()
+    rows = []
+    for i, level in enumerate(dp2["poisson"]["levels"]):
+        latencies = []
+        for shard, inst in zip(shards, dp2["instances"]):
+            qps = level["fraction"] * inst["samples_per_s"]
+            count = math.ceil(RUN15_QPS_REQUESTS / len(shards))
+            arrivals = [t for t in poisson_arrivals(qps, count, 1000 + i) if t <= min(RUN15_QPS_LEVEL_S, count / qps)]
+            requests = [shard[n % len(shard)] for n in range(len(arrivals))]
+            joins = [t + per_token * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, requests)]
+            latencies += [f - t for f, t in zip(_replay(model, requests, joins), arrivals)]
+        rows.append(_latency_row(f"run15 dp2 Poisson {level['qps']} QPS realistic ({RUN15_CODE})", model, level,
+                                 latencies))
+    return rows
+
+
+def _latency_row(run: str, model: StepModel, level: dict, latencies: list[float]) -> dict:
+    """p50 (median) and p99 as bench_multi_gpu computes them."""
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return {"run": run, "calibration": model.calibration.source,
+            "requests": {"measured": level["requests"], "predicted": len(ordered)},
+            "p50_s": {"measured": level["p50_s"], "predicted": round(statistics.median(ordered), 3)},
+            "p99_s": {"measured": level["p99_s"], "predicted": round(p99, 3),
+                      "error_pct": round(100 * (p99 / level["p99_s"] - 1), 1)}}
+
+
+def validate() -> dict:
+    """The model beside every measured H200 run it can express, one JSON object: session-1 and session-2 runs
+    (each calibrated on the one-GPU bench of its code) and session-4 runs (calibrated on run21, the default)."""
+    model = _h200(RUN21)
+    rows = _session1_rows() + _session2_rows() + _session4_fixed_rows(model)
+    rows += _session4_realistic_rows(model, realistic_catalogue(json.loads(RUN21.read_text())["ours"]
+                                                                ["catalogue_realistic"]["samples"]))
+    return {"device": "H200, Qwen3-VL-30B-A3B bf16; fixed catalogue (1,734 prompt / 45 output tokens) and realistic "
+                      "catalogue (per-request images: prompt mean 2,252 / p99 9,502 tokens, output mean 43)",
+            "notes": {"offline (session 1-2)": "samples/s = samples / (simulated engine makespan + the run's measured "
+                                               "preprocessing)",
+                      "offline (session 4)": "requests join evenly over the run's measured preprocess_done_s; "
+                                             "samples/s = samples / simulated wall (first preparation to last token)",
+                      "poisson (session 2)": f"latency + {_run9_prepare_s():.3f} s of preprocessing per request "
+                                             f"(run9's catalogue preprocess_s x {PREPROCESS_THREADS} threads / samples)",
+                      "poisson (session 4)": f"a request joins {_prepare_s_per_visual_token() * 1e6:.1f} us per "
+                                             f"visual token after its arrival (run21's prepared-first catalogue: "
+                                             f"preprocess_done_s x {PREPARE_THREADS} threads / visual tokens)",
+                      "pd": "measured engine_s is decode_wall_s (preprocessing included); run15's pd (realistic) is "
+                            "not replayed: the prefill/decode cluster serves one request shape",
+                      "tp2": "the step model divides times by tp x tp_efficiency (0.85, assumed, not measured)"},
             "rows": rows}
 
 
