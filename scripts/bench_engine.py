@@ -301,7 +301,8 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     sync()
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
-                    "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None}
+                    "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None,
+                    "preprocess_threads": cfg.preprocess_threads}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))
@@ -544,6 +545,8 @@ def main(argv=None) -> dict:
                 "shape": args.shape, "num_layers": args.num_layers or json.loads((config_dir / "config.json").read_text())
                 ["text_config"]["num_hidden_layers"], "device": _device_name(args.device),
                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": asdict(w),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                         if k not in ("out", "part", "config_dir")},
             }
             if args.device.startswith("cuda"):
                 result["ours"] = _subprocess(argv_without_out(argv), "ours", config_dir, args.part_timeout)

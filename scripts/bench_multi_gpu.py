@@ -94,7 +94,7 @@ def warm_up(engine) -> None:
 
 def prepare_all(engine, requests, prefix: str, **kw) -> tuple[list, float]:
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(engine.config.preprocess_threads) as pool:  # as the worker
         prepared = list(pool.map(
             lambda item: engine.prepare_request(f"{prefix}{item[0]}", item[1].prompt, greedy(item[1].output_tokens), **kw),
             enumerate(requests)))
@@ -126,12 +126,13 @@ def poisson_arrivals(qps: float, requests: int, cap_s: float, seed: int) -> list
 
 def drive_poisson(engine, requests, arrivals: list[float], stop_s: float, tag: str, on_finished,
                   **prepare_kw) -> int:
-    """Adds request `tag`-n at arrivals[n] (preprocessing starts at arrival, on a thread pool, as in the
-    AsyncEngine) and steps the engine; on_finished(rid, its arrival on time.monotonic()) as each one finishes.
+    """Adds request `tag`-n at arrivals[n] (preprocessing starts at arrival, on a pool of the engine's
+    preprocess_threads, as in the AsyncEngine) and steps the engine; on_finished(rid, its arrival on
+    time.monotonic()) as each one finishes.
     Stops stop_s after the start at the latest: the requests left are aborted, their count returned."""
     arrived: dict[str, float] = {}
     preparing: collections.deque = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(engine.config.preprocess_threads) as pool:
         t0, nxt = time.monotonic(), 0
         while nxt < len(arrivals) or preparing or engine.has_unfinished():
             now = time.monotonic() - t0
@@ -608,7 +609,8 @@ def main(argv=None) -> dict:
     requests = build_workload(args.workload, w.samples, w.image_size, w.text_tokens, w.output_tokens)
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-                    "workload": {"kind": args.workload, **describe(requests)}}
+                    "workload": {"kind": args.workload, **describe(requests)},
+                    "args": {k: v for k, v in vars(args).items() if k not in ("out", "part", "config_dir")}}
 
     def save() -> None:
         if args.out is not None:

@@ -23,3 +23,8 @@ def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, caps
     assert catalogue["prompt_tokens"]["max"] == 64 + 32 + 10 and catalogue["visual_tokens"]["median"] == 64
     assert catalogue["output_tokens"]["mean"] == result["workload"]["output_tokens"]
     assert 0 < catalogue["preprocess_done_s"] <= catalogue["wall_s"]
+    # the run records how it was asked for, and prepares images on the engine's own pool size, as the worker does
+    assert result["args"]["samples"] == 2 and result["args"]["skip_baseline"] is True
+    assert ours["preprocess_threads"] == 4
+    first = ours["catalogue_prepared_first"]  # the A/B: every request prepared before the first step
+    assert first["samples"] == 2 and 0 < first["engine_wall_s"] <= first["wall_s"]

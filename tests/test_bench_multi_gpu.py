@@ -64,6 +64,7 @@ def test_smoke_mode_runs_the_data_parallel_and_prefill_decode_parts_through_two_
     result = json.loads(out.read_text())
     assert "error" not in result["dp2"] and "error" not in result["pd"], result
     assert result["workload"]["kind"] == "fixed" and result["workload"]["samples"] == 4
+    assert result["args"]["qps_fractions"] == "0.3,0.6" and result["args"]["qps_level_s"] == 3
     assert [i["samples"] for i in result["dp2"]["instances"]] == [2, 2] and result["dp2"]["samples_per_s"] > 0
     pd = result["pd"]
     assert pd["samples"] == 4 and pd["kv_bytes_per_request"] > 0, pd
