@@ -48,5 +48,5 @@ def test_a_growing_backlog_is_rejected_even_when_its_p99_and_drain_fit_the_bound
     offline = plan_layout._cluster(*args[:6]).run([0.0] * 256, Workload()).throughput
     ok, p99 = plan_layout._meets(*args, 1.3 * offline)
     assert p99 <= 12 and not ok  # p99 and the drain would pass; completions fall behind arrivals
-    # (0.5x: a burst in 15 s of arrivals reads kept_up 0.81 on the run21 calibration though p99 is 1.3 s)
-    assert plan_layout._meets(*args, 0.4 * offline)[0]
+    monkeypatch.undo()  # half the offline rate is sustainable over the planner's own horizon (15 s is too short
+    assert plan_layout._meets(*args, 0.5 * offline)[0]  # to judge keeping up: one burst moves kept_up by 10%)

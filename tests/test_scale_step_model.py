@@ -1,11 +1,13 @@
 """The step model: calibration from the bench JSON, its scaling to other hardware, and its 1xH200 validation."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from workers.sim.step_model import DEFAULT_BENCH, Calibration, StepModel, StepWork, load_hardware
+from workers.sim.step_model import (DEFAULT_BENCH, VISION_SHAPES, Calibration, StepModel, StepWork, load_hardware,
+                                    vision_shape_points)
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 RUN9 = BENCH / "2026-11-30-run9-30b-a3b.json"  # the session-2 engine, preprocessing before the steps
@@ -16,8 +18,28 @@ def test_calibration_reproduces_the_measured_h200_steps():
     assert model.step_ms(StepWork(num_seqs=256, decode_context_tokens=256 * 1024)) == pytest.approx(23.357, rel=1e-6)
     assert model.step_ms(StepWork(num_seqs=1, decode_context_tokens=1024)) == pytest.approx(3.567, rel=1e-6)
     assert model.step_ms(StepWork(num_seqs=4, prefill_tokens=8192)) == pytest.approx(124.04, rel=1e-6)
-    assert model.vision_ms(1024) == pytest.approx(2.805, rel=1e-6)
-    assert model.vision_ms(4096) == pytest.approx(3.459e3 / 256, rel=1e-6)  # the catalogue's 1024x1024 images
+    assert model.vision_ms(1024) == pytest.approx(2.805, rel=0.1)  # least squares with run18's shapes: not exact
+    assert model.vision_ms(4096) == pytest.approx(3.459e3 / 256, rel=0.15)  # the catalogue's 1024x1024 images
+
+
+def test_vision_follows_the_tower_benchs_large_calls_within_10_percent():
+    # run18: 14 shapes of 1-4 equal images; calls under ~20 ms are mostly launch overhead the fit does not model
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    points = vision_shape_points(VISION_SHAPES[DEFAULT_BENCH.name])
+    large = [(n, p, ms) for n, p, ms in points if ms >= 100]
+    assert len(points) == 14 and len(large) == 7
+    for n, p, ms in large:
+        assert n * model.vision_ms(p) == pytest.approx(ms, rel=0.1), (n, p)
+    # attention within an image: a 16,384-patch image costs more than 16 of 1,024 patches
+    assert model.vision_ms(16384) > 1.5 * 16 * model.vision_ms(1024)
+
+
+def test_a_new_image_size_costs_the_mean_measured_cudnn_plan():
+    step = StepWork(num_seqs=1, prefill_tokens=100, vision_patches=[400])
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    plan = model.calibration.vision_plan_ms
+    assert plan == pytest.approx(126.3, abs=0.1)  # run18: mean over its 13 new sizes (10 to 858 ms)
+    assert model.step_ms(dataclasses.replace(step, vision_plans=1)) == pytest.approx(model.step_ms(step) + plan)
 
 
 def test_the_default_calibration_reads_the_session_4_bench_format():
@@ -29,8 +51,9 @@ def test_the_default_calibration_reads_the_session_4_bench_format():
     assert calibration.source == DEFAULT_BENCH.name
     assert calibration.step_base_ms[-1] == data["ours"]["prefill_step_ms_median"]
     model = StepModel.build("h200", "qwen3-vl-30b-a3b")
-    vision_s = model.vision_ms(4 * catalogue["visual_tokens"]["mean"]) * catalogue["samples"] / 1e3
-    assert vision_s == pytest.approx(catalogue["gpu_time_split"]["vision_s"], rel=1e-6)
+    vision_ms = model.vision_ms(4 * catalogue["visual_tokens"]["mean"]) * catalogue["samples"]
+    vision_s = (vision_ms + calibration.vision_plan_ms) / 1e3  # the catalogue's image size was new: one plan
+    assert vision_s == pytest.approx(catalogue["gpu_time_split"]["vision_s"], rel=0.15)
     assert calibration.visual_token_extra_ms > 0
 
 
@@ -38,6 +61,11 @@ def test_the_session_2_bench_still_calibrates_its_own_validation_rows():
     run9 = Calibration.from_bench(RUN9)
     assert run9.source == RUN9.name and run9.step_base_ms[-1] == pytest.approx(126.53)
     assert run9.vision_ms_per_patch > Calibration.from_bench().vision_ms_per_patch  # our own tower since session 3
+    # no tower bench of the session-2 code: vision through its own two figures exactly, no plan cost
+    ours = json.loads(RUN9.read_text())["ours"]
+    per_image = lambda p: run9.vision_ms_per_patch * p + run9.vision_ms_per_patch_sq * p * p  # noqa: E731
+    assert per_image(ours["vision_patches_per_image"]) == pytest.approx(ours["vision_ms_per_image"], rel=1e-9)
+    assert run9.vision_plan_ms == 0
 
 
 def test_small_decode_batches_cost_the_experts_they_touch():
@@ -116,8 +144,9 @@ def test_the_realistic_catalogue_is_replayed_request_by_request():
 
     rows = {row["run"]: row for row in validate()["rows"]}
     one_gpu = rows["run21 1xH200 realistic catalogue (session 4 code)"]
-    # known miss: vision of large images runs ~1.4x the two-point fit, plus cuDNN plans for new shapes
-    assert 0 < one_gpu["samples_per_s"]["error_pct"] < 30, one_gpu
+    dp2 = rows["run15 dp2 2xH200 realistic (session 4 code, 16 preparation threads)"]
+    for row in (one_gpu, dp2):  # vision fitted on run18's shapes, cuDNN's plan charged per new image size
+        assert abs(row["samples_per_s"]["error_pct"]) < 10, row
     poisson = [row for run, row in rows.items() if run.startswith("run15 dp2 Poisson")]
     assert len(poisson) == 3
     for row in poisson:  # the bench's arrivals (seed, rate, cap) are reproduced exactly

@@ -57,6 +57,7 @@ class SimulatedEngine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
+        self.encoded_sizes: set[int] = set()  # image sizes (patches) encoded so far: the real tower's cuDNN plans
 
     # ---- admission (same contract as LLMEngine) ---------------------------------------------------
 
@@ -148,7 +149,10 @@ class SimulatedEngine:
         outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         changed = list(out.rejected)
-        self.last_step_s = self.step_model.step_ms(self.work(out)) / 1e3
+        work = self.work(out)
+        work.vision_plans = len(set(work.vision_patches) - self.encoded_sizes)
+        self.encoded_sizes.update(work.vision_patches)
+        self.last_step_s = self.step_model.step_ms(work) / 1e3
         self.busy_s += self.last_step_s
         if self.realtime:
             time.sleep(max(started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0))
@@ -175,6 +179,11 @@ class SimulatedEngine:
         gap = started - self._busy_until if self._busy_until is not None else 0.0
         self.overrun_s += gap + max(ended - started - self.last_step_s * self.sim.time_scale, 0.0)
         self._busy_until = ended if self.scheduler.has_unfinished() else None
+
+    @staticmethod
+    def image_sizes(token_ids: Seq[int]) -> set[int]:
+        """The pre-merge patches of each image of a prompt (the sizes encoded_sizes holds)."""
+        return {length * 4 for _, length in _image_runs(token_ids)}
 
     @staticmethod
     def work(out: SchedulerOutput) -> StepWork:

@@ -2,8 +2,8 @@
 (H200, Qwen3-VL-30B-A3B shapes, bf16) and scaled to other models, precisions, TP widths and hardware profiles.
 
 Components (each measured on the H200, then scaled):
-  * vision: ms per pre-merge patch (+ a quadratic term: attention within one image), charged when an image's
-    prompt starts prefilling;
+  * vision: ms per pre-merge patch + a quadratic term (attention within one image), charged when an image's
+    prompt starts prefilling, plus cuDNN's attention plan the first time an engine sees an image size;
   * tokens: one curve over a step's tokens (decodes + prompt tokens) through the measured decode steps (batch 1,
     64, 256 at context 1024, attention taken out) and the 8,192-token text-prefill step; up to batch 256 it
     follows the share of experts the tokens touch (weight reads), past it each token adds compute;
@@ -31,6 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field
 REPO = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO / "mlperf_configs" / "hardware"
 DEFAULT_BENCH = REPO / "benchmarks" / "2026-11-30-run21-30b-a3b.json"  # session 4 code, one H200
+# The vision-tower bench (scripts/bench_vision.py --new-shapes) of the engine code each calibration bench measured:
+# warm times over 14 image shapes and cuDNN's first-call cost per new image size. Benches not listed (session 1-3)
+# fit vision on their own two figures alone.
+VISION_SHAPES = {DEFAULT_BENCH.name: REPO / "benchmarks" / "2026-11-30-run18-vision-new-shapes.json"}
 CALIBRATION_HARDWARE = "h200"
 
 Precision = Literal["bf16", "fp8", "fp4"]
@@ -102,6 +106,39 @@ MODELS = {
 }
 
 
+def vision_shape_points(path: Path) -> list[tuple[int, int, float]]:
+    """(images, patches per image, warm ms of the tower call) of a bench_vision.py --new-shapes run, cuDNN attention
+    (the engine's backend): each call is `images` equal frames of h x w patches."""
+    shapes = json.loads(Path(path).read_text())["new_shapes"]
+    return [(n, h * w, ms) for (n, h, w), ms in zip(shapes["shapes"], shapes["cudnn"]["second_ms"])]
+
+
+def vision_plan_ms(path: Path) -> float:
+    """cuDNN's cost of an image size's first tower call: the mean first-call excess (first - second call) over the
+    shapes of a bench_vision.py --new-shapes run whose frame size (h x w patches) was new; a later shape of a seen
+    size paid nothing in run18 (1 then 4 images of 64 x 64). Run18: 126 ms, but widely spread over its 13 new
+    sizes: median 51 ms, 10 to 858 ms (one 858 ms and one 202 ms; without the 858 ms one the mean is 65 ms)."""
+    shapes = json.loads(Path(path).read_text())["new_shapes"]
+    seen, excess = set(), []
+    for (_, h, w), first, second in zip(shapes["shapes"], shapes["cudnn"]["first_ms"], shapes["cudnn"]["second_ms"]):
+        if h * w not in seen:
+            seen.add(h * w)
+            excess.append(first - second)
+    return sum(excess) / len(excess)
+
+
+def fit_vision(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(a, b) of ms = a * images * patches + b * images * patches^2 over (images, patches, ms) points, least squares
+    on the relative error (calls from 8 ms to 3.5 s weigh alike); two points are solved exactly."""
+    rows = [(n * p / ms, n * p * p / ms) for n, p, ms in points]  # each row / its ms: residuals relative, target 1
+    sxx, sxz, szz = (sum(x * x for x, _ in rows), sum(x * z for x, z in rows), sum(z * z for _, z in rows))
+    sx, sz = sum(x for x, _ in rows), sum(z for _, z in rows)
+    det = sxx * szz - sxz * sxz
+    if det == 0:
+        raise ValueError(f"vision fit: the points {points} do not fix both terms (one image size)")
+    return (sx * szz - sz * sxz) / det, (sz * sxx - sx * sxz) / det
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Measured H200 times of our engine (30B-A3B, bf16), from one bench_engine.py JSON.
@@ -119,6 +156,7 @@ class Calibration:
     step_base_ms: tuple[float, ...]
     decode_ref_context: int
     attention_ms_per_context_token: float
+    vision_plan_ms: float = 0.0  # an image size's first tower call (cuDNN builds its attention plan); 0: not measured
 
     @property
     def memory_bound_tokens(self) -> int:
@@ -147,14 +185,20 @@ class Calibration:
         budget = work["max_num_batched_tokens"]
         tokens = (*batches, budget + budget // work["prefill_len"])  # the prefill step: its tokens + one per chunk
         bases = (*bases, ours["prefill_step_ms_median"])            # (its prefill attention is inside)
-        # Vision: the 1,024-patch micro-benchmark and the catalogue's 4,096-patch images fix a*p + b*p^2.
         cat = ours["catalogue"]
         grid = work["image_size"] // 16
         cat_patches = grid * grid
-        p1, t1 = ours["vision_patches_per_image"], ours["vision_ms_per_image"]
-        t2 = cat["gpu_time_split"]["vision_s"] * 1e3 / cat["samples"]
-        b = (t2 - t1 * cat_patches / p1) / (cat_patches**2 - cat_patches * p1)
-        a = (t1 - b * p1 * p1) / p1
+        shapes = VISION_SHAPES.get(Path(path).name)
+        plan_ms = vision_plan_ms(shapes) if shapes else 0.0
+        # Vision, one call of n images of p patches each: a*n*p + b*n*p^2. The bench's micro-benchmark (warm) and its
+        # catalogue's images; the catalogue paid one plan (its image size was new after the micro-benchmark's).
+        n1, p1 = work["vision_images"], ours["vision_patches_per_image"]
+        points = [(n1, p1, ours["vision_ms_per_image"] * n1),
+                  (cat["samples"], cat_patches,
+                   cat["gpu_time_split"]["vision_s"] * 1e3 - (plan_ms if cat_patches != p1 else 0.0))]
+        if shapes:
+            points += vision_shape_points(shapes)
+        a, b = fit_vision(points)
         # Excess per visual token: the catalogue's prefill GPU time (steps with a prompt chunk, less vision) beyond
         # its prompt tokens at the text-prefill step's rate.
         prompt_tokens = cat["prompt_tokens"]  # one number before session 3; since then {"mean", "median", ...}
@@ -164,7 +208,7 @@ class Calibration:
         return cls(
             source=str(Path(path).name), vision_ms_per_patch=a, vision_ms_per_patch_sq=max(b, 0.0),
             visual_token_extra_ms=0.0 if visual_fit is False else extra, step_tokens=tokens, step_base_ms=bases,
-            decode_ref_context=ref_ctx, attention_ms_per_context_token=attention,
+            decode_ref_context=ref_ctx, attention_ms_per_context_token=attention, vision_plan_ms=plan_ms,
         )
 
     def base_ms(self, tokens: float, expert_share: Callable[[float], float]) -> float:
@@ -189,6 +233,7 @@ class StepWork:
     visual_prefill_tokens: int = 0     # of which image tokens
     decode_context_tokens: int = 0     # context read by the step's decoding sequences
     vision_patches: list[int] = field(default_factory=list)  # pre-merge patches of images encoded this step
+    vision_plans: int = 0              # of their image sizes, those the engine has not encoded before
 
 
 @dataclass(frozen=True)
@@ -260,6 +305,7 @@ class StepModel:
         ms += c.attention_ms_per_context_token * work.decode_context_tokens * self.attention_scale
         ms += c.visual_token_extra_ms * work.visual_prefill_tokens * self.compute_scale
         ms += sum(self.vision_ms(p) for p in work.vision_patches)
+        ms += c.vision_plan_ms * work.vision_plans  # plan building, assumed host-bound: not scaled with the hardware
         return ms
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9) -> int:
