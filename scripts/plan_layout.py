@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -198,6 +199,12 @@ def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict
     return rows
 
 
+@functools.cache
+def _bench(path: Path) -> dict:
+    """A bench JSON, read and parsed once per validation (several rows draw on the same run)."""
+    return json.loads(path.read_text())
+
+
 def _session1_rows() -> list[dict]:
     """Session-1 runs, each calibrated on session-1 JSON."""
     bench = REPO / "benchmarks"
@@ -206,11 +213,11 @@ def _session1_rows() -> list[dict]:
     for name, file, fit in [("run2", run2, None), ("run1", bench / "2026-11-30-run1-30b-a3b.json", run2),
                             ("run2-eager", bench / "2026-11-30-run2-30b-a3b-eager.json", run2),
                             ("run2 (micro-benchmarks only)", run2, False)]:
-        measured = json.loads(file.read_text())["ours"]["catalogue"]
+        measured = _bench(file)["ours"]["catalogue"]
         rows.append(_offline_row(f"{name} 1xH200 ({SESSION1})", _h200(file, fit), {"aggregated": 1},
                                  measured["samples"], measured["preprocess_s"], measured["engine_s"],
                                  measured["samples_per_s"]))
-    run6 = json.loads((bench / "2026-11-30-run6-multi-gpu-x2.json").read_text())["dp2"]
+    run6 = _bench(bench / "2026-11-30-run6-multi-gpu-x2.json")["dp2"]
     rows.append(_dp2_row(f"run6 dp2 2xH200 ({SESSION1})", _h200(bench / "2026-11-30-run5-30b-a3b.json"), run6))
     return rows
 
@@ -220,10 +227,10 @@ def _session2_rows() -> list[dict]:
     bench = REPO / "benchmarks"
     run9_file = bench / "2026-11-30-run9-30b-a3b.json"
     model = _h200(run9_file)
-    run9 = json.loads(run9_file.read_text())["ours"]["catalogue"]
+    run9 = _bench(run9_file)["ours"]["catalogue"]
     rows = [_offline_row(f"run9 1xH200 ({SESSION2})", model, {"aggregated": 1}, run9["samples"],
                          run9["preprocess_s"], run9["engine_s"], run9["samples_per_s"])]
-    multi = json.loads((bench / "2026-11-30-run9-multi-gpu-x2.json").read_text())
+    multi = _bench(bench / "2026-11-30-run9-multi-gpu-x2.json")
     rows.append(_dp2_row(f"run9 dp2 2xH200 ({SESSION2})", model, multi["dp2"]))
     pd = multi["pd"]
     rows.append(_offline_row(f"run9 pd 1 prefill + 1 decode 2xH200 ({SESSION2})", model, {"prefill": 1, "decode": 1},
@@ -233,7 +240,7 @@ def _session2_rows() -> list[dict]:
 
 def _run9_prepare_s() -> float:
     """One request's preprocessing in session 2: run9's catalogue preprocess_s x its threads / samples."""
-    run9 = json.loads((REPO / "benchmarks" / "2026-11-30-run9-30b-a3b.json").read_text())["ours"]["catalogue"]
+    run9 = _bench(REPO / "benchmarks" / "2026-11-30-run9-30b-a3b.json")["ours"]["catalogue"]
     return run9["preprocess_s"] * PREPROCESS_THREADS / run9["samples"]
 
 
@@ -283,7 +290,7 @@ def _image_sizes(requests: list[CatalogueRequest]) -> set[int]:
 
 def _run21_sizes_before_catalogues() -> set[int]:
     """Image sizes run21's engine encoded before its catalogues: bench_engine's vision micro-benchmark."""
-    return {json.loads(RUN21.read_text())["ours"]["vision_patches_per_image"]}
+    return {_bench(RUN21)["ours"]["vision_patches_per_image"]}
 
 
 def _rate_row(run: str, model: StepModel, samples: int, measured: float, predicted_wall_s: float,
@@ -298,7 +305,7 @@ def _rate_row(run: str, model: StepModel, samples: int, measured: float, predict
 
 def _session4_fixed_rows(model: StepModel) -> list[dict]:
     """run21's fixed catalogue (one H200, 4 preparation threads): overlapped with the steps, and prepared first."""
-    data = json.loads(RUN21.read_text())
+    data = _bench(RUN21)
     w, ours = data["workload"], data["ours"]
     requests = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])
     cat, first = ours["catalogue"], ours["catalogue_prepared_first"]
@@ -314,14 +321,14 @@ def _session4_fixed_rows(model: StepModel) -> list[dict]:
 
 def _prepare_s_per_visual_token() -> float:
     """Preparation of one request alone: run21's prepared-first catalogue time x its threads, per visual token."""
-    ours = json.loads(RUN21.read_text())["ours"]["catalogue_prepared_first"]
+    ours = _bench(RUN21)["ours"]["catalogue_prepared_first"]
     return ours["preprocess_done_s"] * PREPARE_THREADS / (ours["samples"] * ours["visual_tokens"]["mean"])
 
 
 def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest]) -> list[dict]:
     """The realistic catalogue (scripts/catalogue_workload.realistic_catalogue, per-request images and output
     lengths): run21 on one H200 (its 256 requests), run15 on two (the first 128: DP2 halves, TP2, DP2 Poisson)."""
-    run21 = json.loads(RUN21.read_text())
+    run21 = _bench(RUN21)
     cat, w = run21["ours"]["catalogue_realistic"], run21["workload"]
     ours = requests[:cat["samples"]]
     fixed = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])  # served before it
@@ -329,7 +336,7 @@ def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest])
     wall = _overlapped_wall_s(model, ours, cat["preprocess_done_s"], before)
     rows = [_rate_row(f"run21 1xH200 realistic catalogue ({SESSION4})", model, cat["samples"], cat["samples_per_s"],
                       wall, wall_s=(cat["wall_s"], wall))]
-    run15 = json.loads(RUN15.read_text())
+    run15 = _bench(RUN15)
     ours = requests[:run15["workload"]["samples"]]
     dp2 = run15["dp2"]
     shards = [ours[k::len(dp2["instances"])] for k in range(len(dp2["instances"]))]
@@ -381,7 +388,7 @@ def validate() -> dict:
     (each calibrated on the one-GPU bench of its code) and session-4 runs (calibrated on run21, the default)."""
     model = _h200(RUN21)
     rows = _session1_rows() + _session2_rows() + _session4_fixed_rows(model)
-    rows += _session4_realistic_rows(model, realistic_catalogue(json.loads(RUN21.read_text())["ours"]
+    rows += _session4_realistic_rows(model, realistic_catalogue(_bench(RUN21)["ours"]
                                                                 ["catalogue_realistic"]["samples"]))
     return {"device": "H200, Qwen3-VL-30B-A3B bf16; fixed catalogue (1,734 prompt / 45 output tokens) and realistic "
                       "catalogue (per-request images: prompt mean 2,252 / p99 9,502 tokens, output mean 43)",
