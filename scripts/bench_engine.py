@@ -104,10 +104,10 @@ class GpuTimeSplit:
         runner = engine.runner
         execute, encode = runner.execute, runner.vision.encode
 
-        def timed_execute(out):
+        def timed_execute(out, *upcoming):
             kind = "decode" if all(c.num_tokens == 1 for c in out.chunks) else "prefill"
             start, end = self._event(), self._event()
-            result = execute(out)
+            result = execute(out, *upcoming)
             end.record() if self.cuda else None
             self.steps.append((kind, start, end))
             return result

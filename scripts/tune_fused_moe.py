@@ -46,6 +46,21 @@ LARGE_DOWN = [
     )
 ]
 
+# --wide (prefill-sized pair counts): deeper K tiles, more pipeline stages, BLOCK_M 256, launch orders; each fits
+# the H200's 227 KB of shared memory (stages x (BLOCK_M + B tiles x BLOCK_N) x BLOCK_K x 2 bytes).
+WIDE_GATED = LARGE_GATED + [
+    TileConfig(*c) for c in (
+        (128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 2, 1), (128, 128, 32, 8, 6, 1), (128, 64, 128, 4, 3, 1),
+        (256, 64, 64, 8, 4, 1), (256, 64, 64, 8, 3, 8), (64, 128, 64, 4, 5, 1),
+    )
+]
+WIDE_DOWN = LARGE_DOWN + [
+    TileConfig(*c) for c in (
+        (128, 128, 128, 4, 3, 1), (128, 256, 128, 8, 2, 1), (128, 256, 32, 8, 6, 1), (128, 128, 64, 8, 5, 1),
+        (256, 128, 64, 8, 4, 1), (256, 128, 64, 8, 3, 8), (64, 256, 64, 4, 4, 1),
+    )
+]
+
 
 @contextlib.contextmanager
 def patched(module, **values):
@@ -206,6 +221,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="where the tuned table goes (default: the table this device reads); "
                                             "rows of pair counts not tuned now are kept from this device's table")
     p.add_argument("--tokens", help="comma-separated token counts (default: the tuning or compare set)")
+    p.add_argument("--wide", action="store_true", help="a wider search above the small pair counts (WIDE_GATED/WIDE_DOWN)")
     p.add_argument("--smoke", action="store_true", help="CPU and tiny shapes (TRITON_INTERPRET=1): checks the script runs")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--hidden", type=int, default=2048)
@@ -215,7 +231,7 @@ def main() -> None:
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     device = "cuda"
     tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else COMPARE_TOKENS if args.compare else TOKENS
-    small, large = SMALL, (LARGE_GATED, LARGE_DOWN)
+    small, large = SMALL, (WIDE_GATED, WIDE_DOWN) if args.wide else (LARGE_GATED, LARGE_DOWN)
     if args.smoke:
         device, (e, h, i, k), tokens_list = "cpu", (8, 64, 32, 2), [1, 12, 300]
         small, large = SMALL[:1], ([TileConfig(16, 32, 32, 4, 1, 0), TileConfig(16, 16, 32, 4, 1, 2)],) * 2

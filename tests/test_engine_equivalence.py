@@ -132,6 +132,28 @@ def test_requests_added_while_others_decode_match_transformers(checkpoint, refer
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
+def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_match_transformers(checkpoint, reference):
+    cases = {
+        "first": reference([png(64, 64, seed=8)], [21, 22]),
+        "second": reference([png(64, 64, seed=9)], [23, 24]),
+    }
+    # 16-token prompts, the 4 visual tokens at rows 4-7; 20 tokens a step: step 0 is all of "first" and rows
+    # 0-3 of "second"; its image rows come in step 1.
+    assert [len(prompt.token_ids) for prompt, _ in cases.values()] == [16, 16]
+    engine = make_engine(checkpoint, max_num_batched_tokens=20)
+    encoded = []
+    encode = engine.runner._encode
+
+    def spy(seqs):
+        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
+        encode(seqs)
+
+    engine.runner._encode = spy
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert encoded == [(0, "first"), (0, "second")]
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
 def test_long_prompt_prefilled_in_chunks_matches_transformers(checkpoint, reference):
     cases = {
         "long-image": reference([png(160, 128, seed=7)], list(range(2000, 2030))),

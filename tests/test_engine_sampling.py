@@ -18,13 +18,13 @@ def test_top_k_and_top_p_restrict_the_candidates():
     top_k = SamplingParams(temperature=1.0, top_k=2)
     top_p = SamplingParams(temperature=1.0, top_p=0.5)  # p(4.0) = 0.64 > 0.5: only the best token
     for _ in range(20):
-        a, b = sampler.sample(logits, ["k", "p"], [top_k, top_p])
+        a, b = sampler.sample(logits, ["k", "p"], [top_k, top_p]).tolist()
         assert a in (0, 1) and b == 0
 
 
 def test_greedy_picks_the_argmax():
     sampler = Sampler(torch.device("cpu"), seed=0)
-    assert sampler.sample(torch.tensor([[0.1, 2.0, 0.3]]), ["g"], [SamplingParams()]) == [1]
+    assert sampler.sample(torch.tensor([[0.1, 2.0, 0.3]]), ["g"], [SamplingParams()]).tolist() == [1]
 
 
 @pytest.fixture(scope="module")

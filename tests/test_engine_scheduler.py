@@ -40,6 +40,22 @@ def test_budget_mixes_decodes_with_a_chunk_of_a_new_prompt():
     assert out.num_batched_tokens == 8 and not out.chunks[1].samples
 
 
+def test_next_prompts_are_the_unfinished_prefills_then_the_waiting_requests_the_budget_reaches():
+    def second_step(long_prompt: int):
+        sched, _ = make(budget=8)
+        for rid, n in (("decoding", 3), ("long", long_prompt), ("fits", 4), ("beyond", 4), ("unreached", 4)):
+            sched.add(seq(rid, n))
+        step(sched)  # "decoding" whole, 5 tokens of "long"
+        out = sched.schedule()  # a decode of "decoding", the next 7 tokens of "long"
+        assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("decoding", 1), ("long", 7)]
+        return [s.request_id for s in sched.next_prompts(out)]
+
+    # "long" done: 1 token for each decode, 6 left for "fits" (4) and 2 of "beyond"; none reach "unreached".
+    assert second_step(long_prompt=12) == ["fits", "beyond"]
+    # 8 tokens of "long" left: with the decode they take the whole budget.
+    assert second_step(long_prompt=20) == ["long"]
+
+
 def test_long_prompt_is_prefilled_over_several_steps_then_samples():
     sched, _ = make(budget=8)
     s = seq("long", 20)

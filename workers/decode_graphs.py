@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.host_copy import pinned, to_device
 from workers.kv_cache import KvCache
 from workers.model import paged_decode
 from workers.model.attention import AttentionMetadata
@@ -39,9 +40,9 @@ class StepBatch:
 
     def metadata(self, device: torch.device, block_size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
-            block_tables=self.block_tables.to(device, non_blocking=True),
-            context_lens=torch.tensor(self.context_lens, dtype=torch.int32).to(device, non_blocking=True),
+            slot_mapping=to_device(self.slot_mapping, device),
+            block_tables=to_device(self.block_tables, device),
+            context_lens=to_device(torch.tensor(self.context_lens, dtype=torch.int32), device),
             block_size=block_size,
             num_decodes=self.num_decodes,
             query_starts=self.query_starts,
@@ -116,11 +117,12 @@ class DecodeGraphs:
         n = len(batch.context_lens)
         size = next(s for s in self.sizes if s >= n)
         width = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:, :n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(batch.context_lens, dtype=torch.int32), non_blocking=True)
+        device = self.input_ids.device
+        self.input_ids[:n].copy_(pinned(batch.input_ids, device), non_blocking=True)
+        self.positions[:, :n].copy_(pinned(batch.positions, device), non_blocking=True)
+        self.slot_mapping[:n].copy_(pinned(batch.slot_mapping, device), non_blocking=True)
+        self.block_tables[:n, :width].copy_(pinned(batch.block_tables, device), non_blocking=True)
+        self.context_lens[:n].copy_(pinned(torch.tensor(batch.context_lens, dtype=torch.int32), device), non_blocking=True)
         if size > n:  # padded rows: no real slot may be written, and their attention reads one scratch row
             self.slot_mapping[n:size].fill_(self.scratch_slot)
             self.context_lens[n:size].fill_(1)

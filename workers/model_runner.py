@@ -11,12 +11,14 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from workers.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport
 from workers.model.attention import AttentionMetadata
 from workers.image_processing import normalise_patches
@@ -103,8 +105,12 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples."""
+    def execute(self, out: SchedulerOutput, upcoming: Iterable[Sequence] = ()) -> dict[str, int]:
+        """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples.
+
+        upcoming: sequences the next step will probably prefill (Scheduler.next_prompts). Their images not yet
+        encoded go through the vision tower behind this step's sampling, so the GPU has that work while the host
+        reads the tokens back and schedules the next step; the host queues the whole step without waiting."""
         imports = [(seq.block_table, seq.kv_import.stacked().to(self.device, self.dtype)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
@@ -113,11 +119,11 @@ class ModelRunner:
             self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
         logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
-        if not sampling:
-            return {}
         ids = [seq.request_id for _, seq in sampling]
-        tokens = self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])
-        return dict(zip(ids, tokens))
+        tokens = HostCopy(self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])) if sampling else None
+        if self.vision is not None:
+            self._encode([seq for seq in upcoming if seq.mm is not None and seq.request_id not in self._encoded])
+        return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
@@ -131,13 +137,14 @@ class ModelRunner:
             if not rows:  # ranks >= 1 (and steps that sample nothing): the graph ran for its collectives
                 return None
             if len(rows) != batch.num_tokens:
-                logits = logits[torch.tensor(rows, device=self.device)]
+                logits = logits[to_device(torch.tensor(rows), self.device)]
             return logits
         meta = batch.metadata(self.device, self.block_size)
-        hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), meta, self.kv.layers, visual)
+        ids, positions = to_device(batch.input_ids, self.device), to_device(batch.positions, self.device)
+        hidden = self.model(ids, positions, meta, self.kv.layers, visual)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         """The flat batch of one step, built with array operations rather than per-sequence tensors."""
@@ -198,7 +205,7 @@ class ModelRunner:
             if last == len(seq.mm.image_rows):  # every image token is now in the KV cache
                 del self._encoded[seq.request_id]
         return VisualRows(
-            rows=torch.cat(rows).to(self.device),
+            rows=to_device(torch.cat(rows), self.device),
             embeds=torch.cat(embeds),
             deepstack=[torch.cat(layer) for layer in zip(*deepstack)],
         )
@@ -209,10 +216,7 @@ class ModelRunner:
             return
         # Each request's uint8 patches go to the device on their own (on CUDA from page-locked memory: one
         # asynchronous DMA) and are normalised there: an eighth of the float32 rows' bytes cross the bus.
-        pinned = self.device.type == "cuda"
-        pixel_values = normalise_patches(torch.cat([
-            (s.mm.patches.pin_memory() if pinned else s.mm.patches).to(self.device, non_blocking=True) for s in seqs
-        ]), self.vision.dtype)
+        pixel_values = normalise_patches(torch.cat([to_device(s.mm.patches, self.device) for s in seqs]), self.vision.dtype)
         grid_thw = torch.cat([s.mm.grid_thw for s in seqs])
         embeds, deepstack = self.vision.encode(pixel_values, grid_thw)
         sizes = [len(s.mm.image_rows) for s in seqs]

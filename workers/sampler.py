@@ -28,8 +28,8 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits [B, V] -> one token id per row."""
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] on the logits' device; greedy rows wait for nothing on the host."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -47,7 +47,7 @@ class Sampler:
                 if params[i].seed is not None:
                     gen = self._generator(request_ids[i], params[i])
                     tokens[i] = candidates[j, torch.multinomial(probs[j, : top_k[j]], 1, generator=gen)[0]]
-        return tokens.tolist()
+        return tokens
 
 
 def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

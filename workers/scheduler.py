@@ -6,6 +6,7 @@ youngest running sequence is preempted and later recomputed. Never touches a ten
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,6 +165,25 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
+
+    def next_prompts(self, out: SchedulerOutput) -> list[Sequence]:
+        """The sequences likely to compute prompt tokens in the step after `out`, in scheduling order: running
+        prefills not finished by `out`, then waiting requests, as far as the token budget goes once every
+        running sequence has its next token (a guess: it assumes no preemption and no sequence finishing)."""
+        budget = self.limits.max_num_batched_tokens
+        in_step = {c.seq.request_id: c.num_tokens for c in out.chunks}
+        picked = []
+        for seq in self.running:
+            left = seq.num_uncomputed_tokens - in_step.get(seq.request_id, 0)
+            if left > 0 and budget > 0:
+                picked.append(seq)
+            budget -= max(left, 1)
+        for seq in itertools.islice(self.waiting, max(0, self.limits.max_num_seqs - len(self.running))):
+            if budget <= 0:
+                break
+            picked.append(seq)
+            budget -= seq.num_uncomputed_tokens
+        return picked
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Applies a finished step: advances progress, appends sampled tokens, finishes sequences.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from workers.host_copy import to_device
 from workers.model import paged_decode, paged_prefill
 
 
@@ -38,9 +39,7 @@ class AttentionMetadata:
         # Built with the rest of the step's metadata, before the forward pass; no device sync.
         self.query_starts_device = None
         if len(self.query_starts) - 1 > self.num_decodes:
-            self.query_starts_device = torch.tensor(self.query_starts, dtype=torch.int32).to(
-                self.block_tables.device, non_blocking=True
-            )
+            self.query_starts_device = to_device(torch.tensor(self.query_starts, dtype=torch.int32), self.block_tables.device)
 
 
 def write_kv(

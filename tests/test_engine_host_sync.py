@@ -1,0 +1,78 @@
+"""On CUDA a step queues all of its GPU work without the host waiting for the GPU: every host-to-device copy is
+asynchronous from page-locked memory, so the one wait of a step is the read-back of its sampled tokens (which
+does not wait for the next step's images, queued behind them)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.host_copy import HostCopy
+from workers.types import PromptInput, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+IMAGE_PAD = 151655
+
+
+def image_prompt(seed: int) -> PromptInput:
+    pixels = np.random.default_rng(seed).integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    # 70x90 with min_pixels 4096 resizes to 64x96: 2 x 3 = 6 visual tokens.
+    return PromptInput([151644, 872, 198, 151652] + [IMAGE_PAD] * 6 + [151653, 3838, 374, 151645, 198], [buf.getvalue()])
+
+
+def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpoint, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = LLMEngine(EngineConfig(
+        checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
+        max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
+    ))
+    assert engine.runner.graphs is not None
+    engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
+    while engine.has_unfinished():
+        engine.step()
+
+    runner = engine.runner
+    execute, wait = runner.execute, HostCopy.wait
+    steps = []
+
+    def execute_erring_on_any_sync(out, upcoming):
+        steps.append(sorted(c.num_tokens for c in out.chunks))
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises from here on
+        try:
+            return execute(out, upcoming)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def wait_allowed_to_sync(copy):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return wait(copy)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(runner, "execute", execute_erring_on_any_sync)
+    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+    engine.add_request("text", PromptInput([151644, 872, 198, 3838, 374, 419, 151645, 198]), SamplingParams(max_tokens=6))
+    engine.step()
+    engine.add_request("image", image_prompt(1), SamplingParams(max_tokens=6))
+    engine.add_request("image-2", image_prompt(2), SamplingParams(max_tokens=6))  # past the step's 16 tokens
+    outputs = {}
+    engine.step()
+    assert steps[-1] == [1, 15]  # a decode beside an image prompt's prefill (eager, with the vision tower)
+    assert "image-2" in runner._encoded  # the next prompt's image, encoded behind the sampled tokens' read-back
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [1, 1, 14] in steps
+    assert [1, 1, 1] in steps  # decodes alone (a CUDA graph)
+    assert all(outputs[rid] for rid in ("text", "image", "image-2"))

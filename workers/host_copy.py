@@ -1,0 +1,43 @@
+"""Host-to-device copies that the host does not wait for, so a step's launches run ahead of the GPU.
+
+On CUDA a pageable copy makes the host wait until the stream has drained (PyTorch synchronises after it, and
+the driver stages pageable memory through its own buffer); from page-locked memory it is one DMA queued on the
+stream. torch's caching host allocator keeps a pinned buffer alive until the copies that read it have run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in page-locked memory when it is bound for a CUDA device (t itself if already there); else t."""
+    if device.type != "cuda" or t.is_pinned():
+        return t
+    return t.pin_memory()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on device; on CUDA an asynchronous copy from page-locked memory (the host does not wait for it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return pinned(t, device).to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy to page-locked host memory, started at construction. wait() returns the host tensor
+    once that copy has run: it waits for the GPU work queued before the copy, not for what is queued after it."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type != "cuda":
+            self._host, self._done = t, None
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
