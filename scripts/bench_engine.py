@@ -479,6 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", default=None, help="catalogue workloads, comma-separated: fixed (the issue's "
                    "one-image-size workload), realistic (synthetic catalogue with the real dataset's statistics); "
                    "default both, tiny: fixed")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
+                   "the prefill figure then runs steps of this many tokens)")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
@@ -504,9 +506,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def workload(args) -> Workload:
-    if args.shape == "tiny":
-        return Workload.tiny(args.samples or 4)
-    return Workload(samples=args.samples or 256)
+    w = Workload.tiny(args.samples or 4) if args.shape == "tiny" else Workload(samples=args.samples or 256)
+    if args.max_num_batched_tokens:
+        w.max_num_batched_tokens = args.max_num_batched_tokens
+    return w
 
 
 def _subprocess(argv: list[str], part: str, config_dir: Path, timeout_s: float) -> dict:
