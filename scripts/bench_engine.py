@@ -192,6 +192,17 @@ def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> 
                        "busy": round(kernel_ms / wall_ms, 3)}
 
 
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's cudaMalloc / cudaFree calls and out-of-memory retries so far (each cudaFree and
+    retry synchronises the device); {} without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def run_until_done(engine, sync) -> tuple[float, list[float]]:
     step_times = []
     t0 = time.perf_counter()
@@ -228,6 +239,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     from scripts.catalogue_workload import describe
     from workers.types import SamplingParams
 
+    allocator_before = allocator_counts()
     t0 = time.perf_counter()
     prepared_s = engine_t0 = None
     generated = steps = 0
@@ -273,6 +285,8 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     }
     if profiles:
         result["profiled_steps"] = profiles
+    if allocator_before:
+        result["cuda_allocator"] = {k: v - allocator_before[k] for k, v in allocator_counts().items()}
     if split is not None:
         result["gpu_time_split"] = split.split(end - engine_t0 if prepare_first else wall_s)
     return result
