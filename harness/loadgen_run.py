@@ -40,7 +40,7 @@ class LoadGenTestSpec:
 
 def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
     """Runs the test to its end and returns the directory holding LoadGen's logs."""
-    config = load_system_config(spec.system)
+    config = load_system_config(spec.system).for_scenario(spec.scenario.value)
     section = config.scenario(spec.scenario.value)
     kind = DATASET_FOR_SCENARIO[spec.scenario.value]
     dataset = config.dataset(spec.scenario.value)

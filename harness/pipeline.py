@@ -70,6 +70,7 @@ def run_submission(options: RunOptions) -> int:
 def _run(config: SystemConfig, options: RunOptions) -> int:
     output = options.output.resolve()
     scenario = options.scenario
+    config = config.for_scenario(scenario.value)
     scenario_dir = output / RUNS_DIR / config.system.name / scenario.result_dir_name
     user_conf = write_user_conf(config, scenario, scenario_dir / "user.conf")
     say(f"system {config.system.name}, scenario {scenario.value}, mode {options.mode.value}; output in {output}")

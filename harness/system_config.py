@@ -200,6 +200,9 @@ class ScenarioSection(_Strict):
     min_query_count: PositiveInt
     performance_sample_count: PositiveInt
     target_latency_ms: PositiveInt | None = None
+    # Engine settings for this scenario only, over the `engine` section (e.g. Offline's larger step budget:
+    # throughput, where Server and Interactive keep smaller steps for latency).
+    engine: dict[str, Any] = Field(default_factory=dict)
 
 
 class ScenariosSection(_Strict):
@@ -293,6 +296,10 @@ class SystemConfig(_Strict):
     def dataset(self, scenario: ScenarioName) -> DatasetSection:
         return self.datasets[DATASET_FOR_SCENARIO[scenario]]
 
+    def for_scenario(self, name: ScenarioName) -> SystemConfig:
+        """This config as one scenario runs it: the scenario's engine settings over the `engine` section."""
+        return self.model_copy(update={"engine": {**self.engine, **self.scenario(name).engine}})
+
 
 def _one_line(source: str, exc: ValidationError) -> str:
     errors = exc.errors()
@@ -332,9 +339,14 @@ def parse_system_config(data: Any, source: str) -> SystemConfig:
 
 
 def _validate_components(config: SystemConfig, source: str) -> None:
-    """The engine and router sections are validated by their owners' typed configs."""
+    """The engine and router sections are validated by their owners' typed configs; the engine also as each
+    configured scenario overrides it."""
+    overridden = [name for name in DATASET_FOR_SCENARIO if getattr(config.scenarios, name) is not None
+                  and config.scenario(name).engine]
     for section, build in (
         ("engine", lambda: engine_config(config, Path("checkpoint"))),
+        *((f"scenarios.{name}.engine", lambda name=name: engine_config(config.for_scenario(name), Path("checkpoint")))
+          for name in overridden),
         ("router", lambda: router_config(config, "127.0.0.1:0")),
         ("simulation", lambda: simulation_config(config)),
     ):

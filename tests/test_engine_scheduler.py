@@ -158,3 +158,17 @@ def test_prefix_caching_is_off_by_default():
 def test_bad_engine_config_names_the_key(settings, key):
     with pytest.raises(pydantic.ValidationError, match=key):
         EngineConfig(checkpoint="x", **settings)
+
+
+def test_the_memory_profile_step_fills_the_budget_with_sequences_no_longer_than_max_model_len():
+    from workers.decode_graphs import full_budget_batch
+
+    batch, num_blocks = full_budget_batch(num_tokens=10, max_len=4, block_size=3)
+    assert batch.context_lens == [4, 4, 2] and batch.query_starts == [0, 4, 8, 10] and batch.num_decodes == 0
+    assert num_blocks == 2 + 2 + 1
+    assert batch.positions[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    slots = batch.slot_mapping.tolist()
+    assert sorted(slots) == sorted(set(slots)) and max(slots) < num_blocks * 3  # distinct slots inside the blocks
+    for seq, (lo, hi) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
+        for index, row in enumerate(range(lo, hi)):  # each row's slot is in its own sequence's block table
+            assert slots[row] == int(batch.block_tables[seq, index // 3]) * 3 + index % 3

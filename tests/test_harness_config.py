@@ -109,6 +109,20 @@ def test_engine_keys_are_validated_by_the_engine_config():
     assert "engine.max_num_seqz" in error_for(data)
 
 
+def test_a_scenario_may_override_engine_settings_for_itself_only():
+    data = cpu_tiny()
+    data["scenarios"]["offline"]["engine"] = {"max_num_batched_tokens": 4096}
+    config = parse_system_config(data, "test.yaml")
+    assert config.for_scenario("offline").engine["max_num_batched_tokens"] == 4096
+    assert config.for_scenario("server").engine == config.engine == cpu_tiny()["engine"]
+
+
+def test_a_scenarios_engine_keys_are_validated_and_named_with_the_scenario():
+    data = cpu_tiny()
+    data["scenarios"]["offline"]["engine"] = {"max_num_batched_tokenz": 4096}
+    assert "scenarios.offline.engine.max_num_batched_tokenz" in error_for(data)
+
+
 def test_router_keys_are_validated_by_the_router_config():
     data = cpu_tiny()
     data["router"]["policy"] = {"name": "random"}

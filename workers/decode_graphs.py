@@ -6,6 +6,7 @@ rows write their K/V into a scratch block and are never sampled.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -48,6 +49,28 @@ class StepBatch:
             query_starts=self.query_starts,
             context_lens_host=self.context_lens,
         )
+
+
+def full_budget_batch(num_tokens: int, max_len: int, block_size: int) -> tuple[StepBatch, int]:
+    """A text step of num_tokens prompt rows, as first chunks of sequences of at most max_len tokens whose KV goes
+    to consecutive blocks from block 0; and the number of blocks they use. The engine profiles its activation
+    peak (and compiles its kernels for full steps) on it."""
+    lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+    blocks = [-(-n // block_size) for n in lens]
+    firsts = [sum(blocks[:i]) for i in range(len(lens))]
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for i, (first, n) in enumerate(zip(firsts, blocks)):
+        tables[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+    batch = StepBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long),
+        positions=torch.cat([torch.arange(n) for n in lens]).expand(3, -1),
+        slot_mapping=torch.cat([torch.arange(first * block_size, first * block_size + n) for first, n in zip(firsts, lens)]),
+        block_tables=tables,
+        context_lens=lens,
+        query_starts=[0, *itertools.accumulate(lens)],
+        num_decodes=0,
+    )
+    return batch, sum(blocks)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

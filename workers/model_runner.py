@@ -20,9 +20,8 @@ from workers.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport
-from workers.model.attention import AttentionMetadata
 from workers.image_processing import normalise_patches
-from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch
+from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
 from workers.model.mm_inputs import MultiModalInput
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
 from workers.model.vision import VisionEncoder
@@ -273,25 +272,19 @@ class ModelRunner:
     @torch.inference_mode()
     def _blocks_from_memory(self) -> int:
         """Blocks that fit in gpu_memory_utilization of the device after the weights and the activation
-        peak of a full-budget text step (the vision tower's peak is not profiled; leave headroom)."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        peak of a full-budget text step: max_num_batched_tokens rows, as sequences of at most max_model_len
+        (the vision tower's peak is not profiled; leave headroom). The step also compiles the kernels of
+        full-budget steps, which the first real one would otherwise pay."""
+        batch, num_blocks = full_budget_batch(self.config.max_num_batched_tokens, self.config.max_model_len, self.block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        scratch = self._new_kv_cache(cdiv(num_tokens, self.block_size))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(scratch.num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_size=self.block_size,
-            num_decodes=0,
-            query_starts=[0, num_tokens],
-            context_lens_host=[num_tokens],
+        scratch = self._new_kv_cache(num_blocks)
+        hidden = self.model(
+            to_device(batch.input_ids, self.device), to_device(batch.positions, self.device),
+            batch.metadata(self.device, self.block_size), scratch.layers,
         )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device).expand(3, -1)
-        hidden = self.model(ids, positions, meta, scratch.layers)
-        self.model.compute_logits(hidden[-1:])
+        self.model.compute_logits(hidden[to_device(torch.tensor(batch.query_starts[1:]) - 1, self.device)])
         del scratch, hidden
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
