@@ -172,3 +172,4 @@ def test_the_memory_profile_step_fills_the_budget_with_sequences_no_longer_than_
     for seq, (lo, hi) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
         for index, row in enumerate(range(lo, hi)):  # each row's slot is in its own sequence's block table
             assert slots[row] == int(batch.block_tables[seq, index // 3]) * 3 + index % 3
+    assert batch.positions.shape == (3, 10) and batch.positions.is_contiguous()  # pinned for the copy on CUDA

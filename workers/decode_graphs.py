@@ -63,7 +63,7 @@ def full_budget_batch(num_tokens: int, max_len: int, block_size: int) -> tuple[S
         tables[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
     batch = StepBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.long),
-        positions=torch.cat([torch.arange(n) for n in lens]).expand(3, -1),
+        positions=torch.cat([torch.arange(n) for n in lens]).repeat(3, 1),
         slot_mapping=torch.cat([torch.arange(first * block_size, first * block_size + n) for first, n in zip(firsts, lens)]),
         block_tables=tables,
         context_lens=lens,

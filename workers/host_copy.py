@@ -14,7 +14,7 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t in page-locked memory when it is bound for a CUDA device (t itself if already there); else t."""
     if device.type != "cuda" or t.is_pinned():
         return t
-    return t.pin_memory()
+    return t.contiguous().pin_memory()  # an expanded view cannot be pinned in place
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
