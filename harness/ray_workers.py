@@ -143,13 +143,19 @@ def init_ray(settings: RaySection, address: str | None) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
         store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
-        ray.init(
-            num_cpus=settings.num_cpus,
-            num_gpus=settings.num_gpus,
-            object_store_memory=store,
-            include_dashboard=False,
-            log_to_driver=False,
+        start = functools.partial(
+            ray.init, num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, object_store_memory=store,
+            include_dashboard=False, log_to_driver=False,
         )
+        try:
+            start()
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up in time
+            if "timed out during startup" not in str(exc):
+                raise
+            # A loaded host can be slow to start the raylet; a second start usually succeeds.
+            logger.warning("embedded Ray did not start in time (%s); starting it once more", exc)
+            ray.shutdown()
+            start()
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -101,3 +101,28 @@ def test_actors_register_serve_and_come_back_after_a_crash(router, fleet):
     new_address = wait_for(lambda: (a := fleet.addresses(timeout_s=60)["decode-0"]) != old_address and a)
     wait_for(lambda: registered(call).get("decode-0", ("", 0, False))[0] == new_address)
     assert registered(call)["decode-0"][2]
+
+
+def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatch):
+    calls = []
+
+    def init(**kwargs):
+        calls.append("init")
+        if calls.count("init") == 1:
+            raise Exception("The current node timed out during startup.")  # what Ray raises
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    assert init_ray(RaySection(num_cpus=1), address=None) is True
+    assert calls == ["init", "shutdown", "init"]
+
+
+def test_other_embedded_ray_start_errors_are_not_retried(monkeypatch):
+    def init(**kwargs):
+        raise ValueError("object_store_memory is too small")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ValueError, match="too small"):
+        init_ray(RaySection(num_cpus=1), address=None)
