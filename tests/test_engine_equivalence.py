@@ -154,6 +154,22 @@ def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_mat
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
+def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_continues(checkpoint, reference):
+    prompt, expected = reference([png(64, 64, seed=10)], [25, 26])
+    engine = make_engine(checkpoint, max_num_batched_tokens=10)  # step 0: rows 0-9, the image rows 4-7 among them
+    encoded = []
+    encode = engine.runner._encode
+
+    def spy(seqs):
+        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
+        encode(seqs)
+
+    engine.runner._encode = spy
+    assert run_to_completion(engine, {0: [("img", prompt)]}) == {"img": expected}
+    assert encoded == [(0, "img")]
+    assert not engine.runner._encoded
+
+
 def test_long_prompt_prefilled_in_chunks_matches_transformers(checkpoint, reference):
     cases = {
         "long-image": reference([png(160, 128, seed=7)], list(range(2000, 2030))),

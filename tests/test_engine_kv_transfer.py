@@ -79,6 +79,10 @@ def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(en
         head_dim=export.head_dim, dtype_name=export.dtype_name,
         layers=[export.layer_bytes(i) for i in range(export.num_layers)],
     )
+    # Its image is in the imported KV: the decode engine never has it to encode, even before admission.
+    waiting = decode.prepare_request("w", image_prompt(), GREEDY, kv_import=received).sequence
+    assert not decode.runner._images_pending(waiting, None)
+    assert decode.runner._images_pending(decode.prepare_request("w", image_prompt(), GREEDY).sequence, None)
     decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
     rest = drain(decode)["split"]
     assert first + tokens(rest) == expected
