@@ -92,9 +92,7 @@ class Sync:
 
 
 class GpuTimeSplit:
-    """CUDA events around the vision tower and every step: GPU-side time of vision / prefill / decode. Images
-    encoded ahead run on the engine's vision stream beside the text tower: vision_s counts them,
-    vision_beside_text_s says how much of it that was, and the steps' time (prefill, decode) is the main stream's."""
+    """CUDA events around the vision tower and every step: GPU-side time of vision / prefill / decode."""
 
     def __init__(self, engine):
         import torch
@@ -102,7 +100,7 @@ class GpuTimeSplit:
         self.torch = torch
         self.cuda = engine.config.is_cuda
         self.steps: list[tuple[str, object, object]] = []
-        self.vision: list[tuple[object, object, bool]] = []
+        self.vision: list[tuple[object, object]] = []
         runner = engine.runner
         execute, encode = runner.execute, runner.vision.encode
 
@@ -115,11 +113,10 @@ class GpuTimeSplit:
             return result
 
         def timed_encode(*args):
-            beside = self.cuda and torch.cuda.current_stream() != torch.cuda.default_stream()
             start, end = self._event(), self._event()
             result = encode(*args)
             end.record() if self.cuda else None
-            self.vision.append((start, end, beside))
+            self.vision.append((start, end))
             return result
 
         runner.execute, runner.vision.encode = timed_execute, timed_encode
@@ -140,14 +137,12 @@ class GpuTimeSplit:
             return {}
         self.torch.cuda.synchronize()
         ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
-        vision = sum(ms(a, b) for a, b, _ in self.vision) / 1e3
-        beside = sum(ms(a, b) for a, b, on_side in self.vision if on_side) / 1e3
-        prefill = sum(ms(a, b) for k, a, b in self.steps if k == "prefill") / 1e3 - (vision - beside)
+        vision = sum(ms(a, b) for a, b in self.vision) / 1e3
+        prefill = sum(ms(a, b) for k, a, b in self.steps if k == "prefill") / 1e3 - vision
         decode = sum(ms(a, b) for k, a, b in self.steps if k == "decode") / 1e3
         return {
-            "vision_s": round(vision, 3), "vision_beside_text_s": round(beside, 3), "prefill_s": round(prefill, 3),
-            "decode_s": round(decode, 3), "idle_s": round(wall_s - (vision - beside) - prefill - decode, 3),
-            "wall_s": round(wall_s, 3),
+            "vision_s": round(vision, 3), "prefill_s": round(prefill, 3), "decode_s": round(decode, 3),
+            "idle_s": round(wall_s - vision - prefill - decode, 3), "wall_s": round(wall_s, 3),
         }
 
 
@@ -392,16 +387,10 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     if "fixed" in workloads:  # the same requests again: what the overlap costs the steps, on a warm engine
         variants = {"catalogue_prepared_first": dict(prepare_first=True)}
         if args.overlap_ab:
-            variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16),
-                        "catalogue_vision_on_main_stream": dict(vision_stream=None)}
+            variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16)}
         for key, kwargs in variants.items():
             split.reset()
-            stream = engine.runner.vision_stream
-            engine.runner.vision_stream = kwargs.pop("vision_stream", stream)  # None: images ahead on the main stream
-            try:
-                result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
-            finally:
-                engine.runner.vision_stream = stream
+            result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
             log.info("%s: %s", key, result[key])
     if args.device.startswith("cuda"):
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -507,8 +496,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
                    "the prefill figure then runs steps of this many tokens)")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), with the images "
-                   "encoded ahead on the main stream instead of the vision stream, and with 16 "
+    p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -89,10 +89,6 @@ class ModelRunner:
         self.kv = self._new_kv_cache(num_blocks + 1)
         self.sampler = Sampler(self.device, config.seed)
         self._encoded: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        # On CUDA the images of the next step's prompts are encoded on a stream of their own, beside this step's
-        # text tower; the main stream waits for that stream's last encoding before it reads any vision output.
-        self.vision_stream = torch.cuda.Stream(self.device) if self.vision is not None and self.device.type == "cuda" else None
-        self._vision_done: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
             self.graphs = DecodeGraphs(
@@ -112,8 +108,9 @@ class ModelRunner:
         """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples.
 
         upcoming: sequences the next step will probably prefill (Scheduler.next_prompts). Their images not yet
-        encoded go through the vision tower now: on CUDA on the vision stream, beside this step's text tower;
-        elsewhere behind this step's sampling. The host queues the whole step and waits once, for its tokens."""
+        encoded go through the vision tower behind this step's sampling, so the GPU has that work while the host
+        reads the tokens back and schedules the next step (on a second CUDA stream beside the text tower it was
+        slower: benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
         imports = [(seq.block_table, seq.kv_import.stacked().to(self.device, self.dtype)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
@@ -122,16 +119,13 @@ class ModelRunner:
         if self.vision is not None:
             computed = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}  # once this step has run
             ahead = [seq for seq in upcoming if self._images_pending(seq, computed.get(seq.request_id))]
-        if self.vision_stream is not None:
-            self._encode_beside(ahead)
         if self.ranks is not None:
             self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
         logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
         ids = [seq.request_id for _, seq in sampling]
         tokens = HostCopy(self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])) if sampling else None
-        if self.vision_stream is None:
-            self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
+        self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
         return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
 
     def _images_pending(self, seq: Sequence, computed: int | None) -> bool:
@@ -213,15 +207,10 @@ class ModelRunner:
                 parts.append((i, chunk.seq, first, last))
         if not parts:
             return None
-        if self._vision_done is not None:  # encodings made ahead, and the grid tables they built, are read below
-            torch.cuda.current_stream(self.device).wait_event(self._vision_done)
         self._encode([seq for _, seq, _, _ in parts if seq.request_id not in self._encoded])
         rows, embeds, deepstack = [], [], []
         for i, seq, first, last in parts:
             emb, ds = self._encoded[seq.request_id]
-            if self.vision_stream is not None:  # made on the vision stream: not reused before this stream's reads
-                for t in (emb, *ds):
-                    t.record_stream(torch.cuda.current_stream(self.device))
             rows.append(seq.mm.image_rows[first:last] - chunks[i].start + starts[i])
             embeds.append(emb[first:last])
             deepstack.append([d[first:last] for d in ds])
@@ -232,17 +221,6 @@ class ModelRunner:
             embeds=torch.cat(embeds),
             deepstack=[torch.cat(layer) for layer in zip(*deepstack)],
         )
-
-    def _encode_beside(self, seqs: list[Sequence]) -> None:
-        """Encodes on the vision stream, which first waits for what the main stream has queued so far (not for the
-        text tower queued after this call)."""
-        if not seqs:
-            return
-        self.vision_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.vision_stream):
-            self._encode(seqs)
-            self._vision_done = torch.cuda.Event()
-            self._vision_done.record()
 
     def _encode(self, seqs: list[Sequence]) -> None:
         """One vision-tower pass over all images of the given sequences."""

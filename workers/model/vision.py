@@ -89,15 +89,12 @@ class GridTables:
         tables = self._tables.get(grid)
         if tables is not None:
             self._tables.move_to_end(grid)
-        else:
-            tables = self._tables[grid] = self._build(*grid)
-            self._bytes += sum(t.nbytes for t in tables)
-            while self._bytes > self.budget_bytes and len(self._tables) > 1:
-                self._bytes -= sum(t.nbytes for t in self._tables.popitem(last=False)[1])
-        if tables[0].is_cuda:  # encodings run on two streams: a dropped table waits for every stream that read it
-            stream = torch.cuda.current_stream(tables[0].device)
-            for t in tables:
-                t.record_stream(stream)
+            return tables
+        tables = self._build(*grid)
+        self._tables[grid] = tables
+        self._bytes += sum(t.nbytes for t in tables)
+        while self._bytes > self.budget_bytes and len(self._tables) > 1:
+            self._bytes -= sum(t.nbytes for t in self._tables.popitem(last=False)[1])
         return tables
 
     def _build(self, t: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
