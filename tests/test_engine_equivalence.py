@@ -95,6 +95,19 @@ def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, Pro
     return tokens
 
 
+def record_encodings(engine: LLMEngine) -> list[tuple[int, str]]:
+    """(step, request id) of every image encoding the engine runs from now on, in order."""
+    encoded = []
+    encode = engine.runner._encode
+
+    def spy(seqs):
+        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
+        encode(seqs)
+
+    engine.runner._encode = spy
+    return encoded
+
+
 def test_text_only_prompts_match_transformers(checkpoint, reference):
     cases = {"short": [9707, 11, 1246], "longer": list(range(1000, 1040))}
     expected = {rid: reference([], ids) for rid, ids in cases.items()}
@@ -141,14 +154,7 @@ def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_mat
     # 0-3 of "second"; its image rows come in step 1.
     assert [len(prompt.token_ids) for prompt, _ in cases.values()] == [16, 16]
     engine = make_engine(checkpoint, max_num_batched_tokens=20)
-    encoded = []
-    encode = engine.runner._encode
-
-    def spy(seqs):
-        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
-        encode(seqs)
-
-    engine.runner._encode = spy
+    encoded = record_encodings(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
     assert encoded == [(0, "first"), (0, "second")]
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
@@ -157,14 +163,7 @@ def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_mat
 def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_continues(checkpoint, reference):
     prompt, expected = reference([png(64, 64, seed=10)], [25, 26])
     engine = make_engine(checkpoint, max_num_batched_tokens=10)  # step 0: rows 0-9, the image rows 4-7 among them
-    encoded = []
-    encode = engine.runner._encode
-
-    def spy(seqs):
-        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
-        encode(seqs)
-
-    engine.runner._encode = spy
+    encoded = record_encodings(engine)
     assert run_to_completion(engine, {0: [("img", prompt)]}) == {"img": expected}
     assert encoded == [(0, "img")]
     assert not engine.runner._encoded
