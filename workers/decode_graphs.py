@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.host_copy import pinned, to_device
+from workers.host_copy import copy_into, to_device
 from workers.kv_cache import KvCache
 from workers.model import paged_decode
 from workers.model.attention import AttentionMetadata
@@ -140,12 +140,11 @@ class DecodeGraphs:
         n = len(batch.context_lens)
         size = next(s for s in self.sizes if s >= n)
         width = batch.block_tables.shape[1]
-        device = self.input_ids.device
-        self.input_ids[:n].copy_(pinned(batch.input_ids, device), non_blocking=True)
-        self.positions[:, :n].copy_(pinned(batch.positions, device), non_blocking=True)
-        self.slot_mapping[:n].copy_(pinned(batch.slot_mapping, device), non_blocking=True)
-        self.block_tables[:n, :width].copy_(pinned(batch.block_tables, device), non_blocking=True)
-        self.context_lens[:n].copy_(pinned(torch.tensor(batch.context_lens, dtype=torch.int32), device), non_blocking=True)
+        copy_into(self.input_ids[:n], batch.input_ids)
+        copy_into(self.positions[:, :n], batch.positions)
+        copy_into(self.slot_mapping[:n], batch.slot_mapping)
+        copy_into(self.block_tables[:n, :width], batch.block_tables)
+        copy_into(self.context_lens[:n], torch.tensor(batch.context_lens, dtype=torch.int32))
         if size > n:  # padded rows: no real slot may be written, and their attention reads one scratch row
             self.slot_mapping[n:size].fill_(self.scratch_slot)
             self.context_lens[n:size].fill_(1)

@@ -17,6 +17,11 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.contiguous().pin_memory()  # an expanded view cannot be pinned in place
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = host tensor src; on CUDA an asynchronous copy from page-locked memory."""
+    dst.copy_(pinned(src, dst.device), non_blocking=True)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t on device; on CUDA an asynchronous copy from page-locked memory (the host does not wait for it)."""
     if device.type != "cuda":
