@@ -217,7 +217,7 @@ def bench_ragged_text(chunks, reps: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed + 1)
     new_calls = []
     for _ in range(4):
-        lens = torch.randint(1100, 2600, (8,), generator=gen).tolist()
+        lens = torch.randint(1100, 1900, (8,), generator=gen).tolist()  # at most 15.2k of the step's rows
         cu_new = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         total = sum(lens)
         qn, kn, vn = q[:total].contiguous(), k[:total].contiguous(), v[:total].contiguous()

@@ -240,6 +240,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     from workers.types import SamplingParams
 
     allocator_before = allocator_counts()
+    preemptions_before = engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     prepared_s = engine_t0 = None
     generated = steps = 0
@@ -282,6 +283,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
         **describe(requests), "preprocess_done_s": round(prepared_s, 3), "wall_s": round(wall_s, 3),
         "samples_per_s": round(len(requests) / wall_s, 3), "output_tokens_per_s": round(expected / wall_s, 1),
         "engine_wall_s": round(end - engine_t0, 3), "steps": steps,
+        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
     }
     if profiles:
         result["profiled_steps"] = profiles
@@ -329,6 +331,34 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         add_text(64, 4)
     run_until_done(engine, sync)
 
+    if not args.catalogue_only:
+        result.update(bench_parts(args, w, engine, sync, add_text))
+    # catalogue workloads, offline: every sample arrives at once; preprocessing overlaps the engine's steps
+    split = GpuTimeSplit(engine)
+    for kind, requests in workloads.items():
+        split.reset()
+        result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync, args.profile_out if kind == "fixed" else None)
+        log.info("catalogue %s: %s", kind, result[CATALOGUE_KEYS[kind]])
+    if "fixed" in workloads:  # the same requests again: what the overlap costs the steps, on a warm engine
+        variants = {} if args.catalogue_only else {"catalogue_prepared_first": dict(prepare_first=True)}
+        if args.overlap_ab:
+            variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16)}
+        for key, kwargs in variants.items():
+            split.reset()
+            result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
+            log.info("%s: %s", key, result[key])
+    if args.device.startswith("cuda"):
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        free, total = torch.cuda.mem_get_info()
+        result["device_memory_used_gib"] = round((total - free) / 2**30, 2)
+    return result
+
+
+def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
+    """The vision tower, MoE layer, prefill and decode figures (everything but the catalogues)."""
+    import torch
+
+    result: dict = {}
     # vision tower, one batch of same-size images
     vision = engine.runner.vision
     g = w.vision_grid
@@ -377,25 +407,6 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1)}
         log.info("decode batch %d: %s", batch, decode[str(batch)])
     result["decode"] = decode
-
-    # catalogue workloads, offline: every sample arrives at once; preprocessing overlaps the engine's steps
-    split = GpuTimeSplit(engine)
-    for kind, requests in workloads.items():
-        split.reset()
-        result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync, args.profile_out if kind == "fixed" else None)
-        log.info("catalogue %s: %s", kind, result[CATALOGUE_KEYS[kind]])
-    if "fixed" in workloads:  # the same requests again: what the overlap costs the steps, on a warm engine
-        variants = {"catalogue_prepared_first": dict(prepare_first=True)}
-        if args.overlap_ab:
-            variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16)}
-        for key, kwargs in variants.items():
-            split.reset()
-            result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
-            log.info("%s: %s", key, result[key])
-    if args.device.startswith("cuda"):
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        free, total = torch.cuda.mem_get_info()
-        result["device_memory_used_gib"] = round((total - free) / 2**30, 2)
     return result
 
 
@@ -495,6 +506,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default both, tiny: fixed")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
                    "the prefill figure then runs steps of this many tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 256)")
+    p.add_argument("--catalogue-only", action="store_true", help="only the catalogue workloads, each once (no vision, "
+                   "MoE, prefill and decode figures, no prepared-first rerun)")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
@@ -523,6 +537,8 @@ def workload(args) -> Workload:
     w = Workload.tiny(args.samples or 4) if args.shape == "tiny" else Workload(samples=args.samples or 256)
     if args.max_num_batched_tokens:
         w.max_num_batched_tokens = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        w.max_num_seqs = args.max_num_seqs
     return w
 
 

@@ -73,6 +73,7 @@ def test_running_out_of_blocks_preempts_the_youngest_and_recomputes_it_later():
     step(sched)  # 8 prompt tokens each -> 2 blocks each, pool full
     out = step(sched)
     assert out.preempted == ["young"]
+    assert sched.num_preemptions == 1 and young.num_preemptions == 1  # the engine-wide count the benchmarks report
     assert young.num_computed_tokens == 0 and young.block_table == [] and sched.waiting[0] is young
     assert young.num_tokens == 9  # keeps its generated token; it is recomputed as context
     while young.num_computed_tokens == 0:

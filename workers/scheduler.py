@@ -68,6 +68,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # prefill_only sequences that finished but keep their KV blocks until released.
         self.held: dict[str, Sequence] = {}
+        self.num_preemptions = 0  # since start: each one recomputes a sequence's KV
 
     # ---- admission and removal ----------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         return seq.request_id
