@@ -11,11 +11,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -149,141 +147,10 @@ def bench_decode(batch: int, ctx: int, reps: int) -> dict:
     return result
 
 
-# ---- cuDNN ragged (THD) attention: the fresh chunks of a prefill step, and the vision tower's images ----
-VISION_HEADS, VISION_HEAD_DIM = 16, 72
-RAGGED_TEXT = {
-    # a 16k Offline step of the fixed catalogue: a prompt's continuation, nine whole prompts, the next one's head
-    "catalogue_16k": [(478, 1734)] + [(1734, 1734)] * 9 + [(300, 300)],
-}
-
-
-def cudnn_ragged(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
-    """One cuDNN call over packed sequences: q [T, heads, d], k/v [S, kv_heads, d] (contiguous), cu_* [B + 1] int32."""
-    return torch.ops.aten._cudnn_attention_forward(
-        q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, causal, False, scale=scale
-    )[0]
-
-
-def first_call_ms(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - t0) * 1e3, 2)
-
-
-def bench_ragged_text(chunks, reps: int, seed: int = 0) -> dict:
-    q, k, v, k_cache, v_cache, meta = paged_step(chunks, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda", seed)
-    scale = HEAD_DIM**-0.5
-    starts = meta.query_starts
-    fresh = [i for i, (rows, ctx) in enumerate(chunks) if rows == ctx and rows > 1]
-    rest = [i for i in range(len(chunks)) if i not in fresh]
-    lo, hi = starts[fresh[0]], starts[fresh[-1] + 1]
-    if fresh != list(range(fresh[0], fresh[-1] + 1)):
-        raise ValueError("the probe wants the fresh chunks contiguous")
-    cu = torch.tensor([s - lo for s in starts[fresh[0] : fresh[-1] + 2]], dtype=torch.int32, device="cuda")
-    max_len = max(chunks[i][0] for i in fresh)
-    qf, kf, vf = q[lo:hi].contiguous(), k[lo:hi].contiguous(), v[lo:hi].contiguous()
-    triton_out = torch.empty_like(q)
-
-    def triton_all():
-        paged_prefill.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_starts_device,
-                                        meta.context_lens, 0, starts[-1], scale, triton_out)
-
-    mixed_out = torch.empty_like(q)
-
-    def ragged_plus_triton():
-        mixed_out[lo:hi] = cudnn_ragged(qf, kf, vf, cu, cu, max_len, max_len, True, scale)
-        for i in rest:
-            paged_prefill.prefill_attention(q, k_cache, v_cache, meta.block_tables[i:], meta.query_starts_device[i:i + 2],
-                                            meta.context_lens[i:], starts[i], starts[i + 1], scale, mixed_out)
-
-    def ragged_only():
-        cudnn_ragged(qf, kf, vf, cu, cu, max_len, max_len, True, scale)
-
-    first = first_call_ms(ragged_only)
-    flops = causal_flops(chunks, HEADS, HEAD_DIM)
-    fresh_flops = causal_flops([chunks[i] for i in fresh], HEADS, HEAD_DIM)
-    result = {"chunks": chunks, "gflop": round(flops / 1e9, 1), "ragged_first_call_ms": first}
-    for name, fn in (("triton_all_us", triton_all), ("ragged_fresh_plus_triton_rest_us", ragged_plus_triton),
-                     ("ragged_fresh_only_us", ragged_only)):
-        result[name] = round(median_us(fn, reps), 1)
-    result["ragged_fresh_tflops"] = round(fresh_flops / result["ragged_fresh_only_us"] / 1e6, 1)
-    result["triton_tflops"] = round(flops / result["triton_all_us"] / 1e6, 1)
-    triton_all()
-    ragged_plus_triton()
-    result["max_abs_diff"] = round((mixed_out.float() - triton_out.float()).abs().max().item(), 4)
-    # new lengths each call (the realistic catalogue): is a plan built per length set?
-    gen = torch.Generator().manual_seed(seed + 1)
-    new_calls = []
-    for _ in range(4):
-        lens = torch.randint(1100, 1900, (8,), generator=gen).tolist()  # at most 15.2k of the step's rows
-        cu_new = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        total = sum(lens)
-        qn, kn, vn = q[:total].contiguous(), k[:total].contiguous(), v[:total].contiguous()
-        new_calls.append(first_call_ms(lambda: cudnn_ragged(qn, kn, vn, cu_new, cu_new, max(lens), max(lens), True, scale)))
-    result["ragged_new_lengths_call_ms"] = new_calls
-    return result
-
-
-def bench_ragged_vision(sizes: list[int], reps: int) -> dict:
-    """Bidirectional attention over images of `sizes` patches: SDPA per run of equal sizes (the tower today) against
-    one ragged cuDNN call."""
-    total = sum(sizes)
-    q, k, v = (torch.randn(total, VISION_HEADS, VISION_HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    scale = VISION_HEAD_DIM**-0.5
-    runs = []
-    for s in sizes:
-        if runs and runs[-1][0] == s:
-            runs[-1][1] += 1
-        else:
-            runs.append([s, 1])
-    ref = torch.empty_like(q)
-
-    def per_run():
-        start = 0
-        for length, count in runs:
-            end = start + length * count
-            qs, ks, vs = (t[start:end].view(count, length, VISION_HEADS, -1).transpose(1, 2) for t in (q, k, v))
-            ref[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).reshape(end - start, VISION_HEADS, -1)
-            start = end
-
-    cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    out = {}
-
-    def ragged():
-        out["o"] = cudnn_ragged(q, k, v, cu, cu, max(sizes), max(sizes), False, scale)
-
-    first_sdpa, first_ragged = first_call_ms(per_run), first_call_ms(ragged)
-    flops = 4.0 * VISION_HEADS * VISION_HEAD_DIM * sum(s * s for s in sizes)
-    result = {"images": len(sizes), "patches": total, "gflop": round(flops / 1e9, 1),
-              "sdpa_first_call_ms": first_sdpa, "ragged_first_call_ms": first_ragged}
-    for name, fn in (("sdpa_per_run_us", per_run), ("ragged_us", ragged)):
-        result[name] = round(median_us(fn, reps), 1)
-        result[name.replace("_us", "_tflops")] = round(flops / result[name] / 1e6, 1)
-    per_run()
-    ragged()
-    result["max_abs_diff"] = round((out["o"].float() - ref.float()).abs().max().item(), 4)
-    return result
-
-
-def bench_ragged(reps: int) -> dict:
-    gen = torch.Generator().manual_seed(3)
-    mixed = sorted(torch.randint(600, 6000, (10,), generator=gen).tolist())
-    mixed2 = torch.randint(600, 6000, (10,), generator=gen).tolist()
-    return {
-        "text": {name: bench_ragged_text(chunks, reps) for name, chunks in RAGGED_TEXT.items()},
-        "vision": {"10x4096": bench_ragged_vision([4096] * 10, reps),
-                   "10_mixed_sizes": bench_ragged_vision(mixed, reps),
-                   "10_other_sizes": bench_ragged_vision(mixed2, reps)},
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, help="also write the JSON here")
-    parser.add_argument("--only-ragged", action="store_true", help="only the cuDNN ragged comparisons")
     args = parser.parse_args()
     if not torch.cuda.is_available() or paged_decode.triton is None:
         sys.exit("bench_attention needs CUDA and triton")
@@ -293,11 +160,9 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": paged_decode.triton.__version__,
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+        "prefill_one_layer": {name: bench_prefill(chunks, args.reps) for name, chunks in PREFILL_STEPS.items()},
+        "decode_graph_replay": {name: bench_decode(b, ctx, args.reps) for name, (b, ctx) in DECODES.items()},
     }
-    if not args.only_ragged:
-        result["prefill_one_layer"] = {name: bench_prefill(chunks, args.reps) for name, chunks in PREFILL_STEPS.items()}
-        result["decode_graph_replay"] = {name: bench_decode(b, ctx, args.reps) for name, (b, ctx) in DECODES.items()}
-    result["cudnn_ragged"] = bench_ragged(args.reps)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

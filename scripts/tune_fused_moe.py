@@ -16,7 +16,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import torch
@@ -208,7 +208,8 @@ def compare(e: int, h: int, i: int, k: int, tokens_list, device: str, before_pat
             "align": time_fn(lambda: fused_moe.align_pairs(top_i, e, cfgs[0].block_m)),
             "gated": time_fn(lambda: fused_moe._gemm(x, gate_up, act, None, *ids[0], k, True, cfgs[0])),
             "down": time_fn(lambda: fused_moe._gemm(act, down, ys, top_w.reshape(-1), *ids[1], 1, False, cfgs[1])),
-            "k_sum": time_fn(lambda: ys.view(tokens, k, h).sum(dim=1)),
+            "k_sum": time_fn(lambda: fused_moe.k_sum(ys, k)),
+            "k_sum_torch": time_fn(lambda: ys.view(tokens, k, h).sum(dim=1)),
         }
     return out
 
@@ -222,6 +223,8 @@ def main() -> None:
                                             "rows of pair counts not tuned now are kept from this device's table")
     p.add_argument("--tokens", help="comma-separated token counts (default: the tuning or compare set)")
     p.add_argument("--wide", action="store_true", help="a wider search above the small pair counts (WIDE_GATED/WIDE_DOWN)")
+    p.add_argument("--tma", action="store_true", help="above the small pair counts, every candidate also with its "
+                   "weight tiles read through TMA (TileConfig.tma)")
     p.add_argument("--smoke", action="store_true", help="CPU and tiny shapes (TRITON_INTERPRET=1): checks the script runs")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--hidden", type=int, default=2048)
@@ -232,6 +235,8 @@ def main() -> None:
     device = "cuda"
     tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else COMPARE_TOKENS if args.compare else TOKENS
     small, large = SMALL, (WIDE_GATED, WIDE_DOWN) if args.wide else (LARGE_GATED, LARGE_DOWN)
+    if args.tma:
+        large = tuple(space + [replace(cfg, tma=1) for cfg in space] for space in large)
     if args.smoke:
         device, (e, h, i, k), tokens_list = "cpu", (8, 64, 32, 2), [1, 12, 300]
         small, large = SMALL[:1], ([TileConfig(16, 32, 32, 4, 1, 0), TileConfig(16, 16, 32, 4, 1, 2)],) * 2

@@ -175,6 +175,37 @@ def test_every_launch_order_matches_float64_at_30b_prefill_shapes(monkeypatch, g
     assert rel(got, float64_moe(block.experts, x, top_w, top_i)) < 1e-2
 
 
+@pytest.mark.parametrize("inter", [pytest.param(i, marks=gpu) for i in (768, 80)], ids=["30b", "ragged-n-and-k"])
+def test_weight_tiles_through_tma_give_the_pointer_loads_result(monkeypatch, inter):
+    """TileConfig.tma: the same products from the same tiles, so the same bits. inter 80: the gated GEMM's last
+    column tile runs past N into the up rows and the down GEMM's last K tile past K (TMA reads zeros there)."""
+    torch.manual_seed(inter)
+    block = SparseMoeBlock(128, 8, 2048, inter).cuda().bfloat16()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.05)
+    x = torch.randn(2048, 2048, device="cuda").bfloat16()
+    top_w, top_i = block.gate(x)
+    outs = {}
+    for tma in (0, 1):
+        tiles = {True: fused_moe.TileConfig(128, 64, 64, 8, 3, 1, tma), False: fused_moe.TileConfig(128, 256, 64, 8, 3, 1, tma)}
+        monkeypatch.setattr(fused_moe, "tile_config", lambda pairs, gated, *args, tiles=tiles: tiles[gated])
+        outs[tma] = fused_moe.tiled_experts(x, top_w, top_i, block.experts.gate_up_proj, block.experts.down_proj)
+    assert torch.equal(outs[1], outs[0])
+    assert rel(outs[1], float64_moe(block.experts, x, top_w, top_i)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 300, 16384)])
+def test_k_sum_kernel_equals_torch_sum(tokens):
+    ys = torch.randn(tokens * 8, 2048, device="cuda").bfloat16()
+    assert torch.equal(fused_moe.k_sum(ys, 8), ys.view(tokens, 8, 2048).sum(dim=1))
+
+
+def test_k_sum_on_cpu_is_torch_sum():
+    ys = torch.randn(3 * 8, 40).bfloat16()
+    assert torch.equal(fused_moe.k_sum(ys, 8), ys.view(3, 8, 40).sum(dim=1))
+
+
 @pytest.mark.parametrize("tokens", [pytest.param(t, marks=gpu) for t in (1, 8, 64, 300)])
 def test_pairs_of_another_ranks_experts_add_zero_at_30b_shapes(tokens):
     """Expert parallelism over two ranks: this rank holds experts 0-63; pairs routed to 64-127 get id 64."""

@@ -35,6 +35,9 @@ class TileConfig:
     # group starts, so programs running together share A rows and expert weight tiles in L2. 0: column order
     # (each column over all row blocks in turn; what a tuned-table row of five numbers means).
     group_m: int = 0
+    # 1: the tiled GEMMs read expert weight tiles through TMA (a tensor descriptor: one async bulk copy per tile,
+    # no per-element addresses in registers); 0: pointer loads. The activation rows are gathered either way.
+    tma: int = 0
 
 
 # Decode batches up to this many tokens take the GEMV kernels: one program per (pair, BLOCK_N rows of gate
@@ -53,7 +56,7 @@ def shape_key(num_experts: int, n: int, k: int, gated: bool) -> str:
 
 
 def read_table(path: Path) -> dict[str, list[tuple[int, TileConfig]]]:
-    """A tuned table: {shape_key: [[pairs, [block_m, block_n, block_k, num_warps, num_stages(, group_m)]], ...]}
+    """A tuned table: {shape_key: [[pairs, [block_m, block_n, block_k, num_warps, num_stages(, group_m(, tma))]], ...]}
     -> rows sorted by pairs."""
     table = json.loads(path.read_text())
     return {key: sorted(((pairs, TileConfig(*cfg)) for pairs, cfg in rows), key=lambda row: row[0]) for key, rows in table.items()}
@@ -90,10 +93,10 @@ if triton is not None:
     # num_pairs and num_blocks vary with the token count: one compile per tile config
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _moe_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
+        a_ptr, b_ptr, b_desc, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
         num_pairs, num_blocks, num_experts, N, K, row_div,
         stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+        GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         pid = tl.program_id(0)  # one program per (BLOCK_M rows, BLOCK_N columns), in TileConfig.group_m's order
@@ -123,17 +126,26 @@ if triton is not None:
         if GATED:  # the up rows of the fused gate_up weight start N rows after the gate rows
             up_ptrs = b_ptrs + N * stride_bn
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # TMA: b_desc views the weights as [experts * rows, K]; a tile past N reads the next rows (the up
+        # rows, or the next expert's), which only feed columns the store masks off; past K it reads zeros.
+        b_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
         for k in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
             else:
                 k_mask = offs_k < K - k
                 a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            if USE_TMA:
+                b = tl.trans(b_desc.load([b_row, k]))
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
             if GATED:
-                if EVEN_K:
+                if USE_TMA:
+                    u = tl.trans(b_desc.load([b_row + N, k]))
+                elif EVEN_K:
                     u = tl.load(up_ptrs, mask=n_mask[None, :], other=0.0)
                 else:
                     u = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -222,6 +234,36 @@ if triton is not None:
         tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ty), mask=offs_n < N)
 
 
+    @triton.jit
+    def _k_sum_kernel(ys_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[token] = the sum of its TOP_K rows ys[token * TOP_K + j], in float32; grid (tokens, H / BLOCK_H)."""
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        slots = tl.arange(0, BLOCK_S)
+        mask = (slots[:, None] < TOP_K) & (offs[None, :] < H)
+        y = tl.load(ys_ptr + (token * TOP_K + slots)[:, None] * H + offs[None, :], mask=mask, other=0.0)
+        total = tl.sum(y.to(tl.float32), axis=0)
+        tl.store(out_ptr + token * H + offs, total.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+K_SUM_BLOCK_H = 1024
+
+
+def k_sum(ys: torch.Tensor, top_k: int) -> torch.Tensor:
+    """ys [tokens * top_k, H] (a token's k expert outputs in consecutive rows, contiguous) -> [tokens, H]: each
+    token's k rows summed in float32 and rounded once (torch's sum over dim 1 rounds the same; this reads them at
+    full bandwidth)."""
+    pairs, hidden = ys.shape
+    out = ys.new_empty(pairs // top_k, hidden)
+    if not ys.is_cuda or triton is None or pairs == 0:
+        return torch.sum(ys.view(-1, top_k, hidden), dim=1, out=out)
+    block_h = min(K_SUM_BLOCK_H, triton.next_power_of_2(hidden))
+    _k_sum_kernel[(pairs // top_k, triton.cdiv(hidden, block_h))](
+        ys, out, hidden, TOP_K=top_k, BLOCK_S=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
 def _gemm(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None, sorted_ids: torch.Tensor,
     block_expert: torch.Tensor, row_div: int, gated: bool, cfg: TileConfig,
@@ -231,13 +273,30 @@ def _gemm(
     n = rows // 2 if gated else rows
     num_blocks = block_expert.numel()
     _moe_gemm_kernel[(num_blocks * triton.cdiv(n, cfg.block_n),)](
-        a, b, out, weights if weights is not None else out, sorted_ids, block_expert,
-        out.shape[0], num_blocks, num_experts, n, k, row_div,
+        a, b, weight_descriptor(b, cfg) if cfg.tma else b, out, weights if weights is not None else out,
+        sorted_ids, block_expert, out.shape[0], num_blocks, num_experts, n, k, row_div,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-        GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg.block_k == 0,
+        GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg.block_k == 0, USE_TMA=bool(cfg.tma),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def weight_descriptor(b: torch.Tensor, cfg: TileConfig):
+    """A TMA descriptor of expert weights [E, rows, K] (contiguous) viewed as [E * rows, K], tiles [BLOCK_N, BLOCK_K];
+    one per weight tensor and tile shape (the weights live as long as the model)."""
+    key = (b.data_ptr(), tuple(b.shape), cfg.block_n, cfg.block_k)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if not b.is_contiguous():
+            raise ValueError("TMA weight tiles need contiguous expert weights")
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [cfg.block_n, cfg.block_k])
+    return desc
 
 
 def _check_layout(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
@@ -306,4 +365,4 @@ def tiled_experts(
     _gemm(x, gate_up_proj, act, None, ids1, experts1, k, True, cfg1)
     ys = (x.new_zeros if foreign else x.new_empty)(num_pairs, hidden)
     _gemm(act, down_proj, ys, top_w.reshape(-1).contiguous(), ids2, experts2, 1, False, cfg2)
-    return ys.view(tokens, k, hidden).sum(dim=1)
+    return k_sum(ys, k)

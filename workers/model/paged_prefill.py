@@ -47,11 +47,12 @@ if triton is not None:
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
             v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, k_t) * qk_scale  # log2 domain
+            s = tl.dot(q, k_t)
             if CAUSAL_MASK:
                 s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            # log2 domain; the scale is applied in the exponent's FMA (qk_scale > 0 keeps the max the max)
+            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m - m_new)
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
