@@ -32,9 +32,9 @@ PREFILL_STEPS = {
 }
 DECODES = {"batch1_ctx1800": (1, 1800), "batch64_ctx1800": (64, 1800), "batch256_ctx1024": (256, 1024)}
 TILE_SWEEP = [
+    paged_prefill.TileConfig(128, 64, 8, 2),
     paged_prefill.TileConfig(128, 64, 8, 3),
     paged_prefill.TileConfig(128, 128, 8, 3),
-    paged_prefill.TileConfig(128, 64, 8, 2),
     paged_prefill.TileConfig(64, 64, 4, 3),
     paged_prefill.TileConfig(128, 32, 8, 3),
 ]
