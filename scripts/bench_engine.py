@@ -48,7 +48,7 @@ class Workload:
     vision_images: int = 16  # images of 1024 patches (32 x 32) encoded in one batch
     vision_grid: int = 32
     baseline_batch: int = 64
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512  # mlperf_configs/h200x1.yaml (256 before run32)
     max_num_batched_tokens: int = 8192
 
     @classmethod
@@ -506,7 +506,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default both, tiny: fixed")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
                    "the prefill figure then runs steps of this many tokens)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 512, as h200x1.yaml)")
     p.add_argument("--catalogue-only", action="store_true", help="only the catalogue workloads, each once (no vision, "
                    "MoE, prefill and decode figures, no prepared-first rerun)")
     p.add_argument("--skip-baseline", action="store_true")
