@@ -233,7 +233,6 @@ if triton is not None:
         out = tl.sum((y * weight[:, None]).to(out_ty).to(tl.float32), axis=0)
         tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out.to(out_ty), mask=offs_n < N)
 
-
     @triton.jit
     def _k_sum_kernel(ys_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
         """out[token] = the sum of its TOP_K rows ys[token * TOP_K + j], in float32; grid (tokens, H / BLOCK_H)."""
@@ -282,21 +281,15 @@ def _gemm(
     )
 
 
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
 def weight_descriptor(b: torch.Tensor, cfg: TileConfig):
-    """A TMA descriptor of expert weights [E, rows, K] (contiguous) viewed as [E * rows, K], tiles [BLOCK_N, BLOCK_K];
-    one per weight tensor and tile shape (the weights live as long as the model)."""
-    key = (b.data_ptr(), tuple(b.shape), cfg.block_n, cfg.block_k)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    """A TMA descriptor of expert weights [E, rows, K] (contiguous) viewed as [E * rows, K], tiles [BLOCK_N, BLOCK_K].
+    Built per call (a few microseconds of Python beside a GEMM of a thousand tokens or more); a cache would keep
+    the weights of a discarded model alive."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if not b.is_contiguous():
-            raise ValueError("TMA weight tiles need contiguous expert weights")
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [cfg.block_n, cfg.block_k])
-    return desc
+    if not b.is_contiguous():
+        raise ValueError("TMA weight tiles need contiguous expert weights")
+    return TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [cfg.block_n, cfg.block_k])
 
 
 def _check_layout(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
