@@ -107,10 +107,10 @@ def test_every_launch_order_of_the_tiles_matches_the_grouped_reference(monkeypat
     torch.testing.assert_close(got, experts.grouped(x, top_w, top_i), rtol=1e-4, atol=1e-4)
 
 
-def test_tuned_table_rows_are_looked_up_by_pair_count_and_five_numbers_mean_column_order(monkeypatch, tmp_path):
+def test_tuned_table_rows_are_looked_up_by_pair_count_five_numbers_mean_column_order_and_a_seventh_tma(monkeypatch, tmp_path):
     key = fused_moe.shape_key(8, 32, 64, True)
     (tmp_path / "Some_GPU.json").write_text(
-        f'{{"{key}": [[4096, [64, 128, 64, 4, 4, 8]], [64, [16, 64, 128, 4, 5]], [65536, [128, 128, 64, 8, 4, 1]]]}}')
+        f'{{"{key}": [[4096, [64, 128, 64, 4, 4, 8]], [64, [16, 64, 128, 4, 5]], [65536, [128, 128, 64, 8, 4, 1, 1]]]}}')
     monkeypatch.setattr(fused_moe, "TUNED_DIR", tmp_path)
     fused_moe._tuned.cache_clear()
     try:
@@ -118,8 +118,8 @@ def test_tuned_table_rows_are_looked_up_by_pair_count_and_five_numbers_mean_colu
     finally:
         fused_moe._tuned.cache_clear()
     assert configs[0] == configs[1] == fused_moe.TileConfig(16, 64, 128, 4, 5, group_m=0)
-    assert configs[2] == configs[3] == fused_moe.TileConfig(64, 128, 64, 4, 4, group_m=8)
-    assert configs[4] == fused_moe.TileConfig(128, 128, 64, 8, 4, group_m=1)
+    assert configs[2] == configs[3] == fused_moe.TileConfig(64, 128, 64, 4, 4, group_m=8, tma=0)
+    assert configs[4] == fused_moe.TileConfig(128, 128, 64, 8, 4, group_m=1, tma=1)
 
 
 # --- CUDA, Qwen3-VL-30B-A3B shapes (128 experts, top-8, hidden 2048, moe_intermediate 768), bfloat16 ---
