@@ -101,6 +101,7 @@ class GpuTimeSplit:
         self.cuda = engine.config.is_cuda
         self.steps: list[tuple[str, object, object]] = []
         self.vision: list[tuple[object, object]] = []
+        self.images_per_encode: list[int] = []  # the vision tower's batch sizes (images per call)
         runner = engine.runner
         execute, encode = runner.execute, runner.vision.encode
 
@@ -112,9 +113,10 @@ class GpuTimeSplit:
             self.steps.append((kind, start, end))
             return result
 
-        def timed_encode(*args):
+        def timed_encode(pixel_values, grid_thw):
+            self.images_per_encode.append(int(grid_thw.shape[0]))
             start, end = self._event(), self._event()
-            result = encode(*args)
+            result = encode(pixel_values, grid_thw)
             end.record() if self.cuda else None
             self.vision.append((start, end))
             return result
@@ -131,6 +133,13 @@ class GpuTimeSplit:
     def reset(self) -> None:
         self.steps.clear()
         self.vision.clear()
+        self.images_per_encode.clear()
+
+    def encodes(self) -> dict[str, float]:
+        """How the images went through the tower: calls, images in all, images per call (mean and max)."""
+        n = self.images_per_encode
+        return {"calls": len(n), "images": sum(n), "images_per_call_mean": round(sum(n) / max(1, len(n)), 2),
+                "images_per_call_max": max(n, default=0)}
 
     def split(self, wall_s: float) -> dict[str, float]:
         if not self.cuda:
@@ -291,6 +300,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
         result["cuda_allocator"] = {k: v - allocator_before[k] for k, v in allocator_counts().items()}
     if split is not None:
         result["gpu_time_split"] = split.split(end - engine_t0 if prepare_first else wall_s)
+        result["vision_encodes"] = split.encodes()
     return result
 
 

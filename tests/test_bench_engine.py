@@ -23,6 +23,9 @@ def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, caps
     assert catalogue["prompt_tokens"]["max"] == 64 + 32 + 10 and catalogue["visual_tokens"]["median"] == 64
     assert catalogue["output_tokens"]["mean"] == result["workload"]["output_tokens"]
     assert 0 < catalogue["preprocess_done_s"] <= catalogue["wall_s"]
+    # every sample's one image goes through the tower exactly once (nothing preempted in a run this small)
+    assert catalogue["preemptions"] == 0 and catalogue["vision_encodes"]["images"] == 2
+    assert 1 <= catalogue["vision_encodes"]["calls"] <= 2
     # the run records how it was asked for, and prepares images on the engine's own pool size, as the worker does
     assert result["args"]["samples"] == 2 and result["args"]["skip_baseline"] is True
     assert ours["preprocess_threads"] == 4
