@@ -6,7 +6,12 @@ CUDA also our tower with the fc1 + GELU cuBLASLt epilogue. Errors are relative F
 main embeddings and the DeepStack features. `--shape tiny` is a CPU smoke mode with tiny dims.
 `--new-shapes N`: our tower on N image shapes it has not seen, attention on cuDNN and then on flash: the first call
 (any per-shape set-up included: cuDNN builds an attention plan per shape) beside the second.
-Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--new-shapes N] [--out FILE]
+`--batch-sweep 1,2,4,...`: our tower on that many equal catalogue images (64 x 64 patches) per call: ms per image
+by batch size (the engine encodes the images of a step's new prompts in one call).
+`--head-dim-sweep`: attention alone (SDPA's default backend) on ten catalogue images at head_dim 64-128, timed
+against the tower's own head_dim: what padding the heads would cost or save.
+Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--new-shapes N]
+                                      [--batch-sweep B,...] [--head-dim-sweep] [--out FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,6 +139,35 @@ def bench_new_shapes(tower: VisionTower, in_features: int, dtype, device: str, c
     return result
 
 
+def bench_batch_sweep(tower: VisionTower, in_features: int, dtype, device: str, batches: list[int], side: int,
+                      reps: int) -> dict:
+    """ms per image of our tower on B equal side x side images per call, for each B."""
+    cuda = device.startswith("cuda")
+    out = {}
+    for images in batches:
+        grid = torch.tensor([[1, side, side]] * images)
+        x = torch.randn(images * side * side, in_features, device=device).to(dtype)
+        out[str(images)] = round(median_ms(lambda: tower(x, grid), reps, cuda) / images, 3)
+    return {"patches_per_image": side * side, "ms_per_image": out}
+
+
+HEAD_DIMS = (64, 72, 80, 96, 128)
+
+
+def bench_head_dims(heads: int, head_dim: int, images: int, side: int, dtype, device: str, reps: int) -> dict:
+    """Bidirectional attention over `images` images of side x side patches at each of HEAD_DIMS (SDPA's default
+    backend, cuDNN on the H200): ms per call, and TFLOP/s of the work at the tower's own head_dim."""
+    cuda = device.startswith("cuda")
+    seq = side * side
+    useful = 4.0 * images * heads * seq * seq * head_dim
+    out = {}
+    for d in HEAD_DIMS:
+        q, k, v = (torch.randn(images, heads, seq, d, device=device).to(dtype) for _ in range(3))
+        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5), reps, cuda)
+        out[str(d)] = {"ms": round(ms, 3), "useful_tflops": float(f"{useful / ms / 1e9:.4g}")}
+    return {"images": images, "patches_per_image": seq, "heads": heads, "tower_head_dim": head_dim, "by_head_dim": out}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
@@ -140,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (median)")
     p.add_argument("--new-shapes", type=int, default=0, help="also first-call vs second-call times on this many "
                    "unseen image shapes per attention backend")
+    p.add_argument("--batch-sweep", default=None, help="comma-separated images per call (catalogue-sized images)")
+    p.add_argument("--head-dim-sweep", action="store_true", help="attention alone at head_dim 64-128")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
     device = args.device or ("cpu" if args.shape == "tiny" else "cuda")
@@ -179,6 +216,16 @@ def main(argv: list[str] | None = None) -> dict:
             in_features = module.patch_embed.proj.weight[0].numel()
             result["new_shapes"] = bench_new_shapes(towers.get("ours_gelu_epilogue", towers["ours"]), in_features, dtype,
                                                     device, args.new_shapes, 40 if args.shape == "tiny" else 160)
+        side = 8 if args.shape == "tiny" else 64  # the fixed catalogue's 1024x1024 image: 64 x 64 patches
+        if args.batch_sweep:
+            in_features = module.patch_embed.proj.weight[0].numel()
+            batches = [int(b) for b in args.batch_sweep.split(",")]
+            result["batch_sweep"] = bench_batch_sweep(towers.get("ours_gelu_epilogue", towers["ours"]), in_features,
+                                                      dtype, device, batches, side, args.reps)
+        if args.head_dim_sweep:
+            heads = vision_config.num_heads
+            result["head_dim_sweep"] = bench_head_dims(heads, vision_config.hidden_size // heads, 10, side, dtype,
+                                                       device, args.reps)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

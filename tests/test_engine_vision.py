@@ -189,6 +189,20 @@ def test_bench_vision_tiny_cpu_mode_prints_one_json_object_per_run(tmp_path, cap
         assert figures["ours_error_vs_transformers"] < 1e-5  # float32: the same math as transformers'
 
 
+def test_bench_vision_sweeps_batch_sizes_and_head_dims(capsys):
+    from scripts import bench_vision
+
+    result = bench_vision.main(["--shape", "tiny", "--reps", "1", "--batch-sweep", "1,3", "--head-dim-sweep"])
+    capsys.readouterr()
+    sweep = result["batch_sweep"]
+    assert sweep["patches_per_image"] == 64 and set(sweep["ms_per_image"]) == {"1", "3"}
+    assert all(ms > 0 for ms in sweep["ms_per_image"].values())
+    dims = result["head_dim_sweep"]
+    assert set(dims["by_head_dim"]) == {str(d) for d in bench_vision.HEAD_DIMS}
+    assert dims["tower_head_dim"] * dims["heads"] == result["config"]["hidden_size"]
+    assert all(f["ms"] > 0 and f["useful_tflops"] > 0 for f in dims["by_head_dim"].values())
+
+
 def test_the_gelu_epilogue_is_refused_for_another_activation(tiny_vision):
     module = copy.deepcopy(tiny_vision)
     module.config.hidden_act = "silu"
