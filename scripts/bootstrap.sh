@@ -20,3 +20,11 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# Triton's CPU interpreter for the kernel tests (tests/test_kernels_on_interpreter.py): triton and a NumPy 1.x it
+# runs with (its interpreter fails on NumPy 2), in a folder of their own that only that test puts on PYTHONPATH.
+site=.kernel-interpreter
+if [[ ! -f $site/.installed ]]; then
+  echo "[bootstrap] installing triton's interpreter into $site" >&2
+  .venv/bin/python -m pip install -q --no-deps --target "$site" "triton==3.6.0" "numpy<2"
+  touch "$site/.installed"
+fi

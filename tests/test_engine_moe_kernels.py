@@ -92,6 +92,20 @@ def test_tiled_path_with_the_align_kernel_matches_the_grouped_reference(monkeypa
 
 
 @interpreter
+@pytest.mark.parametrize("inter", [32, 24], ids=["even", "ragged-n-and-k"])
+def test_weight_tiles_through_tma_match_the_grouped_reference(monkeypatch, inter):
+    """TileConfig.tma on the interpreter; inter 24: the gated GEMM's second column tile runs into the up rows and
+    the down GEMM's K tile (32) past K (the descriptor reads zeros there)."""
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *args: fused_moe.TileConfig(16, 16, 32, 4, 1, 1, tma=1))
+    experts = random_experts(8, 64, inter, seed=inter)
+    top_i = routing(40, 8, 2, seed=1)
+    top_w = torch.rand(40, 2, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    got = fused_moe.tiled_experts(x, top_w, top_i, experts.gate_up_proj.data, experts.down_proj.data)
+    torch.testing.assert_close(got, experts.grouped(x, top_w, top_i), rtol=1e-4, atol=1e-4)
+
+
+@interpreter
 @pytest.mark.parametrize("group_m", [0, 1, 3], ids=["column-order", "columns-first", "groups-of-3-ragged-last"])
 def test_every_launch_order_of_the_tiles_matches_the_grouped_reference(monkeypatch, group_m):
     """Every expert gets 17 pairs: 16 full blocks of 16 rows (none padding-only) over 2 (gated) and 4 (down)
