@@ -143,9 +143,11 @@ def init_ray(settings: RaySection, address: str | None) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
         store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
+        # address "local": always a Ray of our own. Without an address ray.init joins whatever cluster RAY_ADDRESS
+        # or /tmp/ray/ray_current_cluster names (another run's, a stray one) and then refuses num_cpus.
         start = functools.partial(
-            ray.init, num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, object_store_memory=store,
-            include_dashboard=False, log_to_driver=False,
+            ray.init, address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+            object_store_memory=store, include_dashboard=False, log_to_driver=False,
         )
         try:
             start()

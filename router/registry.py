@@ -36,7 +36,10 @@ class WorkerEntry:
         self.healthy = True
         self.down_reason = ""
         self.last_seen = now
-        self.report = pb.LoadReport(worker_id=info.worker_id)
+        # Until its first heartbeat a worker counts as what it registered: every KV block free (an empty report
+        # would read as a worker with no KV at all for one heartbeat interval).
+        self.report = pb.LoadReport(worker_id=info.worker_id, total_kv_blocks=info.total_kv_blocks,
+                                    free_kv_blocks=info.total_kv_blocks)
         self.cached_hashes: frozenset[int] = frozenset()
         self.steps_moved_at = now
         self.inflight = 0

@@ -4,8 +4,13 @@ through it, and an actor that dies is restarted by Ray and registers again at it
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -116,6 +121,39 @@ def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatc
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
     assert init_ray(RaySection(num_cpus=1), address=None) is True
     assert calls == ["init", "shutdown", "init"]
+
+
+@pytest.mark.slow
+def test_the_embedded_ray_is_our_own_even_with_another_cluster_running():
+    """Another Ray cluster on the machine (another run's, a stray one) is what ray.init would join without an
+    address (it is the latest in /tmp/ray/ray_current_cluster), and then refuse num_cpus; the embedded start makes
+    a Ray of its own."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--port=0", "--num-cpus=3",
+         "--include-dashboard=false", "--block"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    try:
+        up = threading.Event()
+        threading.Thread(target=lambda: [up.set() for line in head.stdout if "Ray runtime started" in line],
+                         daemon=True).start()
+        assert up.wait(90), "the other cluster did not come up"
+        probe = (
+            "import ray\n"
+            "from harness.system_config import RaySection\n"
+            "from harness.ray_workers import init_ray\n"
+            "assert init_ray(RaySection(num_cpus=1, num_gpus=0), address=None)\n"
+            "print(int(ray.cluster_resources()['CPU']))\n"
+            "ray.shutdown()\n"
+        )
+        done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-1] == "1"  # its own single CPU, not the other cluster's three
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
 
 
 def test_other_embedded_ray_start_errors_are_not_retried(monkeypatch):

@@ -284,3 +284,17 @@ def test_least_loaded_sends_less_traffic_to_a_slow_worker():
             assert counts["w1"] > 2 * counts["w0"], counts
 
     run(body())
+
+
+def test_a_registered_worker_counts_as_all_its_kv_free_until_its_first_heartbeat():
+    from router.registry import WorkerEntry
+
+    async def body():
+        info = pb.WorkerInfo(worker_id="w0", address="127.0.0.1:1", role=pb.AGGREGATED, total_kv_blocks=4096)
+        channel = grpc.aio.insecure_channel(info.address)
+        entry = WorkerEntry(info, channel, now=0.0)
+        await channel.close()
+        return entry.report
+
+    report = run(body())
+    assert report.total_kv_blocks == report.free_kv_blocks == 4096 and report.running_requests == 0
