@@ -31,3 +31,15 @@ def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, caps
     assert ours["preprocess_threads"] == 4
     first = ours["catalogue_prepared_first"]  # the A/B: every request prepared before the first step
     assert first["samples"] == 2 and 0 < first["engine_wall_s"] <= first["wall_s"]
+
+
+def test_catalogue_only_runs_the_catalogue_once_with_the_asked_sequence_limit(capsys):
+    result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--catalogue-only",
+                                "--max-num-seqs", "1"])
+    capsys.readouterr()
+    ours = result["ours"]
+    assert result["workload"]["max_num_seqs"] == 1 and ours["catalogue"]["samples"] == 2
+    assert not {"decode", "prefill_tokens_per_s", "vision_ms_per_image", "catalogue_prepared_first"} & set(ours)
+    # one sequence at a time: the two samples' images go through the tower in two calls
+    assert ours["catalogue"]["vision_encodes"] == {"calls": 2, "images": 2, "images_per_call_mean": 1.0,
+                                                  "images_per_call_max": 1}
