@@ -320,6 +320,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        encode_ahead=not args.no_encode_ahead,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
     )
     t0 = time.perf_counter()
@@ -519,6 +520,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 512, as h200x1.yaml)")
     p.add_argument("--catalogue-only", action="store_true", help="only the catalogue workloads, each once (no vision, "
                    "MoE, prefill and decode figures, no prepared-first rerun)")
+    p.add_argument("--no-encode-ahead", action="store_true", help="images encoded in the step that first needs "
+                   "them, not behind the previous step's sampling (EngineConfig.encode_ahead)")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")

@@ -160,6 +160,18 @@ def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_mat
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
+def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(checkpoint, reference):
+    cases = {
+        "first": reference([png(64, 64, seed=8)], [21, 22]),
+        "second": reference([png(64, 64, seed=9)], [23, 24]),
+    }
+    engine = make_engine(checkpoint, max_num_batched_tokens=20, encode_ahead=False)  # the steps of the test above
+    encoded = record_encodings(engine)
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert encoded == [(0, "first"), (1, "second")]
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
 def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_continues(checkpoint, reference):
     prompt, expected = reference([png(64, 64, seed=10)], [25, 26])
     engine = make_engine(checkpoint, max_num_batched_tokens=10)  # step 0: rows 0-9, the image rows 4-7 among them

@@ -51,6 +51,10 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs (by default decode-only steps on CUDA replay graphs captured "
         "at bucketed batch sizes up to max_num_seqs)."
     )
+    encode_ahead: bool = Field(
+        True, description="Encode the images of the prompts the next step will probably start behind this step's "
+        "sampling (off: each image is encoded in the step that first needs it)."
+    )
     preprocess_threads: int = Field(
         4, ge=1, description="Threads that decode, resize and patch requests' images beside the engine's own thread. "
         "More take CPU from that thread: on a 16-core H200 host, 16 threads stretched the vision tower's steps from "
