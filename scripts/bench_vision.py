@@ -212,16 +212,15 @@ def main(argv: list[str] | None = None) -> dict:
         for images, side in WORKLOADS["tiny" if args.shape == "tiny" else "real"]:
             name = f"{images}x{side * side}"
             result["workloads"][name] = bench_workload(module, exact, towers, images, side, args.reps, device)
+        engine_tower = towers.get("ours_gelu_epilogue", towers["ours"])  # the tower the engine runs here
+        in_features = module.patch_embed.proj.weight[0].numel()
         if args.new_shapes:
-            in_features = module.patch_embed.proj.weight[0].numel()
-            result["new_shapes"] = bench_new_shapes(towers.get("ours_gelu_epilogue", towers["ours"]), in_features, dtype,
-                                                    device, args.new_shapes, 40 if args.shape == "tiny" else 160)
+            result["new_shapes"] = bench_new_shapes(engine_tower, in_features, dtype, device, args.new_shapes,
+                                                    40 if args.shape == "tiny" else 160)
         side = 8 if args.shape == "tiny" else 64  # the fixed catalogue's 1024x1024 image: 64 x 64 patches
         if args.batch_sweep:
-            in_features = module.patch_embed.proj.weight[0].numel()
             batches = [int(b) for b in args.batch_sweep.split(",")]
-            result["batch_sweep"] = bench_batch_sweep(towers.get("ours_gelu_epilogue", towers["ours"]), in_features,
-                                                      dtype, device, batches, side, args.reps)
+            result["batch_sweep"] = bench_batch_sweep(engine_tower, in_features, dtype, device, batches, side, args.reps)
         if args.head_dim_sweep:
             heads = vision_config.num_heads
             result["head_dim_sweep"] = bench_head_dims(heads, vision_config.hidden_size // heads, 10, side, dtype,

@@ -1,7 +1,8 @@
 """How the fixed catalogue's images reach the vision tower, on the CPU: the engine's own Scheduler and BlockManager
 run the workload with no model (every sampled token the same, every request to its max_tokens), and the runner's
 rules decide each step's encodes: images of the step's chunks not yet encoded go through the tower in the step
-(in_step); with encode_ahead, the images of Scheduler.next_prompts go through it behind the step's sampling (ahead).
+(in_step); with encode_ahead, the images of Scheduler.next_prompts that model_runner.images_pending picks go
+through it behind the step's sampling (ahead).
 Prints one JSON object per max_num_seqs: steps, preemptions, tower calls by kind, images per call.
 
 Usage: python -m scripts.sim_vision_batches [--samples 2000] [--max-num-seqs 256,384,512] [--kv-blocks 41983]
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.block_manager import BlockManager  # noqa: E402
+from workers.model_runner import images_pending  # noqa: E402
 from workers.scheduler import Scheduler, SchedulerLimits  # noqa: E402
 from workers.sequence import Sequence  # noqa: E402
 from workers.types import SamplingParams  # noqa: E402
@@ -56,8 +58,8 @@ def simulate(samples: int, max_num_seqs: int, kv_blocks: int, budget: int, encod
         computed = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}
         encoded -= {rid for rid, end in computed.items() if rid in encoded and end > IMAGE_FIRST + IMAGE_ROWS - 1}
         if encode_ahead:
-            ahead = [s.request_id for s in sched.next_prompts(out) if s.request_id not in encoded
-                     and s.mm.image_rows[-1] >= computed.get(s.request_id, s.num_computed_tokens)]
+            ahead = [s.request_id for s in sched.next_prompts(out)
+                     if images_pending(s, computed.get(s.request_id), encoded)]
             if ahead:
                 calls.append(("ahead", len(ahead)))
                 encoded.update(ahead)

@@ -12,6 +12,7 @@ from PIL import Image
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
+from workers.model_runner import images_pending
 from workers.types import FinishReason, PromptInput, SamplingParams
 
 IMAGE_PAD = 151655
@@ -81,8 +82,8 @@ def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(en
     )
     # Its image is in the imported KV: the decode engine never has it to encode, even before admission.
     waiting = decode.prepare_request("w", image_prompt(), GREEDY, kv_import=received).sequence
-    assert not decode.runner._images_pending(waiting, None)
-    assert decode.runner._images_pending(decode.prepare_request("w", image_prompt(), GREEDY).sequence, None)
+    assert not images_pending(waiting, None, decode.runner._encoded)
+    assert images_pending(decode.prepare_request("w", image_prompt(), GREEDY).sequence, None, decode.runner._encoded)
     decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
     rest = drain(decode)["split"]
     assert first + tokens(rest) == expected

@@ -250,7 +250,8 @@ class LLMEngine:
         changed = list(out.rejected)
         if not out.is_empty:
             try:
-                upcoming = self.scheduler.next_prompts(out) if self.config.encode_ahead else ()
+                ahead = self.config.encode_ahead and self.runner.vision is not None  # text-only: nothing to encode
+                upcoming = self.scheduler.next_prompts(out) if ahead else ()
                 sampled = self.runner.execute(out, upcoming)
             except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
                 log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])

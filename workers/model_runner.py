@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import numpy as np
 import torch
@@ -56,6 +56,17 @@ def build_text_model(
         load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp)
     model.finish_loading(device)
     return model.eval()
+
+
+def images_pending(seq: Sequence, computed: int | None, encoded: Container[str]) -> bool:
+    """Whether seq has image rows past its first `computed` tokens (default: those computed so far, or the
+    imported KV's) and no encoding of them waiting (its request id not in `encoded`): the rule by which the
+    runner encodes the images of the next step's prompts ahead."""
+    if seq.mm is None or seq.request_id in encoded or not len(seq.mm.image_rows):
+        return False
+    if computed is None:
+        computed = seq.kv_import.num_tokens if seq.kv_import is not None else seq.num_computed_tokens
+    return int(seq.mm.image_rows[-1]) >= computed
 
 
 class ModelRunner:
@@ -118,7 +129,7 @@ class ModelRunner:
         ahead = []
         if self.vision is not None:
             computed = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}  # once this step has run
-            ahead = [seq for seq in upcoming if self._images_pending(seq, computed.get(seq.request_id))]
+            ahead = [seq for seq in upcoming if images_pending(seq, computed.get(seq.request_id), self._encoded)]
         if self.ranks is not None:
             self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
@@ -127,15 +138,6 @@ class ModelRunner:
         tokens = HostCopy(self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])) if sampling else None
         self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
         return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
-
-    def _images_pending(self, seq: Sequence, computed: int | None) -> bool:
-        """Whether seq has image rows past its first `computed` tokens (default: those computed so far, or the
-        imported KV's) and no encoding of them waiting."""
-        if seq.mm is None or seq.request_id in self._encoded or not len(seq.mm.image_rows):
-            return False
-        if computed is None:
-            computed = seq.kv_import.num_tokens if seq.kv_import is not None else seq.num_computed_tokens
-        return int(seq.mm.image_rows[-1]) >= computed
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
