@@ -320,7 +320,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        encode_ahead=not args.no_encode_ahead,
+        encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
     )
     t0 = time.perf_counter()
@@ -329,7 +329,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
                     "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None,
-                    "preprocess_threads": cfg.preprocess_threads}
+                    "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.runner.warm_up_report}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))
@@ -354,6 +354,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         variants = {} if args.catalogue_only else {"catalogue_prepared_first": dict(prepare_first=True)}
         if args.overlap_ab:
             variants = {"catalogue_again": {}, **variants, "catalogue_16_prep_threads": dict(prep_threads=16)}
+        variants.update({f"catalogue_run{n}": {} for n in range(2, args.repeat_fixed + 1)})
         for key, kwargs in variants.items():
             split.reset()
             result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
@@ -522,6 +523,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "MoE, prefill and decode figures, no prepared-first rerun)")
     p.add_argument("--no-encode-ahead", action="store_true", help="images encoded in the step that first needs "
                    "them, not behind the previous step's sampling (EngineConfig.encode_ahead)")
+    p.add_argument("--no-warm-up", action="store_true", help="no engine warm-up before the first request "
+                   "(EngineConfig.warm_up: kernels compile and cuDNN plans are built inside the first catalogue run)")
+    p.add_argument("--repeat-fixed", type=int, default=1, help="run the fixed catalogue this many times on the same "
+                   "engine (catalogue_run2, ...): a warm engine's figures beside the first run's")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")

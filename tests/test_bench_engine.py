@@ -43,3 +43,13 @@ def test_catalogue_only_runs_the_catalogue_once_with_the_asked_sequence_limit(ca
     # one sequence at a time: the two samples' images go through the tower in two calls
     assert ours["catalogue"]["vision_encodes"] == {"calls": 2, "images": 2, "images_per_call_mean": 1.0,
                                                   "images_per_call_max": 1}
+
+
+def test_repeat_fixed_runs_the_fixed_catalogue_again_on_the_same_engine(capsys):
+    result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--catalogue-only",
+                                "--repeat-fixed", "3"])
+    capsys.readouterr()
+    ours = result["ours"]
+    assert [ours[key]["samples"] for key in ("catalogue", "catalogue_run2", "catalogue_run3")] == [2, 2, 2]
+    assert "catalogue_run4" not in ours
+    assert ours["warm_up"] is None  # the engine warms itself up on CUDA only

@@ -172,6 +172,20 @@ def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(ch
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
+def test_warm_up_runs_text_steps_and_images_and_leaves_the_engine_matching_transformers(checkpoint, reference, arch):
+    cases = {"first": reference([png(64, 64, seed=8)], [21, 22]), "text": reference([], [5, 6, 7])}
+    engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128)))
+    report = engine.runner.warm_up()  # on CUDA the runner does this itself (EngineConfig.warm_up)
+    # MoE (top-2): one step per pair of untuned tile configs (pairs <= 64, <= 4,096, above) up to the 4,096 tokens
+    # of 256 blocks; dense: none
+    assert report["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
+    # (t, h, w) in 16-pixel patches, smart-resized under max_pixels 65,536: 1000 x 1000 -> 256 x 256 px; 64 wide
+    # by 128 high as it is
+    assert report["image_grids"] == [(1, 16, 16), (1, 8, 4)]
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
 def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_continues(checkpoint, reference):
     prompt, expected = reference([png(64, 64, seed=10)], [25, 26])
     engine = make_engine(checkpoint, max_num_batched_tokens=10)  # step 0: rows 0-9, the image rows 4-7 among them

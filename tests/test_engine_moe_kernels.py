@@ -136,6 +136,24 @@ def test_tuned_table_rows_are_looked_up_by_pair_count_five_numbers_mean_column_o
     assert configs[4] == fused_moe.TileConfig(128, 128, 64, 8, 4, group_m=1, tma=1)
 
 
+@pytest.mark.parametrize("device_name", ["NVIDIA H200", None])
+@pytest.mark.parametrize("max_tokens", [8192, 16384, 1000])
+def test_warm_up_steps_take_every_tile_config_pair_a_step_can_take(device_name, max_tokens):
+    gate_up = torch.empty(128, 2 * 768, 2048, device="meta")  # the 30B shape: only the shape is read
+    keys = fused_moe.shape_key(128, 768, 2048, True), fused_moe.shape_key(128, 2048, 768, False)
+
+    def configs(tokens):
+        return tuple(fused_moe.tile_config(tokens * 8, gated, key, device_name) for gated, key in zip((True, False), keys))
+
+    tokens = fused_moe.warm_up_tokens(gate_up, 8, max_tokens, device_name)
+    reachable = {configs(t) for t in range(fused_moe.SMALL_BATCH_TOKENS + 1, max_tokens + 1)}
+    assert {configs(t) for t in tokens} == reachable
+    assert len(tokens) == len(reachable)  # one step per pair of configs
+    assert all(fused_moe.SMALL_BATCH_TOKENS < t <= max_tokens for t in tokens)
+    if device_name and max_tokens >= 8192:  # the shipped H200 table: 9-64, 65-256, 257-1024, 1025-4096, 4097+ tokens
+        assert len(tokens) >= 4
+
+
 # --- CUDA, Qwen3-VL-30B-A3B shapes (128 experts, top-8, hidden 2048, moe_intermediate 768), bfloat16 ---
 
 def block_30b(seed: int) -> SparseMoeBlock:

@@ -55,6 +55,17 @@ class EngineConfig(BaseModel):
         True, description="Encode the images of the prompts the next step will probably start behind this step's "
         "sampling (off: each image is encoded in the step that first needs it)."
     )
+    warm_up: bool = Field(
+        True, description="On CUDA, before the first request: one text step at each step size whose fused-MoE tile "
+        "configs differ, and one image of each warm_up_image_sizes through the vision tower. Triton compiles a kernel "
+        "per tile config and cuDNN builds an attention plan per image size on first use (up to 0.9 s each, benchmarks "
+        "run18); without a warm-up the first requests' steps pay that."
+    )
+    warm_up_image_sizes: tuple[tuple[int, int], ...] = Field(
+        ((1000, 1000), (800, 800), (1024, 1024)), description="(width, height) in pixels of the images the warm-up "
+        "encodes (smart-resized like requests' images): the real catalogue's two commonest sizes and the 1,024 x 1,024 "
+        "of the fixed benchmark catalogue (reference/mlperf-q3vl.md 1.2b)."
+    )
     preprocess_threads: int = Field(
         4, ge=1, description="Threads that decode, resize and patch requests' images beside the engine's own thread. "
         "More take CPU from that thread: on a 16-core H200 host, 16 threads stretched the vision tower's steps from "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Container, Iterable
 
 import numpy as np
@@ -22,7 +23,9 @@ from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport
 from workers.image_processing import normalise_patches
 from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
+from workers.model import fused_moe
 from workers.model.mm_inputs import MultiModalInput
+from workers.model.moe import SparseMoeBlock
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
 from workers.model.vision import VisionEncoder
 from workers.parallel import TensorParallel
@@ -30,6 +33,7 @@ from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
+from workers.vision_geometry import PATCH_SIZE, smart_resize
 from workers.weights import ModelConfig, init_random_weights, load_text_weights
 
 log = logging.getLogger(__name__)
@@ -106,7 +110,39 @@ class ModelRunner:
                 self.model, self.kv, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                 cdiv(config.max_model_len, self.block_size), scratch_block=num_blocks,
             )
+        self.warm_up_report: dict | None = self.warm_up() if config.is_cuda and config.warm_up else None
         log.info("model runner ready: %s %s, %d KV blocks of %d tokens", self.device, self.dtype, num_blocks, self.block_size)
+
+    @torch.inference_mode()
+    def warm_up(self) -> dict:
+        """Runs before the first request what its steps would otherwise compile or plan mid-run: one text step at
+        each size whose fused-MoE tile configs differ (fused_moe.warm_up_tokens; Triton compiles each config on
+        first use) and, on the rank with the vision tower, one image of each config.warm_up_image_sizes (cuDNN
+        builds an attention plan per image size). The text steps write KV to the pool's first blocks, which no
+        request holds yet. Every rank of an instance runs it at the same point (the steps' collectives)."""
+        t0 = time.perf_counter()
+        moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        most = min(self.config.max_num_batched_tokens, self.num_kv_blocks * self.block_size)
+        tokens = [] if moe is None else fused_moe.warm_up_tokens(moe.experts.gate_up_proj, moe.gate.top_k, most, device_name)
+        for n in tokens:
+            batch, blocks = full_budget_batch(n, self.config.max_model_len, self.block_size)
+            if blocks > self.num_kv_blocks:  # a pool this small: the step could never run either
+                continue
+            self.forward(StepInputs(batch=batch, visual=None, imports=[]), [n - 1])
+        grids = []
+        if self.vision is not None:
+            for width, height in self.config.warm_up_image_sizes:
+                h, w = smart_resize(height, width, min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
+                grid = (1, h // PATCH_SIZE, w // PATCH_SIZE)
+                patches = torch.zeros(grid[1] * grid[2], 3, PATCH_SIZE * PATCH_SIZE, dtype=torch.uint8, device=self.device)
+                self.vision.encode(normalise_patches(patches, self.vision.dtype), torch.tensor([grid]))
+                grids.append(grid)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        report = {"text_step_tokens": tokens, "image_grids": grids, "seconds": round(time.perf_counter() - t0, 2)}
+        log.info("warm-up: text steps of %s tokens, images of grids %s, in %.1f s", tokens, grids, report["seconds"])
+        return report
 
     def _new_kv_cache(self, num_blocks: int) -> KvCache:
         layers, block_size, heads, head_dim = self._kv_shape

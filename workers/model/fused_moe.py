@@ -84,6 +84,28 @@ def tile_config(num_pairs: int, gated: bool, shape: str | None = None, device_na
     return TileConfig(128, 128 if gated else 256, 64, 8, 4 if gated else 3, 1)
 
 
+HEURISTIC_PAIR_BOUNDS = (64, 4096, 16384)  # where tile_config's untuned choice changes (pairs <= bound)
+
+
+def warm_up_tokens(gate_up_proj: torch.Tensor, top_k: int, max_tokens: int, device_name: str | None = None) -> list[int]:
+    """Step sizes (tokens, above the GEMV path's SMALL_BATCH_TOKENS and at most max_tokens) that between them take
+    every pair of tile configs the tiled path uses for steps of up to max_tokens tokens: one per pair, the
+    smallest. Each config compiles its own Triton kernels on first use; a step of each size compiles them all."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    keys = shape_key(num_experts, two_i // 2, hidden, True), shape_key(num_experts, hidden, two_i // 2, False)
+    bounds = {pairs for key in keys for pairs, _ in _tuned(device_name).get(key, [])} if device_name else set()
+    bounds.update(HEURISTIC_PAIR_BOUNDS)
+    # A row holds pair counts up to its bound: the bound's own token count falls in it, one more token past it.
+    candidates = {t for b in bounds for t in (b // top_k, b // top_k + 1)} | {max_tokens}
+    tokens, seen = [], set()
+    for t in sorted(t for t in candidates if SMALL_BATCH_TOKENS < t <= max_tokens):
+        pair = tile_config(t * top_k, True, keys[0], device_name), tile_config(t * top_k, False, keys[1], device_name)
+        if pair not in seen:
+            seen.add(pair)
+            tokens.append(t)
+    return tokens
+
+
 def supports(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
