@@ -8,10 +8,12 @@ subprocess, one after the other. `--shape tiny` is a CPU smoke mode with tiny di
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import io
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -238,6 +240,13 @@ def catalogues(args, w: Workload) -> dict[str, list]:
 PROFILE_AT = {"preparing": 2, "host": 20, "prepared": 40}
 
 
+def triton_cache_kernels() -> collections.Counter:
+    """Kernels in Triton's on-disk cache by name (one .cubin per compiled specialisation): the difference over a run
+    names what compiled inside it."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return collections.Counter(p.stem for p in root.glob("*/*.cubin")) if root.is_dir() else collections.Counter()
+
+
 def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None,
                   prepare_first: bool = False, prep_threads: int | None = None) -> dict:
     """Offline: every request arrives at once. Preparation (image decode, resize, patches) runs on a thread pool
@@ -249,6 +258,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     from workers.types import SamplingParams
 
     allocator_before = allocator_counts()
+    kernels_before = triton_cache_kernels()
     preemptions_before = engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     prepared_s = engine_t0 = None
@@ -298,6 +308,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
         result["profiled_steps"] = profiles
     if allocator_before:
         result["cuda_allocator"] = {k: v - allocator_before[k] for k, v in allocator_counts().items()}
+        result["triton_compiles"] = dict(triton_cache_kernels() - kernels_before)
     if split is not None:
         result["gpu_time_split"] = split.split(end - engine_t0 if prepare_first else wall_s)
         result["vision_encodes"] = split.encodes()
@@ -329,7 +340,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
                     "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None,
-                    "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.runner.warm_up_report}
+                    "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))

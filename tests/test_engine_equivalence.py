@@ -172,16 +172,20 @@ def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(ch
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
-def test_warm_up_runs_text_steps_and_images_and_leaves_the_engine_matching_transformers(checkpoint, reference, arch):
+def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_matching_transformers(checkpoint, reference, arch):
     cases = {"first": reference([png(64, 64, seed=8)], [21, 22]), "text": reference([], [5, 6, 7])}
-    engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128)))
-    report = engine.runner.warm_up()  # on CUDA the runner does this itself (EngineConfig.warm_up)
+    engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128), (48, 48)))
+    encoded = record_encodings(engine)
     # MoE (top-2): one step per pair of untuned tile configs (pairs <= 64, <= 4,096, above) up to the 4,096 tokens
-    # of 256 blocks; dense: none
-    assert report["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
-    # (t, h, w) in 16-pixel patches, smart-resized under max_pixels 65,536: 1000 x 1000 -> 256 x 256 px; 64 wide
-    # by 128 high as it is
-    assert report["image_grids"] == [(1, 16, 16), (1, 8, 4)]
+    # of 256 blocks; dense: none. On CUDA the engine runs both warm-ups itself (EngineConfig.warm_up).
+    assert engine.runner.warm_up()["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
+    report = engine.warm_up()
+    # the first request alone (prefill), the other two beside its decode (a mixed step), then decodes: its third
+    # token, theirs; their two images in one tower call in the mixed step
+    assert (report["requests"], report["steps"]) == (3, 4)
+    assert encoded == [(0, "warm-up-0"), (1, "warm-up-1"), (1, "warm-up-2")]
+    assert not engine.has_unfinished() and engine.load().steps == 0 and engine.scheduler.num_preemptions == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 

@@ -6,8 +6,10 @@ step() never raises for a bad request: that request finishes with FinishReason.E
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -18,10 +20,15 @@ from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
 from workers.model_runner import ModelRunner
 from workers.scheduler import Scheduler, SchedulerLimits
 from workers.sequence import Sequence
+from workers.tokenizer import VISION_END_ID
 from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
+from workers.vision_geometry import image_geometry
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
+
+WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
+WARM_UP_OUTPUT_TOKENS = 3  # a prefill step, a mixed step and decode steps
 
 
 @dataclass
@@ -63,6 +70,48 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
+        self.warm_up_report: dict | None = None
+        if config.is_cuda and config.warm_up:
+            self.warm_up_report = {**(self.runner.warm_up_report or {}), **self.warm_up()}
+
+    def warm_up(self) -> dict:
+        """The real step loop, once, on throw-away requests: one per config.warm_up_image_sizes (a blank image of
+        that size and some filler text, WARM_UP_OUTPUT_TOKENS out), the first alone and the rest a step later. So a
+        prefill step with visual rows, a mixed step (a decode beside new prompts, images encoded ahead) and
+        decode-only steps each run before the first real request, with whatever they compile or plan on first use
+        (the runner's own warm-up covers the step sizes). Afterwards the engine is as new: no requests, no
+        outputs, counters at zero. Needs a model with a vision tower for the images; text-only otherwise."""
+        from PIL import Image
+
+        t0 = time.perf_counter()
+        mc, sizes = self.model_config, self.config.warm_up_image_sizes if self.runner.vision is not None else ()
+        text = [1000 + i for i in range(WARM_UP_TEXT_TOKENS)]
+        prompts = []
+        for width, height in sizes:
+            buf = io.BytesIO()
+            Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="PNG")
+            visual = image_geometry(buf.getvalue(), self.config.min_pixels, self.config.max_pixels).num_tokens
+            ids = [mc.vision_start_token_id] + [mc.image_token_id] * visual + [VISION_END_ID] + text
+            if len(ids) + WARM_UP_OUTPUT_TOKENS <= self.config.max_model_len:  # else no request of it would fit either
+                prompts.append(PromptInput(ids, [buf.getvalue()]))
+        prompts = prompts or [PromptInput(text)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=WARM_UP_OUTPUT_TOKENS)
+        self.add_request("warm-up-0", prompts[0], sampling)
+        steps, finished = 0, []
+        while self.has_unfinished():
+            finished += [o for o in self.step() if o.finished]
+            steps += 1
+            if steps == 1:
+                for n, prompt in enumerate(prompts[1:], 1):
+                    self.add_request(f"warm-up-{n}", prompt, sampling)
+        failed = [o for o in finished if o.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise RuntimeError(f"engine warm-up: request {failed[0].request_id} failed: {failed[0].error}")
+        self._arrivals, self._steps = itertools.count(), 0
+        self.scheduler.num_preemptions = 0
+        report = {"requests": len(prompts), "steps": steps, "seconds": round(time.perf_counter() - t0, 2)}
+        log.info("warm-up: %d throw-away requests in %d steps, %.1f s", len(prompts), steps, report["seconds"])
+        return report
 
     @property
     def generation_defaults(self) -> SamplingParams:

@@ -33,7 +33,6 @@ from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
-from workers.vision_geometry import PATCH_SIZE, smart_resize
 from workers.weights import ModelConfig, init_random_weights, load_text_weights
 
 log = logging.getLogger(__name__)
@@ -115,11 +114,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> dict:
-        """Runs before the first request what its steps would otherwise compile or plan mid-run: one text step at
-        each size whose fused-MoE tile configs differ (fused_moe.warm_up_tokens; Triton compiles each config on
-        first use) and, on the rank with the vision tower, one image of each config.warm_up_image_sizes (cuDNN
-        builds an attention plan per image size). The text steps write KV to the pool's first blocks, which no
-        request holds yet. Every rank of an instance runs it at the same point (the steps' collectives)."""
+        """One text step at each size whose fused-MoE tile configs differ (fused_moe.warm_up_tokens): Triton
+        compiles each config on first use, and steps of those sizes would otherwise pay it mid-run. The steps
+        write KV to the pool's first blocks, which no request holds yet. Every rank of an instance runs it at the
+        same point (the steps' collectives); the engine's own warm-up then runs real steps with images."""
         t0 = time.perf_counter()
         moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
@@ -130,18 +128,10 @@ class ModelRunner:
             if blocks > self.num_kv_blocks:  # a pool this small: the step could never run either
                 continue
             self.forward(StepInputs(batch=batch, visual=None, imports=[]), [n - 1])
-        grids = []
-        if self.vision is not None:
-            for width, height in self.config.warm_up_image_sizes:
-                h, w = smart_resize(height, width, min_pixels=self.config.min_pixels, max_pixels=self.config.max_pixels)
-                grid = (1, h // PATCH_SIZE, w // PATCH_SIZE)
-                patches = torch.zeros(grid[1] * grid[2], 3, PATCH_SIZE * PATCH_SIZE, dtype=torch.uint8, device=self.device)
-                self.vision.encode(normalise_patches(patches, self.vision.dtype), torch.tensor([grid]))
-                grids.append(grid)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        report = {"text_step_tokens": tokens, "image_grids": grids, "seconds": round(time.perf_counter() - t0, 2)}
-        log.info("warm-up: text steps of %s tokens, images of grids %s, in %.1f s", tokens, grids, report["seconds"])
+        report = {"text_step_tokens": tokens, "text_steps_s": round(time.perf_counter() - t0, 2)}
+        log.info("warm-up: text steps of %s tokens in %.1f s", tokens, report["text_steps_s"])
         return report
 
     def _new_kv_cache(self, num_blocks: int) -> KvCache:
