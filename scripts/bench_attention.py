@@ -33,6 +33,9 @@ PREFILL_STEPS = {
 DECODES = {"batch1_ctx1800": (1, 1800), "batch64_ctx1800": (64, 1800), "batch256_ctx1024": (256, 1024)}
 TILE_SWEEP = [
     paged_prefill.TileConfig(128, 64, 8, 2),
+    paged_prefill.TileConfig(128, 64, 8, 2, fresh_tma=True),
+    paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
+    paged_prefill.TileConfig(128, 128, 8, 2, fresh_tma=True),
     paged_prefill.TileConfig(128, 64, 8, 3),
     paged_prefill.TileConfig(128, 128, 8, 3),
     paged_prefill.TileConfig(64, 64, 4, 3),
@@ -112,11 +115,11 @@ def bench_prefill(chunks, reps: int) -> dict:
         us = median_us(
             lambda: paged_prefill.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_starts_device, meta.context_lens,
-                0, meta.query_starts[-1], scale, new, tiles,
+                0, meta.query_starts[-1], scale, new, tiles, k, v,
             ),
             reps,
         )
-        result["triton"]["m{}_n{}_w{}_s{}".format(*tiles)] = {
+        result["triton"]["m{}_n{}_w{}_s{}".format(*tiles) + ("_fresh_tma" if tiles.fresh_tma else "")] = {
             "us": round(us, 1),
             "tflops": round(flops / us / 1e6, 1),
             "max_abs_diff_vs_sdpa": round((new.float() - old.float()).abs().max().item(), 4),

@@ -28,12 +28,16 @@ def reference(q, k, v, k_cache, v_cache, meta, scale):
     return out
 
 
-def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out):
+def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefill.DEFAULT_TILES, k=None, v=None):
     nd = meta.num_decodes
     paged_prefill.prefill_attention(
         q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
-        meta.query_starts[nd], meta.query_starts[-1], scale, out,
+        meta.query_starts[nd], meta.query_starts[-1], scale, out, tiles, k, v,
     )
+
+
+# whole-prompt chunks read their K/V from the cache (paged) or from the step's rows through TMA
+KV_READS = {"paged": paged_prefill.DEFAULT_TILES, "fresh-tma": paged_prefill.DEFAULT_TILES._replace(fresh_tma=True)}
 
 
 # Decodes, a first chunk, a later chunk, and a later chunk ending mid-block (block_size 16).
@@ -54,22 +58,24 @@ def test_decode_splits_the_context_until_every_sm_has_a_program(batch, expected)
 
 
 @interpreted
+@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2)], ids=["gqa4", "gqa3-padded"])
-def test_prefill_kernel_matches_sdpa_for_first_later_and_mid_block_chunks(heads, kv_heads):
+def test_prefill_kernel_matches_sdpa_for_first_later_and_mid_block_chunks(heads, kv_heads, tiles):
     q, k, v, k_cache, v_cache, meta = paged_step(MIXED_STEP, heads, kv_heads, 32, 16, torch.float32, "cpu")
     out = torch.full_like(q, float("nan"))
-    run_prefill_kernel(q, k_cache, v_cache, meta, 32**-0.5, out)
+    run_prefill_kernel(q, k_cache, v_cache, meta, 32**-0.5, out, tiles, k, v)
     nd = meta.num_decodes
     torch.testing.assert_close(out[nd:], reference(q, k, v, k_cache, v_cache, meta, 32**-0.5)[nd:], atol=1e-5, rtol=1e-5)
     assert out[:nd].isnan().all()  # decode rows are left to the decode kernel
 
 
 @interpreted
-def test_prefill_kernel_handles_chunks_longer_than_one_tile_after_decodes():
+@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
+def test_prefill_kernel_handles_chunks_longer_than_one_tile_after_decodes(tiles):
     step = [(1, 70)] * 3 + [(150, 150), (70, 200)]  # block_m 128 / group 4 = 32 rows per tile
     q, k, v, k_cache, v_cache, meta = paged_step(step, 8, 2, 16, 16, torch.float32, "cpu", seed=1)
     out = torch.empty_like(q)
-    run_prefill_kernel(q, k_cache, v_cache, meta, 0.25, out)
+    run_prefill_kernel(q, k_cache, v_cache, meta, 0.25, out, tiles, k, v)
     torch.testing.assert_close(out[3:], reference(q, k, v, k_cache, v_cache, meta, 0.25)[3:], atol=1e-5, rtol=1e-5)
 
 
@@ -91,8 +97,10 @@ BF16_ATOL = 2e-2  # bf16 inputs and output, probabilities rounded to bf16 before
 
 
 @pytest.mark.gpu
-def test_prefill_kernel_matches_sdpa_on_a_catalogue_sized_step_in_bfloat16():
+@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
+def test_prefill_kernel_matches_sdpa_on_a_catalogue_sized_step_in_bfloat16(monkeypatch, tiles):
     # 8 decodes, then 5 chunks totalling 8,192 rows: a later chunk, full prompts, a 4k-context later chunk.
+    monkeypatch.setattr(paged_prefill, "DEFAULT_TILES", tiles)  # what paged_attention (the engine's path) runs
     step = [(1, 1800)] * 8 + [(478, 1734), (1734, 1734), (1734, 1734), (2048, 4096), (2198, 2198)]
     q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
     out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)

@@ -79,7 +79,7 @@ def paged_attention(
     if meta.query_starts_device is not None:
         paged_prefill.prefill_attention(
             q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
-            meta.query_starts[nd], meta.query_starts[-1], scale, out,
+            meta.query_starts[nd], meta.query_starts[-1], scale, out, k_new=k, v_new=v,
         )
     return out
 

@@ -25,6 +25,9 @@ class TileConfig(NamedTuple):
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2  # 3-6% faster than 3 stages on every step shape of bench_attention (run8, run31)
+    # A chunk that is a whole prompt (its context is its own rows) reads its keys and values from this step's
+    # contiguous K/V through TMA descriptors instead of gathering them from the paged cache.
+    fresh_tma: bool = False
 
 
 DEFAULT_TILES = TileConfig()
@@ -59,13 +62,52 @@ if triton is not None:
             m = m_new
         return acc, l, m
 
+    @triton.jit
+    def _attend_paged(
+        acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """A tile's keys from the paged cache: those every row sees unmasked, then the causal tail."""
+        acc, l, m = _attend(
+            acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, 0, full_end, q_pos, qk_scale,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
+        )
+        return _attend(
+            acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+        )
+
+    @triton.jit
+    def _attend_fresh(
+        acc, l, m, q, k_desc, v_desc, key_row0, col, start, end, q_pos, qk_scale,
+        BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    ):
+        """_attend for a chunk that is a whole prompt: key j is row key_row0 + j of this step's K/V ([T, kv_heads *
+        head_dim], read as [BLOCK_N, head_dim] tiles at column col). Rows past `end` belong to the next chunk (or
+        read as zeros past the step): the causal mask hides them, and their zero weights keep their values out."""
+        for first in range(start, end, BLOCK_N):
+            offs_n = first + tl.arange(0, BLOCK_N)
+            k = k_desc.load([key_row0 + first, col])
+            v = v_desc.load([key_row0 + first, col])
+            s = tl.dot(q, tl.trans(k))
+            if CAUSAL_MASK:
+                s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < end)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return acc, l, m
+
     @triton.jit(do_not_specialize=["num_seqs", "first_tile", "stride_tb"])  # vary per step: one compile
     def _prefill_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, starts_ptr, lens_ptr, qk_scale, num_seqs, first_tile,
+        q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, tables_ptr, starts_ptr, lens_ptr, qk_scale, num_seqs, first_tile,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FRESH_TMA: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         # Tiles in reverse: the last rows of each chunk (the most keys) are scheduled first.
@@ -102,14 +144,19 @@ if triton is not None:
             # Keys every row of the tile sees need no mask; the tail up to the tile's last row does.
             full_end = (ctx - n + row0 + 1) // BLOCK_N * BLOCK_N
             kv_end = ctx - n + tl.minimum(row0 + BLOCK_Q, n)
-            acc, l, m = _attend(
-                acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, 0, full_end, q_pos, qk_scale,
-                stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
-            )
-            acc, l, m = _attend(
-                acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
-                stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
-            )
+            if FRESH_TMA:  # a compile-time branch: without FRESH_TMA the descriptors are plain pointers
+                if ctx == n:
+                    col = kv_head * HEAD_DIM
+                    acc, l, m = _attend_fresh(acc, l, m, q, k_desc, v_desc, q_start, col, 0, full_end, q_pos,
+                                              qk_scale, BLOCK_N, False)
+                    acc, l, m = _attend_fresh(acc, l, m, q, k_desc, v_desc, q_start, col, full_end, kv_end, q_pos,
+                                              qk_scale, BLOCK_N, True)
+                else:
+                    acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
+                                              qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+            else:
+                acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
+                                          qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
             out = acc / l[:, None]
             tl.store(
                 o_ptr + (q_start + r)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -128,11 +175,16 @@ def prefill_attention(
     last_row: int,
     scale: float,
     out: torch.Tensor,
-    tiles: TileConfig = DEFAULT_TILES,
+    tiles: TileConfig | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
     """Attention of chunks 0..S-1, rows first_row..last_row-1 of q/out [T, heads, head_dim]: chunk s is rows
     query_starts[s]:query_starts[s+1] ([S + 1] int32, device; query_starts[0] = first_row) whose context
-    (its own rows included, already in the caches) is context_lens[s] tokens in blocks block_tables[s]."""
+    (its own rows included, already in the caches) is context_lens[s] tokens in blocks block_tables[s].
+    k_new/v_new: this step's K/V rows [T, kv_heads, head_dim] (contiguous, the rows of q), which tiles.fresh_tma
+    reads for chunks that are whole prompts. tiles: default DEFAULT_TILES, read at each call."""
+    tiles = tiles or DEFAULT_TILES
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -145,10 +197,19 @@ def prefill_attention(
     num_seqs = query_starts.shape[0] - 1
     first_tile = first_row // block_q
     num_tiles = last_row // block_q + num_seqs - first_tile
+    k_desc = v_desc = k_cache  # unused unless fresh_tma
+    if tiles.fresh_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if k_new is None or v_new is None or not (k_new.is_contiguous() and v_new.is_contiguous()):
+            raise ValueError("fresh_tma needs this step's K/V rows (k_new, v_new), contiguous")
+        k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(t.shape[0], -1), [tiles.block_n, head_dim])
+                          for t in (k_new, v_new))
     _prefill_kernel[(kv_heads, num_tiles)](
-        q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2_E, num_seqs, first_tile,
+        q, k_cache, v_cache, k_desc, v_desc, out, block_tables, query_starts, context_lens, scale * LOG2_E, num_seqs, first_tile,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_Q=block_q, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_Q=block_q, BLOCK_N=tiles.block_n, FRESH_TMA=tiles.fresh_tma,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
