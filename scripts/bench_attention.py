@@ -35,11 +35,10 @@ TILE_SWEEP = [
     paged_prefill.TileConfig(128, 64, 8, 2),
     paged_prefill.TileConfig(128, 64, 8, 2, fresh_tma=True),
     paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
-    paged_prefill.TileConfig(128, 128, 8, 2, fresh_tma=True),
+    paged_prefill.TileConfig(128, 64, 8, 4, fresh_tma=True),
+    paged_prefill.TileConfig(128, 128, 8, 3, fresh_tma=True),
     paged_prefill.TileConfig(128, 64, 8, 3),
-    paged_prefill.TileConfig(128, 128, 8, 3),
     paged_prefill.TileConfig(64, 64, 4, 3),
-    paged_prefill.TileConfig(128, 32, 8, 3),
 ]
 
 
@@ -119,15 +118,19 @@ def bench_prefill(chunks, reps: int) -> dict:
             ),
             reps,
         )
-        result["triton"]["m{}_n{}_w{}_s{}".format(*tiles) + ("_fresh_tma" if tiles.fresh_tma else "")] = {
+        result["triton"][tile_name(tiles)] = {
             "us": round(us, 1),
             "tflops": round(flops / us / 1e6, 1),
             "max_abs_diff_vs_sdpa": round((new.float() - old.float()).abs().max().item(), 4),
         }
-    default = result["triton"]["m{}_n{}_w{}_s{}".format(*paged_prefill.DEFAULT_TILES)]
+    default = result["triton"][tile_name(paged_prefill.default_tiles(q.device))]
     result["default_speedup"] = round(sdpa_us / default["us"], 2)
     result["saved_ms_per_48_layers"] = round((sdpa_us - default["us"]) * LAYERS / 1e3, 2)
     return result
+
+
+def tile_name(tiles: paged_prefill.TileConfig) -> str:
+    return "m{}_n{}_w{}_s{}".format(*tiles) + ("_fresh_tma" if tiles.fresh_tma else "")
 
 
 def bench_decode(batch: int, ctx: int, reps: int) -> dict:

@@ -325,10 +325,10 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from scripts.catalogue_workload import longest_request
 
     sync = Sync(args.device)
-    if args.prefill_fresh_tma:
+    if args.prefill_pointer_loads:
         from workers.model import paged_prefill
 
-        paged_prefill.DEFAULT_TILES = paged_prefill.DEFAULT_TILES._replace(fresh_tma=True)
+        paged_prefill.DEFAULT_TILES = paged_prefill.POINTER_TILES
     workloads = catalogues(args, w)
     max_model_len = max([4096] + [longest_request(r) for r in workloads.values()])
     cfg = EngineConfig(
@@ -542,8 +542,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(EngineConfig.warm_up: kernels compile and cuDNN plans are built inside the first catalogue run)")
     p.add_argument("--repeat-fixed", type=int, default=1, help="run the fixed catalogue this many times on the same "
                    "engine (catalogue_run2, ...): a warm engine's figures beside the first run's")
-    p.add_argument("--prefill-fresh-tma", action="store_true", help="whole-prompt chunks read this step's K/V "
-                   "through TMA in the prefill attention kernel (paged_prefill.TileConfig.fresh_tma)")
+    p.add_argument("--prefill-pointer-loads", action="store_true", help="the prefill attention kernel gathers every "
+                   "chunk's K/V from the paged cache (paged_prefill.POINTER_TILES), also where the device has TMA")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")

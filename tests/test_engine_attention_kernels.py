@@ -28,7 +28,7 @@ def reference(q, k, v, k_cache, v_cache, meta, scale):
     return out
 
 
-def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefill.DEFAULT_TILES, k=None, v=None):
+def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefill.POINTER_TILES, k=None, v=None):
     nd = meta.num_decodes
     paged_prefill.prefill_attention(
         q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
@@ -37,7 +37,7 @@ def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefil
 
 
 # whole-prompt chunks read their K/V from the cache (paged) or from the step's rows through TMA
-KV_READS = {"paged": paged_prefill.DEFAULT_TILES, "fresh-tma": paged_prefill.DEFAULT_TILES._replace(fresh_tma=True)}
+KV_READS = {"paged": paged_prefill.POINTER_TILES, "fresh-tma": paged_prefill.TMA_TILES}
 
 
 # Decodes, a first chunk, a later chunk, and a later chunk ending mid-block (block_size 16).
@@ -77,6 +77,26 @@ def test_prefill_kernel_handles_chunks_longer_than_one_tile_after_decodes(tiles)
     out = torch.empty_like(q)
     run_prefill_kernel(q, k_cache, v_cache, meta, 0.25, out, tiles, k, v)
     torch.testing.assert_close(out[3:], reference(q, k, v, k_cache, v_cache, meta, 0.25)[3:], atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_tma_tiles_without_contiguous_step_rows_read_every_chunk_from_the_cache():
+    q, k, v, k_cache, v_cache, meta = paged_step(MIXED_STEP, 8, 2, 32, 16, torch.float32, "cpu", seed=3)
+    strided = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k, v)]  # the same rows, not contiguous
+    assert not strided[0].is_contiguous()
+    out = torch.empty_like(q)
+    run_prefill_kernel(q, k_cache, v_cache, meta, 32**-0.5, out, paged_prefill.TMA_TILES, *strided)
+    nd = meta.num_decodes
+    torch.testing.assert_close(out[nd:], reference(q, k, v, k_cache, v_cache, meta, 32**-0.5)[nd:], atol=1e-5, rtol=1e-5)
+
+
+def test_default_tiles_read_fresh_rows_through_tma_only_on_cuda_devices_that_have_it(monkeypatch):
+    monkeypatch.setattr(paged_prefill, "_has_tma", lambda index: index == 0)
+    assert paged_prefill.default_tiles(torch.device("cuda", 0)) == paged_prefill.TMA_TILES
+    assert paged_prefill.default_tiles(torch.device("cuda", 1)) == paged_prefill.POINTER_TILES
+    assert paged_prefill.default_tiles(torch.device("cpu")) == paged_prefill.POINTER_TILES
+    monkeypatch.setattr(paged_prefill, "DEFAULT_TILES", paged_prefill.POINTER_TILES)  # an explicit choice wins
+    assert paged_prefill.default_tiles(torch.device("cuda", 0)) == paged_prefill.POINTER_TILES
 
 
 @interpreted

@@ -84,7 +84,7 @@ if triton is not None:
         tl.store(dst, (f1 * c - f2 * s).to(x1.dtype), mask=mask)
         tl.store(dst + HALF, (f2 * c + f1 * s).to(x1.dtype), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tokens"])  # the patches of a tower call: one compile for all
     def _rotary_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, n_tokens, stride_qkv,
                           NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
                           BLOCK_T: tl.constexpr):
