@@ -77,7 +77,7 @@ class LLMEngine:
     def warm_up(self) -> dict:
         """The real step loop, once, on throw-away requests: one per config.warm_up_image_sizes (a blank image of
         that size and some filler text, WARM_UP_OUTPUT_TOKENS out), the first alone and the rest a step later. So a
-        prefill step with visual rows, a mixed step (a decode beside new prompts, images encoded ahead) and
+        prefill step with visual rows, a mixed step (a decode beside new prompts, their images encoded in it) and
         decode-only steps each run before the first real request, with whatever they compile or plan on first use
         (the runner's own warm-up covers the step sizes). Afterwards the engine is as new: no requests, no
         outputs, counters at zero. Needs a model with a vision tower for the images; text-only otherwise."""

@@ -122,12 +122,14 @@ class ModelRunner:
         moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         most = min(self.config.max_num_batched_tokens, self.num_kv_blocks * self.block_size)
-        tokens = [] if moe is None else fused_moe.warm_up_tokens(moe.experts.gate_up_proj, moe.gate.top_k, most, device_name)
-        for n in tokens:
+        sizes = [] if moe is None else fused_moe.warm_up_tokens(moe.experts.gate_up_proj, moe.gate.top_k, most, device_name)
+        tokens = []
+        for n in sizes:
             batch, blocks = full_budget_batch(n, self.config.max_model_len, self.block_size)
             if blocks > self.num_kv_blocks:  # a pool this small: the step could never run either
                 continue
             self.forward(StepInputs(batch=batch, visual=None, imports=[]), [n - 1])
+            tokens.append(n)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = {"text_step_tokens": tokens, "text_steps_s": round(time.perf_counter() - t0, 2)}
