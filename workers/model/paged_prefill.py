@@ -53,6 +53,18 @@ def _has_tma(device_index: int | None) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _online_softmax(acc, l, m, s, v, offs_n, end, q_pos, qk_scale, CAUSAL_MASK: tl.constexpr):
+        """One BLOCK_N tile of keys into the running (acc, l, m): scores s = q k^T, values v. Keys at or past `end`
+        (and, with CAUSAL_MASK, after each row) are hidden; log2 domain, the scale applied in the exponent's FMA
+        (qk_scale > 0 keeps the max the max)."""
+        if CAUSAL_MASK:
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l * alpha + tl.sum(p, 1), m_new
+
+    @triton.jit
     def _attend(
         acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, start, end, q_pos, qk_scale,
         stride_cb, stride_cs, stride_ch,
@@ -67,16 +79,7 @@ if triton is not None:
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
             v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, k_t)
-            if CAUSAL_MASK:
-                s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-            # log2 domain; the scale is applied in the exponent's FMA (qk_scale > 0 keeps the max the max)
-            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            acc, l, m = _online_softmax(acc, l, m, tl.dot(q, k_t), v, offs_n, end, q_pos, qk_scale, CAUSAL_MASK)
         return acc, l, m
 
     @triton.jit
@@ -107,15 +110,7 @@ if triton is not None:
             offs_n = first + tl.arange(0, BLOCK_N)
             k = k_desc.load([key_row0 + first, col])
             v = v_desc.load([key_row0 + first, col])
-            s = tl.dot(q, tl.trans(k))
-            if CAUSAL_MASK:
-                s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < end)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            acc, l, m = _online_softmax(acc, l, m, tl.dot(q, tl.trans(k)), v, offs_n, end, q_pos, qk_scale, CAUSAL_MASK)
         return acc, l, m
 
     # Vary per step: one compile. The table pointers are slices past the step's decodes (their alignment varies).
