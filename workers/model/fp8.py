@@ -1,0 +1,100 @@
+"""FP8 (e4m3) block quantization as the released Qwen3-VL FP8 checkpoints use it: weights in blocks with one
+dequantisation scale each, activations quantised on the fly per token and group of K columns.
+
+The torch functions here are the references the Triton kernels (workers/model/fp8_gemm.py, fused_moe.py) are
+checked against, and the CPU path. Facts this module relies on, with their public sources:
+
+* Layout (DeepSeek-V3 "fine-grained FP8", adopted by Qwen for `Qwen/Qwen3-VL-*-Instruct-FP8`; transformers
+  `integrations/finegrained_fp8.py` `FP8Linear`, vLLM `model_executor/layers/quantization/fp8.py`): a quantised
+  linear's `weight` is float8_e4m3fn [N, K] and `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)] with
+  `quantization_config.weight_block_size` [bn, bk] (128 x 128 in the releases). Despite its name
+  `weight_scale_inv` is the multiplier that dequantises: w = w_fp8 * weight_scale_inv over each block
+  (transformers `Fp8Dequantize._dequantize_one`, DeepSeek-V3 `inference/kernel.py` `weight_dequant`).
+* Quantisation of a block (transformers `Fp8Quantize._quantize_one`): scale_inv = amax(|w|) / 448, w_fp8 =
+  clamp(w / scale_inv, -448, 448) rounded to e4m3; an all-zero block keeps scale_inv 1.
+* Activations (`activation_scheme: dynamic`; vLLM `per_token_group_quant_fp8`, transformers `act_quant`): per token
+  and group of `bk` columns, scale = max(amax(|x|), eps) / 448, x_fp8 = clamp(x / scale) in e4m3; the GEMM
+  accumulates sum_k x_fp8 * w_fp8 in float32 per K block and multiplies by x_scale[m, kb] * w_scale[nb, kb].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# vLLM's per_token_group_quant_fp8 floors a group's amax at 1e-10, so an all-zero group gets a finite scale.
+ACTIVATION_AMAX_FLOOR = 1e-10
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Rows (output features) x columns (input features) covered by one weight scale."""
+
+    n: int
+    k: int
+
+    def grid(self, rows: int, cols: int) -> tuple[int, int]:
+        """The scale tensor's last two dims for a [rows, cols] weight (ragged edge blocks count)."""
+        return -(-rows // self.n), -(-cols // self.k)
+
+
+def _expand(scale: torch.Tensor, block: BlockShape, rows: int, cols: int) -> torch.Tensor:
+    """[..., ceil(rows/bn), ceil(cols/bk)] -> [..., rows, cols]: each block's scale over its elements."""
+    return scale.repeat_interleave(block.n, dim=-2)[..., :rows, :].repeat_interleave(block.k, dim=-1)[..., :cols]
+
+
+def quantize_weight_blocks(weight: torch.Tensor, block: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] (any float dtype) -> (float8_e4m3fn [..., N, K], weight_scale_inv float32 [..., nb, kb])."""
+    rows, cols = weight.shape[-2:]
+    nb, kb = block.grid(rows, cols)
+    w = weight.float()
+    padded = w.new_zeros(*w.shape[:-2], nb * block.n, kb * block.k)
+    padded[..., :rows, :cols] = w
+    tiles = padded.unflatten(-1, (kb, block.k)).unflatten(-3, (nb, block.n))  # [..., nb, bn, kb, bk]
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / _expand(scale_inv, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale_inv
+
+
+def dequantize_weight_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """float8 [..., N, K] and its scales [..., nb, kb] -> [..., N, K] in dtype (computed in float32, rounded once)."""
+    rows, cols = weight.shape[-2:]
+    expected = block.grid(rows, cols)
+    if tuple(scale_inv.shape[-2:]) != expected or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(
+            f"scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)} in blocks of "
+            f"{block.n}x{block.k} (expected {(*weight.shape[:-2], *expected)})"
+        )
+    return (weight.float() * _expand(scale_inv.float(), block, rows, cols)).to(dtype)
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], scales float32 [M, ceil(K/group)]): per token, per group of columns."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = x.float().new_zeros(m, groups * group)
+    padded[:, :k] = x.float()
+    amax = padded.view(m, groups, group).abs().amax(dim=-1).clamp(min=ACTIVATION_AMAX_FLOOR)
+    scales = amax / FP8_MAX
+    q = (x.float() / scales.repeat_interleave(group, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales
+
+
+def block_fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of block.k
+    columns, float32 accumulation per K block, both scales applied per block."""
+    xq, xs = quantize_activation_groups(x, block.k)
+    k = x.shape[1]
+    a = xq.float() * xs.repeat_interleave(block.k, dim=1)[:, :k]
+    out = a @ dequantize_weight_blocks(weight, scale_inv, block).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
