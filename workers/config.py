@@ -30,6 +30,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activation and weight dtype; 'auto' is bfloat16 on CUDA, float32 on CPU."
     )
+    fp8_compute: Literal["auto", "fp8", "dequantize"] = Field(
+        "auto", description="An FP8 checkpoint's linears: 'auto' computes in FP8 (W8A8) on CUDA and dequantizes the "
+        "weights at load on the CPU (what transformers computes there); 'fp8' also on the CPU (the kernels' torch "
+        "references, for tests); 'dequantize' everywhere (bf16 math on FP8 checkpoints)."
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV blocks in the pool; None sizes it from free memory on CUDA "

@@ -1,0 +1,55 @@
+"""An FP8 checkpoint dequantized into the float layout transformers loads: the reference side of the FP8 tests.
+
+transformers cannot load Qwen's per-expert FP8 MoE layout (huggingface/transformers#44230), so the MoE reference is
+transformers on this dequantized copy. The dequantization is written independently of workers/model/fp8.py: each
+element times the scale of the block its (row, column) falls in, by index arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def dequantize_by_index(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w[i, j] = q[i, j] * scale[i // bn, j // bk], in float32."""
+    rows, cols = weight.shape
+    row_block = torch.arange(rows) // block[0]
+    col_block = torch.arange(cols) // block[1]
+    return weight.float() * scale.float()[row_block][:, col_block]
+
+
+def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
+    """Writes out_dir: fp8_dir's weights dequantized to float32, per-expert tensors fused back into
+    mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], and config.json without quantization_config."""
+    config = json.loads((fp8_dir / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for side in ("generation_config.json", "preprocessor_config.json"):
+        shutil.copy(fp8_dir / side, out_dir / side)
+    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
+        raw = {name: f.get_tensor(name) for name in f.keys()}
+    floats: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scale = raw.get(name.removesuffix("weight") + "weight_scale_inv")
+        floats[name] = dequantize_by_index(tensor, scale, block) if scale is not None else tensor
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in floats if ".mlp.experts." in n]:
+        prefix, rest = name.split(".mlp.experts.")
+        e, proj, _ = rest.split(".")
+        experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = floats.pop(name)
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        floats[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
+        floats[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    save_file({k: v.contiguous() for k, v in floats.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
