@@ -170,7 +170,9 @@ class ModelRunner:
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
         logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
         ids = [seq.request_id for _, seq in sampling]
-        tokens = HostCopy(self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])) if sampling else None
+        tokens = HostCopy(self.sampler.sample(
+            logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
+        )) if sampling else None
         self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
         return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
 
