@@ -244,3 +244,46 @@ def test_cli_prints_one_line_per_rule_and_exits_by_verdict(tree, capsys):
 def test_cli_exits_2_when_there_is_no_tree(tmp_path, capsys):
     assert audit_main([str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_f1_written_in_scientific_notation_is_read_as_written(tree):
+    path = scen(tree, "Offline") / "accuracy" / "accuracy.txt"
+    path.write_text(re.sub(r'\{"f1": [\d.]+\}', '{"f1": 6.9e-06}', path.read_text()))
+    [finding] = audit_tree(tree).failures
+    assert (finding.rule_id, finding.scenario) == ("accuracy-f1", "Offline")
+    assert "6.9e-06" in finding.reason and "reads as 6.9" in finding.reason
+
+
+def test_f1_in_positional_notation_below_target_fails_on_its_value(tree):
+    set_f1(tree, "Offline", "0.0000069")
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == "accuracy-f1" and "F1 0.00001 < target" in finding.reason
+
+
+def test_measured_latency_over_the_constraint_fails_with_the_measured_and_target_values(tree):
+    rewrite_detail_values(perf_log(tree, "Interactive"), {
+        "result_99.00_percentile_latency_ns": 3_820_000_000, "result_validity": "INVALID",
+        "result_overlatency_query_count": 31,
+        "early_stopping_result": " * Run unsuccessful.\n * Processed 40 queries.\n * Would need to run at least "
+                                 "9000 more queries"})
+    by_rule = {f.rule_id: f for f in audit_tree(tree).failures}
+    assert set(by_rule) == {"perf-latency-constraint", "perf-result-valid"}
+    reason = by_rule["perf-latency-constraint"].reason
+    assert "measured p99 3.82 s" in reason and "constraint 1.5 s" in reason
+    assert "31 of 40 queries over 1.5 s" in reason and "at least 9000 more queries" in reason
+
+
+def test_cli_accepts_one_submission_dir_as_the_readme_quotes_it(tree, capsys):
+    (tree / "closed" / "Other").mkdir()  # an incomplete submission beside ours is not audited
+    assert audit_main([str(sub(tree))]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("VERDICT  ACCEPTED")
+    assert audit_main([str(tree)]) == 1  # the whole tree includes Other
+    assert audit_main([str(sub(tree)), "--submitter", "Other"]) == 2
+
+
+def test_cli_help_names_both_forms_of_the_tree(capsys):
+    with pytest.raises(SystemExit):
+        audit_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the directory holding closed/" in help_text and "closed/<submitter>" in help_text

@@ -25,7 +25,10 @@ COMPLIANCE_TEST_DIR = re.compile(r"^TEST\d\d$")
 # truncate_accuracy_log.py: logs above MAX are cut to the first and last VIEWABLE bytes.
 MAX_ACCURACY_LOG_SIZE = 10 * 1024
 ACCURACY_LOG_VIEWABLE_SIZE = 4096
+# The checker's ACC_PATTERN["F1_HIERARCHICAL"] (constants.py): digits and dots only, so it reads 6.9e-06 as 6.9.
 ACCURACY_F1_PATTERN = r'\{.*"f1":\s*([\d\.]+).*\}'
+# The JSON number actually written after "f1" (sign, fraction and exponent included).
+ACCURACY_F1_WRITTEN = r'"f1":\s*(-?[\d.]+(?:[eE][-+]?\d+)?)'
 ACCURACY_HASH_PATTERN = r"^hash=([\w\d]+)$"
 
 # The harness writes FAILED_SAMPLES_FILE (JSON list of {"sample_index", "error"}) next to LoadGen's logs;
