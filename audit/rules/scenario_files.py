@@ -11,8 +11,8 @@ from typing import Literal
 from audit.loadgen_logs import LogParseError, parse_summary_log
 from audit.rules.base import (Outcome, Rule, ScenarioContext, Unavailable, check_that, failed, passed,
                               read_json_object)
-from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_F1_WRITTEN, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
-                                ACCURACY_REQUIRED_FILES, COMPLIANCE_TEST_DIR, FILED_FAILED_SAMPLES,
+from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_F1_WRITTEN, ACCURACY_HASH_PATTERN,
+                                ACCURACY_OPTIONAL_FILES, ACCURACY_REQUIRED_FILES, COMPLIANCE_TEST_DIR, FILED_FAILED_SAMPLES,
                                 MAX_ACCURACY_LOG_SIZE, MEASUREMENTS_REQUIRED_FIELDS, PERF_RUN_OPTIONAL_FILES,
                                 PERF_RUN_REQUIRED_FILES)
 
