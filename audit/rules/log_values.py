@@ -58,6 +58,12 @@ def _latency_note(ctx: ScenarioContext) -> str:
     return "Server end-to-end latency"
 
 
+def _sample_count_note(ctx: ScenarioContext) -> str:
+    loaded = min(ctx.detail_log("performance").get("effective_performance_sample_count") or 0,
+                 ctx.detail_log("performance").get("qsl_reported_total_count") or 0)
+    return f"the checker's one value for every scenario; LoadGen loaded {loaded} samples"
+
+
 _PERF_SERVER_LIKE = ("Server", "Interactive")
 
 SPECS: tuple[LogValueRule, ...] = (
@@ -71,7 +77,8 @@ SPECS: tuple[LogValueRule, ...] = (
     LogValueRule("perf-schedule-rng-seed", "performance", "effective_schedule_rng_seed", "==",
                  lambda c: c.round.seeds.schedule, "schedule RNG seed is the round's", note=_seed_note),
     LogValueRule("perf-sample-count", "performance", "effective_performance_sample_count", ">=",
-                 lambda c: c.round.performance_sample_count, "performance sample count is at least the minimum"),
+                 lambda c: c.round.performance_sample_count, "performance sample count is at least the minimum",
+                 note=_sample_count_note),
     LogValueRule("perf-offline-samples-per-query", "performance", "effective_samples_per_query", ">=",
                  lambda c: c.round.offline_min_samples_per_query,
                  "closed Offline query holds at least the minimum samples", scenarios=("Offline",)),

@@ -100,6 +100,10 @@ class RoundRules:
     compliance_tests: tuple[str, ...] = ()
     # Every benchmark of the round (MODEL_CONFIG[round]["models"]): other results folders under a system.
     benchmarks: tuple[str, ...] = ()
+    # One value for every scenario, Interactive's 8k catalogue included: MODEL_CONFIG[round]
+    # ["performance-sample-count"]["qwen3-vl-235b-a22b"] (constants.py; checked on LoadGen logs only, not on
+    # mlcommons/endpoints ones), and mlperf.conf's performance_sample_count_override. LoadGen loads
+    # min(this, the QSL's total), so an Interactive run logging 48289 keeps all 8,000 samples loaded.
     performance_sample_count: int = 48289
     offline_min_samples_per_query: int = 48289
     min_duration_ms: int = 600_000
