@@ -89,7 +89,7 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
             if test is LoadGenMode.PERFORMANCE:
                 _plot(config, scenario, scenario_dir)
         say("stopping the workers and the router")
-    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind)
+    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind, checkpoint)
 
 
 def _run_test_process(options: RunOptions, test: LoadGenMode, router: str, scenario_dir: Path) -> None:
@@ -131,7 +131,7 @@ def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
 
 
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
-            dataset_dir: Path, kind: str) -> int:
+            dataset_dir: Path, kind: str, checkpoint: Path) -> int:
     from audit.accuracy import evaluate_accuracy_log
     from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
     from harness.dataset import load_catalogue
@@ -152,6 +152,7 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
         with builder:
             builder.add_system_description(config.system.system_desc_path)
             builder.add_source(Path(__file__).resolve().parents[1])
+            builder.add_calibration(checkpoint, config.engine.get("kv_cache_dtype", "auto"))
             for test in options.mode.tests:
                 log_dir = log_dir_for(scenario_dir, test)
                 if test is LoadGenMode.PERFORMANCE:

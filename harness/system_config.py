@@ -287,6 +287,24 @@ class SystemConfig(_Strict):
                 raise ValueError(f"datasets.{kind} is required by scenarios.{name}")
         return self
 
+    @model_validator(mode="after")
+    def _performance_samples_fit_datasets(self) -> SystemConfig:
+        # LoadGen cannot keep more samples loaded than the QSL has; found here, not after the cluster is up.
+        for name, kind in DATASET_FOR_SCENARIO.items():
+            section = getattr(self.scenarios, name)
+            if section is not None and kind in self.datasets and section.performance_sample_count > (
+                    size := self.dataset_size(name)):
+                raise ValueError(f"scenarios.{name}.performance_sample_count: {section.performance_sample_count} "
+                                 f"is more than the {size} samples of datasets.{kind}")
+        return self
+
+    def dataset_size(self, scenario: ScenarioName) -> int:
+        """Samples in the scenario's catalogue: N for synthetic:N, else the published dataset's size."""
+        from harness.dataset import DATASETS
+
+        count = self.dataset(scenario).synthetic_count
+        return count if count is not None else DATASETS[DATASET_FOR_SCENARIO[scenario]].size
+
     def scenario(self, name: ScenarioName) -> ScenarioSection:
         section = getattr(self.scenarios, name)
         if section is None:
