@@ -24,7 +24,25 @@ def resolve_checkpoint(model: ModelSection, cache_dir: Path) -> Path:
     path = Path(model.checkpoint)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.checkpoint: {path} has no config.json (copy the checkpoint there)")
+    check_weight_format(model, path)
     return path
+
+
+def check_weight_format(model: ModelSection, checkpoint: Path) -> None:
+    """Raises ConfigError unless the checkpoint's config.json declares the format model.weights expects."""
+    from workers.checkpoint_quant import QuantizationConfigError, weight_format
+
+    config_json = checkpoint / "config.json"
+    try:
+        fmt = weight_format(json.loads(config_json.read_text()), str(config_json))
+    except (ValueError, QuantizationConfigError) as exc:
+        raise ConfigError(f"model.checkpoint: {exc}") from None
+    found = "fp8" if fmt.is_fp8 else "bf16"
+    if found != model.weights:
+        raise ConfigError(
+            f"model.weights: {model.weights!r}, but {config_json} declares {fmt.label} ({found!r}); set model.weights "
+            f"to {found!r} or point model.checkpoint at a {model.weights} checkpoint"
+        )
 
 
 def resolve_dataset(section: DatasetSection, kind: DatasetKind, cache_dir: Path) -> Path:

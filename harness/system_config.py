@@ -62,6 +62,11 @@ class ModelSection(_Strict):
 
     checkpoint: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    weights: Literal["bf16", "fp8"] = Field(
+        "bf16", description="The checkpoint format this system expects: 'bf16' (float weights, no quantization_config) "
+        "or 'fp8' (config.json's quantization_config: Qwen's block FP8 or compressed-tensors FP8-dynamic). Checked "
+        "against the checkpoint's config.json before anything starts."
+    )
 
     @field_validator("checkpoint")
     @classmethod

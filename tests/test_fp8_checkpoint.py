@@ -230,3 +230,15 @@ def test_random_fp8_weights_are_built_from_config_json_alone(tiny_moe_fp8_checkp
     assert experts.gate_up_proj.dtype == FP8_DTYPE and values.std() > 10  # e4m3 values spread over the format
     assert model.language_model.layers[1].mlp.gate.weight.dtype == torch.float32
     assert torch.isfinite(model.language_model.layers[1].self_attn.qkv_proj(torch.randn(3, 64))).all()
+
+
+@pytest.mark.parametrize("expects, fixture", [("fp8", "tiny_dense_checkpoint"), ("bf16", "tiny_dense_fp8_checkpoint")])
+def test_a_system_expecting_another_weight_format_fails_before_start_naming_the_key(expects, fixture, request, tmp_path):
+    from harness.assets import resolve_checkpoint
+    from harness.system_config import ConfigError, ModelSection
+
+    checkpoint = request.getfixturevalue(fixture)
+    model = ModelSection(checkpoint=str(checkpoint), dtype="bfloat16", weights=expects)
+    with pytest.raises(ConfigError, match=rf"model.weights: '{expects}', but .*config.json declares"):
+        resolve_checkpoint(model, tmp_path)
+    assert resolve_checkpoint(model.model_copy(update={"weights": "bf16" if expects == "fp8" else "fp8"}), tmp_path) == checkpoint
