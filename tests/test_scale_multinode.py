@@ -4,12 +4,14 @@ prefill pool is placed on one node, the decode pool on the other, and a run join
 ray.cluster_utils.Cluster starts the same head and worker-node processes as `ray start --head` /
 `ray start --address`, but tracks them, so the teardown stops only this test's processes (`ray stop` would
 stop every Ray on the machine). Both nodes take 127.0.0.1 as their address (`--node-ip-address 127.0.0.1`), so
-that they, and the run that joins them at 127.0.0.1, listen on loopback only."""
+that they, and the run that joins them at 127.0.0.1, listen on loopback only; their session files go to a temp dir
+of the test's (`--temp-dir`), not /tmp/ray."""
 
 import os
 
 import pytest
 
+from harness.ray_network import make_temp_dir, remove_temp_dir
 from scripts.fault_soak import descendants
 from scripts.sim_sweep import run_point, simulated_system
 from tests.net_fixtures import listening_sockets
@@ -21,10 +23,12 @@ LOOPBACK = "127.0.0.1"
 def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path):
     from ray.cluster_utils import Cluster
 
+    temp_dir = make_temp_dir()
+    node = {"node_ip_address": LOOPBACK, "temp_dir": str(temp_dir)}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 4},
-                                                            "include_dashboard": False, "node_ip_address": LOOPBACK})
+                                                            "include_dashboard": False, **node})
     try:
-        cluster.add_node(num_cpus=1, resources={"node_b": 4}, node_ip_address=LOOPBACK)
+        cluster.add_node(num_cpus=1, resources={"node_b": 4}, **node)
         cluster.wait_for_nodes()
         config = simulated_system("sim-2node", "h200", workers=2, layout="disaggregated", policy="round_robin",
                                   prefill_fraction=0.5, qps={"server": 2.0}, duration_ms=4000, samples=8,
@@ -41,5 +45,7 @@ def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path):
         assert sum("raylet" in one.command for one in listeners) >= 2  # both nodes
         outside = [one for one in listeners if not one.loopback]
         assert outside == [], f"the nodes listen outside loopback: {outside}"
+        assert (temp_dir / "session_latest").exists()
     finally:
         cluster.shutdown()
+        remove_temp_dir(temp_dir)
