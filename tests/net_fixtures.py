@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,13 +62,3 @@ def listening_sockets(commands: dict[int, str]) -> list[Listener]:
                 found.append(Listener(pid, commands[pid], host, port))
     return found
 
-
-def process_commands(pids: Iterable[int]) -> dict[int, str]:
-    """pid -> command line, for the live ones."""
-    commands = {}
-    for pid in pids:
-        try:
-            commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-    return commands
