@@ -15,6 +15,7 @@ from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
 from harness.progress import format_table
+from harness.ray_network import RayUnreachable, probe_address
 from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
 from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
 from harness.user_conf import write_user_conf
@@ -59,6 +60,11 @@ def run_submission(options: RunOptions) -> int:
         raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
     if options.ray_address is None and config.model.simulated_hardware is None:  # simulated workers need no GPUs
         config.workers.check_fits(config.ray.num_gpus, config.ray.num_cpus, "the embedded Ray (section ray)")
+    if options.ray_address is not None:
+        try:
+            probe_address(options.ray_address, config.ray.connect_timeout_s)
+        except RayUnreachable as exc:
+            raise ConfigError(f"{exc} (ray.connect_timeout_s sets the wait)") from None
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run(config, options)

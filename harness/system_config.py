@@ -249,11 +249,13 @@ class RequestsSection(_Strict):
 
 
 class RaySection(_Strict):
-    """Resources the embedded `ray.init()` may use (ignored when joining a cluster)."""
+    """Resources the embedded `ray.init()` may use (ignored when joining a cluster), and how long a joined
+    cluster's address (--ray-address) may take to answer before the run fails."""
 
     num_cpus: PositiveInt | None = None
     num_gpus: NonNegativeInt | None = None
     object_store_memory_mb: PositiveInt | None = None
+    connect_timeout_s: PositiveFloat = 30.0
 
 
 DATASET_FOR_SCENARIO: dict[str, DatasetKind] = {

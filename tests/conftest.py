@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import harness  # noqa: F401  - before any test module imports ray: the Rays tests start stay on loopback
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tests"
 
