@@ -42,7 +42,9 @@ from harness.system_config import (
 from harness.user_conf import write_user_conf
 
 REPO = Path(__file__).resolve().parents[1]
-LATENCY_SCENARIOS: tuple[ScenarioName, ...] = ("server", "interactive")
+# What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and
+# the drain after the last query. A guess on the safe side (cpu-tiny: about 10 s).
+POINT_OVERHEAD_S = 20.0
 
 
 class PeakSearch(BaseModel):
@@ -275,6 +277,7 @@ class PeakFinder:
             "server_max_valid_qps": None,
             "interactive_max_valid_qps": None,
             "points": [],
+            "cluster_starts": [],
             "stopped_by_time_budget": False,
         }
 
@@ -285,6 +288,7 @@ class PeakFinder:
             "dataset": DATASET_FOR_SCENARIO[name],
             "catalogue": dataset.path,
             "catalogue_profile": dataset.synthetic_profile if synthetic else "real",
+            "samples": None,  # the dataset's size as LoadGen reports it, after the scenario's first point
             "performance_sample_count": self._performance_sample_count(name),
             "engine": self.config.for_scenario(name).engine,
             "target_latency_ms": self.config.scenario(name).target_latency_ms,
@@ -301,7 +305,7 @@ class PeakFinder:
             return True
         queries = point_queries(qps, self.search.min_duration_ms, self.search.min_query_count,
                                 self._performance_sample_count(name))
-        needed_s = queries / qps
+        needed_s = queries / qps + POINT_OVERHEAD_S
         if time.monotonic() - self._started + needed_s <= budget:
             return True
         say(f"stopping the {name} search: {qps:g} QPS needs about {needed_s:.0f} s, past the time budget")
@@ -326,7 +330,7 @@ class PeakFinder:
             cluster.__enter__()
             running.append((config.engine, cluster))
             say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
-            self.report.data.setdefault("cluster_starts", []).append(
+            self.report.data["cluster_starts"].append(
                 {"for": name, "ready_s": round(time.monotonic() - started, 1)})
             return cluster.router_address
 
@@ -353,6 +357,7 @@ class PeakFinder:
         say(f"{scenario.result_dir_name} {qps:g} QPS: {point.verdict}, {point.samples_per_s:.3f} samples/s, "
             f"p50 {point.p50_s:.2f} s, p90 {point.p90_s:.2f} s, p99 {point.p99_s:.2f} s")
         self.report.data["points"].append(dataclasses.asdict(point))
+        self.report.data["workload"]["scenarios"][name]["samples"] = point.samples
         self.report.write()
         return point
 

@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     # The search's settings: PeakSearch's fields, its defaults where not given.
     fields = PeakSearch.model_fields
     parser.add_argument("--scenarios", type=lambda text: tuple(text.split(",")),
-                        help=f"comma-separated, in order; {fields['scenarios'].description}")
+                        help=f"{fields['scenarios'].description}, comma-separated (default "
+                             f"{','.join(fields['scenarios'].default)})")
     for name, kind in (("min_duration_ms", int), ("min_query_count", int), ("performance_sample_count", int),
                        ("steps", int), ("server_start_fraction", float), ("interactive_start_fraction", float),
                        ("resolution_qps", float), ("offline_samples_per_s", float), ("time_budget_s", float)):
@@ -67,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = finder.run()
     except ValidationError as exc:
         error = exc.errors()[0]
-        option = "--" + ".".join(map(str, error["loc"])).replace("_", "-")
-        parser.error(f"{option}: {error['msg']}" if error["loc"] else error["msg"])
+        message = error["msg"].removeprefix("Value error, ")
+        parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {message}" if error["loc"] else message)
     except ConfigError as exc:
         parser.error(str(exc))
     except Interrupted as exc:

@@ -137,6 +137,8 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
     assert (report["system"], report["device"], report["commit"]) == ("cpu-tiny", "cpu", "abc123")
     assert report["workload"]["max_tokens"] == 16 and report["workload"]["min_duration_ms"] == 1000
     assert report["workload"]["scenarios"]["offline"]["engine"]["max_num_batched_tokens"] == 1024
+    assert {name: (w["samples"], w["catalogue_profile"]) for name, w in report["workload"]["scenarios"].items()} == {
+        "offline": (8, "small"), "server": (8, "small"), "interactive": (8, "small")}
     assert [start["for"] for start in report["cluster_starts"]] == ["offline", "server"]  # Interactive reused it
 
     points = report["points"]
