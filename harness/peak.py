@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and
 # the drain after the last query. A guess on the safe side (cpu-tiny: about 10 s).
 POINT_OVERHEAD_S = 20.0
+GPU_RELEASE_TIMEOUT_S = 120.0
 
 
 class PeakSearch(BaseModel):
@@ -208,6 +209,33 @@ def device_name(config: SystemConfig) -> str:
     return out.stdout.strip()
 
 
+def _gpu_processes() -> list[str] | None:
+    """PIDs of the processes holding memory on this host's GPUs (nvidia-smi), None when it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.split() if out.returncode == 0 else None
+
+
+def wait_for_released_gpus(timeout_s: float = GPU_RELEASE_TIMEOUT_S, poll_s: float = 1.0,
+                           processes: Callable[[], list[str] | None] = _gpu_processes) -> bool:
+    """Waits until no process holds GPU memory: a stopped cluster's worker processes exit after Ray lets them go,
+    and the next workers size their KV cache from the memory they find free. Whether the GPUs came free (a
+    warning, and on regardless, when they did not or nvidia-smi cannot tell)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holding = processes()
+        if holding == []:
+            return True
+        if holding is None or time.monotonic() > deadline:
+            say(f"warning: GPU memory may still be held ({'no nvidia-smi' if holding is None else holding}); "
+                f"the next workers' KV cache may come out smaller")
+            return False
+        time.sleep(poll_s)
+
+
 class PeakFinder:
     """Runs a PeakSearch on a system and writes its report; `run()` returns the report's data."""
 
@@ -336,7 +364,10 @@ class PeakFinder:
 
         def stop() -> None:
             while running:
-                running.pop()[1].stop()
+                engine, cluster = running.pop()
+                cluster.stop()
+                if str(engine.get("device", "cpu")).startswith("cuda"):
+                    wait_for_released_gpus()
 
         try:
             yield cluster_for

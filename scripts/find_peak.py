@@ -60,10 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     given = {name: getattr(args, name) for name in PeakSearch.model_fields if getattr(args, name, None) is not None}
+    report_path = args.json or default_report_path(args.system)
     try:
         search = PeakSearch(**given)
-        finder = PeakFinder(args.system, search, args.output, args.cache_dir,
-                            args.json or default_report_path(args.system), args.ray_address,
+        finder = PeakFinder(args.system, search, args.output, args.cache_dir, report_path, args.ray_address,
                             show_progress=args.progress, commit=args.commit)
         report = finder.run()
     except ValidationError as exc:
@@ -73,8 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     except Interrupted as exc:
-        print(f"find_peak.py: interrupted by {exc}; everything started was stopped", file=sys.stderr)
+        print(f"find_peak.py: interrupted by {exc}; everything started was stopped; the points so far are in "
+              f"{report_path}", file=sys.stderr)
         return 130
+    except Exception as exc:  # the traceback for the developer (-v), one line for everyone else
+        logging.getLogger("harness").info("search failed", exc_info=True)
+        print(f"find_peak.py: search failed: {type(exc).__name__}: {exc}; the points so far are in {report_path}",
+              file=sys.stderr)
+        return 3
     print(json.dumps(report), flush=True)
     return 0
 

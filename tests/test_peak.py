@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
-from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point
+from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
 from harness.system_config import CONFIG_DIR
 from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
 from workers.tiny_checkpoint import TINY_OVERRIDES
@@ -71,6 +71,23 @@ def test_a_server_point_issues_whole_passes_over_the_loaded_samples():
     assert point_queries(8.0, 60_000, 100, 1500) == 1500  # 480 queries needed, one pass of 1,500
     assert point_queries(8.0, 60_000, 100, 300) == 600
     assert point_queries(1.0, 1_000, 500, 300) == 600  # min_query_count dominates
+
+
+def test_the_next_cluster_waits_until_the_stopped_ones_gpu_processes_are_gone():
+    polls = iter([["4242", "4243"], ["4243"], []])
+    asked: list[int] = []
+
+    def processes():
+        asked.append(1)
+        return next(polls)
+
+    assert wait_for_released_gpus(timeout_s=600, poll_s=0, processes=processes) is True
+    assert len(asked) == 3
+
+
+def test_without_nvidia_smi_the_search_goes_on_with_a_warning(capsys):
+    assert wait_for_released_gpus(timeout_s=600, poll_s=0, processes=lambda: None) is False
+    assert "GPU memory may still be held" in capsys.readouterr().err
 
 
 def test_a_search_without_offline_needs_the_offline_rate():
