@@ -333,9 +333,9 @@ class SystemConfig(_Strict):
             if getattr(self.scenarios, name) is None:
                 continue
             if self.for_scenario(name).engine.get("load_format") != "random":
-                where = "scenarios.{name}.engine" if "load_format" in self.scenario(name).engine else "engine"
-                raise ValueError(f"{where.format(name=name)}.load_format: model.generate writes config.json "
-                                 f"only, no weights; set load_format: random")
+                where = f"scenarios.{name}.engine" if "load_format" in self.scenario(name).engine else "engine"
+                raise ValueError(f"{where}.load_format: model.generate writes config.json only, no weights; "
+                                 f"set load_format: random")
         return self
 
     @model_validator(mode="after")
