@@ -87,13 +87,16 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
 
 
 def block_fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
+    *, act_group: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of block.k
-    columns, float32 accumulation per K block, both scales applied per block."""
-    xq, xs = quantize_activation_groups(x, block.k)
+    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of act_group
+    (default block.k) columns, float32 accumulation per K block, both scales applied per block. The Triton GEMM
+    keeps activation groups 128 wide also for per-channel weights (block.k >= K): act_group=128 is its reference."""
+    group = act_group or block.k
+    xq, xs = quantize_activation_groups(x, group)
     k = x.shape[1]
-    a = xq.float() * xs.repeat_interleave(block.k, dim=1)[:, :k]
+    a = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
     out = a @ dequantize_weight_blocks(weight, scale_inv, block).t()
     if bias is not None:
         out = out + bias.float()
