@@ -55,6 +55,9 @@ def on_triton(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # Globals a jitted function reads must be constexpr.
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _AMAX_FLOOR = tl.constexpr(fp8.ACTIVATION_AMAX_FLOOR)
 
     @triton.jit
     def round_to_e4m3(v):
@@ -71,18 +74,18 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def quantize_group(x, FP8_MAX_C: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    def quantize_group(x):
         """x [rows, GROUP] float32 -> (e4m3 grid values float32 [rows, GROUP], scales [rows]) as the reference."""
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_C, tl.float32))
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
         q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
         return round_to_e4m3(q), scale
 
     @triton.jit(do_not_specialize=["M"])
     def _quantize_kernel(
         x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         """Grid (rows / BLOCK_M, groups): one [BLOCK_M, GROUP] tile; masked columns read 0 (no effect on amax)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,7 +94,7 @@ if triton is not None:
         rows = offs_m.to(tl.int64)
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        q, scale = quantize_group(x, FP8_MAX_C, AMAX_FLOOR)
+        q, scale = quantize_group(x)
         tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows * stride_sm + group, scale, mask=offs_m < M)
 
@@ -158,7 +161,7 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     x = x if x.stride(1) == 1 else x.contiguous()
     _quantize_kernel[(triton.cdiv(m, QUANT_BLOCK_M), groups)](
         x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0),
-        GROUP=group, BLOCK_M=QUANT_BLOCK_M, FP8_MAX_C=FP8_MAX, AMAX_FLOOR=fp8.ACTIVATION_AMAX_FLOOR, num_warps=4,
+        GROUP=group, BLOCK_M=QUANT_BLOCK_M, num_warps=4,
     )
     return q, scales
 
