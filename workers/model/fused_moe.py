@@ -6,9 +6,10 @@ down kernel also sums each token's k outputs. Every shape is fixed by the token 
 CUDA graphs (no host sync).
 
 FP8 experts (block scales given): the tiled path is W8A8 (x quantised per token and group of 128 once; the gated
-GEMM's epilogue quantises its own output tile rows, BLOCK_N == 128 being one group, for the down GEMM), the GEMV
-path W8A16 (weights dequantised in registers; activations stay bf16, as decode streams weights and the activation
-bytes are negligible).
+GEMM's epilogue quantises its own output tile rows, BLOCK_N == 128 being one group, for the down GEMM: no bf16
+round trip of the gated output and no extra launch), the GEMV path W8A16 (weights dequantised in registers;
+activations stay bf16, as decode streams weights and the activation bytes are negligible). TMA weight tiles
+serve fp8 too: the descriptor's tile is [BLOCK_N, 128] fp8 elements, 128 bytes a row.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from workers.model.moe_routing import align_pairs
 try:
     import triton
     import triton.language as tl
-
-    from workers.model.fp8_gemm import quantize_group
 except ImportError:  # CPU-only installs
     triton = None
+
+if triton is not None:
+    from workers.model.fp8_gemm import quantize_group  # the gated GEMM's fp8 epilogue
 
 
 @dataclass(frozen=True)
