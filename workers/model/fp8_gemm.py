@@ -168,8 +168,9 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
 
 def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, k: int) -> None:
     n = weight.shape[0]
-    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"fp8_linear needs a float8_e4m3fn weight [N, {k}], got {weight.dtype} {tuple(weight.shape)}")
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"fp8_linear needs a row-major float8_e4m3fn weight [N, {k}], got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
     if tuple(scale.shape) != block.grid(n, k) or scale.dtype != torch.float32:
         raise ValueError(
             f"weight scale {scale.dtype} {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} in blocks of "
