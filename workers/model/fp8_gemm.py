@@ -189,12 +189,14 @@ def fp8_linear(
     shape fits, else Triton), "auto" (Triton until the H200's numbers favour scaled_mm). Off CUDA: the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"fp8_linear backend {backend!r} is not one of {BACKENDS}")
-    m, k = x.shape
+    if x.dim() != 2:
+        raise ValueError(f"fp8_linear takes x [tokens, features], got shape {tuple(x.shape)}")
+    k = x.shape[1]
     _check_weight(weight, scale, block, k)
     if not on_triton(x):
         return fp8.block_fp8_linear_reference(x, weight, scale, block, bias, act_group=ACT_GROUP)
     xq, xs = quantize_activations(x, ACT_GROUP)
-    if backend == "scaled_mm" and scaled_mm_fits(weight.shape[0], k, block, x.dtype) and scaled_mm_available(x.device):
+    if backend == "scaled_mm" and x.shape[0] and scaled_mm_fits(weight.shape[0], k, block, x.dtype) and scaled_mm_available(x.device):
         return scaled_mm_blockwise(xq, xs, weight, scale, x.dtype, bias)
     return w8a8_gemm(xq, xs, weight, scale, block, x.dtype, bias)
 
