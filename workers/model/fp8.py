@@ -92,11 +92,12 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
 
 
 def block_fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
+    *, act_group: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of
-    min(block.k, ACTIVATION_GROUP) columns, float32 accumulation, both scales applied per block."""
-    group = min(block.k, ACTIVATION_GROUP)
+    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of act_group
+    (default min(block.k, ACTIVATION_GROUP)) columns, float32 accumulation, both scales applied per block."""
+    group = act_group or min(block.k, ACTIVATION_GROUP)
     xq, xs = quantize_activation_groups(x, group)
     k = x.shape[1]
     a = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
