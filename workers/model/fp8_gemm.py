@@ -103,7 +103,7 @@ if triton is not None:
         a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, block_n, block_k,
         stride_am, stride_asm, stride_bn, stride_bsn, stride_bsk, stride_cm,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     ):
         """c = a @ b.T with a [M, K] fp8 (scales [M, K / BLOCK_K]) and b [N, K] fp8 (scales [N / block_n, K / block_k],
         block_k a multiple of BLOCK_K or >= K). The weight scale is loaded per output column (n // block_n), which
@@ -126,9 +126,13 @@ if triton is not None:
         bs_ptrs = bs_ptr + (offs_n // block_n) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k_mask = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K:  # no K mask: the loads stay unpredicated along K
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             a_s = tl.load(as_ptrs + kb, mask=m_mask, other=0.0)
             b_s = tl.load(bs_ptrs + (kb * BLOCK_K // block_k) * stride_bsk, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -203,21 +207,22 @@ def fp8_linear(
 
 def w8a8_gemm(
     xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: BlockShape,
-    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, cfg: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton GEMM on already quantised activations (xq [M, K] fp8, xs [M, ceil(K/128)])."""
+    """The Triton GEMM on already quantised activations (xq [M, K] fp8, xs [M, ceil(K/128)]); cfg: tiles other than
+    gemm_config(M)'s (scripts/tune_fp8.py)."""
     m, k = xq.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    cfg = gemm_config(m)
+    cfg = cfg or gemm_config(m)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w8a8_gemm_kernel[grid](
         xq, xs, weight, scale, bias if bias is not None else out, out, m, n, k, block.n, block.k,
         xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=ACT_GROUP,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, EVEN_K=k % ACT_GROUP == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
