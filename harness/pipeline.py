@@ -14,7 +14,9 @@ from pathlib import Path
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
+from harness.preflight import check_engine_device, check_output_writable
 from harness.progress import format_table
+from harness.run_logs import StagedRunLogs
 from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
 from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
 from harness.user_conf import write_user_conf
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 SUBMISSION_DIR = "submission"
 RUNS_DIR = "runs"
+PLOT_FILE = "latency.png"
 CHILD_STOP_TIMEOUT_S = 10.0
 
 
@@ -59,6 +62,8 @@ def run_submission(options: RunOptions) -> int:
         raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
     if options.ray_address is None and config.model.simulated_hardware is None:  # simulated workers need no GPUs
         config.workers.check_fits(config.ray.num_gpus, config.ray.num_cpus, "the embedded Ray (section ray)")
+        check_engine_device(config, options.scenario.value)  # a joined cluster's GPUs are on its own nodes
+    check_output_writable(options.output.resolve())
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run(config, options)
@@ -72,24 +77,30 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     scenario = options.scenario
     config = config.for_scenario(scenario.value)
     scenario_dir = output / RUNS_DIR / config.system.name / scenario.result_dir_name
-    user_conf = write_user_conf(config, scenario, scenario_dir / "user.conf")
     say(f"system {config.system.name}, scenario {scenario.value}, mode {options.mode.value}; output in {output}")
     say("preparing the checkpoint and the dataset")
     checkpoint = resolve_checkpoint(config.model, options.cache_dir)
     kind = DATASET_FOR_SCENARIO[scenario.value]
     dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
 
-    say(f"starting the router and {config.workers.num_workers} workers (Ray)")
-    started = time.monotonic()
-    with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
-        say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
-        for test in options.mode.tests:
-            say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
-            _run_test_process(options, test, cluster.router_address, scenario_dir)
-            if test is LoadGenMode.PERFORMANCE:
-                _plot(config, scenario, scenario_dir)
-        say("stopping the workers and the router")
-    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind)
+    # The router's log stays in scenario_dir (appended run after run, read live); LoadGen's raw logs, user.conf
+    # and the plot are staged and replace the previous run's only once every test has completed.
+    scenario_dir.mkdir(parents=True, exist_ok=True)
+    with StagedRunLogs(scenario_dir, discard_on=(Interrupted, KeyboardInterrupt)) as staging:
+        write_user_conf(config, scenario, staging / "user.conf")
+        say(f"starting the router and {config.workers.num_workers} workers (Ray)")
+        started = time.monotonic()
+        with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
+            say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
+            for test in options.mode.tests:
+                say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
+                _run_test_process(options, test, cluster.router_address, staging)
+                if test is LoadGenMode.PERFORMANCE:
+                    _plot(config, scenario, staging)
+            say("stopping the workers and the router")
+    plotted = f" and {PLOT_FILE}" if LoadGenMode.PERFORMANCE in options.mode.tests else ""
+    say(f"LoadGen logs{plotted} in {scenario_dir}")
+    return _report(config, options, scenario_dir, scenario_dir / "user.conf", dataset_dir, kind)
 
 
 def _run_test_process(options: RunOptions, test: LoadGenMode, router: str, scenario_dir: Path) -> None:
@@ -111,23 +122,25 @@ def _run_test_process(options: RunOptions, test: LoadGenMode, router: str, scena
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        if options.show_progress:  # the child died mid-bar: what is said next starts on a line of its own
+            print(file=sys.stderr, flush=True)
         raise
     if rc != 0:
         raise RuntimeError(f"the LoadGen {test.value} test exited with status {rc}")
 
 
 def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
-    from harness.plot import plot_latencies
+    from harness.plot import plot_performance_run
 
     log_dir = log_dir_for(scenario_dir, LoadGenMode.PERFORMANCE)
     target = config.scenario(scenario.value).target_latency_ms
-    png = plot_latencies(
+    plot_performance_run(
         log_dir / TRACE_FILE,
-        scenario_dir / "latency.png",
+        scenario_dir / PLOT_FILE,
         f"{config.system.name} {scenario.result_dir_name}",
-        target / 1000 if target else None,
+        offline=scenario is Scenario.OFFLINE,
+        target_latency_s=target / 1000 if target else None,
     )
-    say(f"latency plot: {png}")
 
 
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
