@@ -61,6 +61,7 @@ class SubmissionTreeBuilder:
         self.submitter = submitter
         self.system_name = system_name
         self._staging: Path | None = None
+        self._lock_path = self.output_dir.parent / f".{self.output_dir.name}.lock"
         self._lock_fd: int | None = None
 
     # -- transaction ---------------------------------------------------------------------------------
@@ -81,8 +82,7 @@ class SubmissionTreeBuilder:
             raise RuntimeError("SubmissionTreeBuilder.begin() called twice")
         parent, name = self.output_dir.parent, self.output_dir.name
         parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(parent / f".{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._lock_fd = _lock(self._lock_path)
         try:
             self._recover_interrupted_runs(parent, name)
             self._staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent))
@@ -260,6 +260,8 @@ class SubmissionTreeBuilder:
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
+            # Unlinked while still held, so a builder that opened it meanwhile sees it gone and locks afresh (_lock).
+            self._lock_path.unlink(missing_ok=True)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
@@ -292,6 +294,20 @@ def calibration_text(checkpoint_name: str, config: Mapping[str, Any] | None, kv_
     else:
         lines.append(f"KV cache: the model's compute dtype (engine setting kv_cache_dtype: {kv_cache_dtype}).")
     return "\n".join(lines) + "\n"
+
+
+def _lock(path: Path) -> int:
+    """An exclusive flock on `path`, which the holder deletes when it lets go: after waiting, the lock counts
+    only if `path` is still the file this process opened (not unlinked by the holder, nor made again since)."""
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _write_text(path: Path, text: str) -> Path:

@@ -19,7 +19,7 @@ from harness.sample_store import SampleStore
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
 from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config
-from harness.user_conf import load_test_settings
+from harness.user_conf import expected_sample_count, load_test_settings
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
 
     failed = FailedSamplesLog(log_dir / FAILED_SAMPLES_FILE)
     progress = Progress(
-        f"{spec.scenario.result_dir_name} {spec.test.value}", enabled=spec.show_progress
+        f"{spec.scenario.result_dir_name} {spec.test.value}",
+        total=expected_sample_count(settings, len(catalogue), section.performance_sample_count),
+        enabled=spec.show_progress,
     )
     qsl = StoreQSL(store, len(catalogue), section.performance_sample_count)
     sut = RouterSUT(

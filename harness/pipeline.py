@@ -16,8 +16,10 @@ from pathlib import Path
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
+from harness.preflight import check_engine_device, check_output_writable
 from harness.progress import format_table
 from harness.ray_network import RayUnreachable, probe_address
+from harness.run_logs import StagedRunLogs
 from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
 from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
 from harness.user_conf import write_user_conf
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 SUBMISSION_DIR = "submission"
 RUNS_DIR = "runs"
+PLOT_FILE = "latency.png"
 CHILD_STOP_TIMEOUT_S = 10.0
 
 
@@ -84,6 +87,9 @@ def run_submission(options: RunOptions) -> int:
     config = load_system_config(options.system)
     config.scenario(options.scenario.value)  # the scenario must be configured for this system
     check_startable(config, options.ray_address)
+    if options.ray_address is None and config.model.simulated_hardware is None:
+        check_engine_device(config, options.scenario.value)  # a joined cluster's GPUs are on its own nodes
+    check_output_writable(options.output.resolve())
     with interruptible():
         return _run(config, options)
 
@@ -93,25 +99,31 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     scenario = options.scenario
     config = config.for_scenario(scenario.value)
     scenario_dir = output / RUNS_DIR / config.system.name / scenario.result_dir_name
-    user_conf = write_user_conf(config, scenario, scenario_dir / "user.conf")
     say(f"system {config.system.name}, scenario {scenario.value}, mode {options.mode.value}; output in {output}")
     say("preparing the checkpoint and the dataset")
     checkpoint = resolve_checkpoint(config.model, options.cache_dir)
     kind = DATASET_FOR_SCENARIO[scenario.value]
     dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
 
-    say(f"starting the router and {config.workers.num_workers} workers (Ray)")
-    started = time.monotonic()
-    with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
-        say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
-        for test in options.mode.tests:
-            say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
-            run_test_process(options.system, scenario, test, cluster.router_address, scenario_dir,
-                             options.cache_dir, options.show_progress)
-            if test is LoadGenMode.PERFORMANCE:
-                _plot(config, scenario, scenario_dir)
-        say("stopping the workers and the router")
-    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind, checkpoint)
+    # The router's log stays in scenario_dir (appended run after run, read live); LoadGen's raw logs, user.conf
+    # and the plot are staged and replace the previous run's only once every test has completed.
+    scenario_dir.mkdir(parents=True, exist_ok=True)
+    with StagedRunLogs(scenario_dir, discard_on=(Interrupted, KeyboardInterrupt)) as staging:
+        write_user_conf(config, scenario, staging / "user.conf")
+        say(f"starting the router and {config.workers.num_workers} workers (Ray)")
+        started = time.monotonic()
+        with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
+            say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
+            for test in options.mode.tests:
+                say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
+                run_test_process(options.system, scenario, test, cluster.router_address, staging,
+                                 options.cache_dir, options.show_progress)
+                if test is LoadGenMode.PERFORMANCE:
+                    _plot(config, scenario, staging)
+            say("stopping the workers and the router")
+    plotted = f" and {PLOT_FILE}" if LoadGenMode.PERFORMANCE in options.mode.tests else ""
+    say(f"LoadGen logs{plotted} in {scenario_dir}")
+    return _report(config, options, scenario_dir, scenario_dir / "user.conf", dataset_dir, kind, checkpoint)
 
 
 def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router: str, scenario_dir: Path,
@@ -135,23 +147,25 @@ def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        if options.show_progress:  # the child died mid-bar: what is said next starts on a line of its own
+            print(file=sys.stderr, flush=True)
         raise
     if rc != 0:
         raise RuntimeError(f"the LoadGen {test.value} test exited with status {rc}")
 
 
 def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
-    from harness.plot import plot_latencies
+    from harness.plot import plot_performance_run
 
     log_dir = log_dir_for(scenario_dir, LoadGenMode.PERFORMANCE)
     target = config.scenario(scenario.value).target_latency_ms
-    png = plot_latencies(
+    plot_performance_run(
         log_dir / TRACE_FILE,
-        scenario_dir / "latency.png",
+        scenario_dir / PLOT_FILE,
         f"{config.system.name} {scenario.result_dir_name}",
-        target / 1000 if target else None,
+        offline=scenario is Scenario.OFFLINE,
+        target_latency_s=target / 1000 if target else None,
     )
-    say(f"latency plot: {png}")
 
 
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,

@@ -1,5 +1,5 @@
-"""Live progress of one LoadGen test (tqdm: issued/completed queries, QPS, p50/p99 latency) and the
-summary table printed at the end from LoadGen's own logs."""
+"""Live progress of one LoadGen test (tqdm: completed of the samples LoadGen will issue, ETA, QPS, p50/p99
+latency) and the summary table printed at the end from LoadGen's own logs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 class Progress:
-    """Thread-safe counters the SUT feeds; renders a tqdm bar on stderr (disabled when not wanted)."""
+    """Thread-safe counters the SUT feeds; renders a tqdm bar on stderr (disabled when not wanted). `total`: the
+    samples LoadGen will issue (harness.user_conf.expected_sample_count), which gives the bar its ETA."""
 
     def __init__(self, description: str, total: int | None = None, enabled: bool = True) -> None:
         self._lock = threading.Lock()

@@ -1,11 +1,13 @@
 """One YAML per system (mlperf_configs/<system>.yaml) validated into typed objects.
 
-A bad file fails before anything starts with one line naming the key (`ConfigError`).
+A bad file fails before anything starts with one line naming the key (`ConfigError`): numbers are strict (a YAML
+`true` is no count), a key given twice is named with both lines, and names that become directories are checked.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,11 +41,18 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML's `true` is not the count 1, nor "2" the number 2 (an int still passes where a float is
+    # expected: `target_qps: 2`).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# One path component that is the same on every file system the tree is copied to: no separators, no "." or ".."
+# and no hidden names (the submission tree puts these names in directory paths).
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 class SystemSection(_Strict):
-    """Who submits what: names that appear in the submission tree."""
+    """Who submits what: names that appear in the submission tree (as directories: safe path components)."""
 
     name: str = Field(min_length=1)
     submitter: str = Field(min_length=1)
@@ -51,6 +60,14 @@ class SystemSection(_Strict):
     system_desc: str = Field(
         min_length=1, description="systems/*.json path, relative to mlperf_configs/"
     )
+
+    @field_validator("name", "submitter")
+    @classmethod
+    def _safe_path_component(cls, value: str) -> str:
+        if not _SAFE_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a safe directory name (letters, digits and . _ + -, "
+                             f"starting with a letter or digit)")
+        return value
 
     @property
     def system_desc_path(self) -> Path:
@@ -474,6 +491,38 @@ def router_config(config: SystemConfig, listen: str):
     return RouterConfig.model_validate({**config.router, "listen": listen})
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain SafeLoader keeps the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                break
+            if first != line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} on lines {first} and {line}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_system_yaml(path: Path) -> Any:
+    """The parsed YAML of a system file, not yet validated; a key given twice fails naming it and its lines."""
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.constructor.ConstructorError as exc:
+        if exc.problem and exc.problem.startswith("duplicate key"):
+            raise ConfigError(f"{path}: {exc.problem}") from None
+        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
+
+
 def system_config_path(name_or_path: str | Path) -> Path:
     """mlperf_configs/<name>.yaml for a system name; a YAML path as given."""
     path = Path(name_or_path)
@@ -483,14 +532,6 @@ def system_config_path(name_or_path: str | Path) -> Path:
             known = ", ".join(available_systems()) or "none"
             raise ConfigError(f"unknown system {str(name_or_path)!r} (known: {known})")
     return path
-
-
-def read_system_yaml(path: Path) -> Any:
-    """The parsed YAML of a system file, not yet validated."""
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
 
 
 def load_system_config(name_or_path: str | Path) -> SystemConfig:

@@ -58,3 +58,29 @@ def load_test_settings(user_conf: Path, scenario: Scenario, mode: LoadGenMode) -
     if rc != 0:
         raise RuntimeError(f"LoadGen rejected {user_conf} (FromConfig returned {rc})")
     return settings
+
+
+def expected_sample_count(settings: lg.TestSettings, total_sample_count: int, performance_sample_count: int) -> int:
+    """How many samples LoadGen will issue under `settings` (the progress bar's total), by LoadGen's own rules
+    (https://github.com/mlcommons/inference/blob/master/loadgen/test_settings_internal.cc and loadgen.cc's
+    GenerateQueries). Accuracy: every sample of the QSL once (or accuracy_sample_count_override of them).
+    Offline: one query of max(min_query_count, int(1.1 x min_duration x expected QPS)) samples. Server (and
+    Interactive): Poisson arrivals until both min_duration and min_query_count are met, so an estimate:
+    max(min_query_count, target_qps x min_duration), capped by max_query_count when one is set. With
+    sample_concatenate_permutation (mlperf.conf sets it for this benchmark) LoadGen issues the loaded set equally:
+    both round up to a multiple of the performance sample count (`performance_sample_count`, the QSL's, unless
+    the settings override it)."""
+    if settings.mode == lg.TestMode.AccuracyOnly:
+        override = settings.accuracy_sample_count_override
+        return min(override, total_sample_count) if override else total_sample_count
+    seconds = settings.min_duration_ms / 1000
+    if settings.scenario == lg.TestScenario.Offline:
+        count = max(settings.min_query_count, int(1.1 * seconds * settings.offline_expected_qps))
+    else:
+        count = max(settings.min_query_count, int(settings.server_target_qps * seconds))
+    if settings.sample_concatenate_permutation:
+        loaded = min(settings.performance_sample_count_override or performance_sample_count, total_sample_count)
+        count = -(-count // loaded) * loaded
+    if settings.scenario != lg.TestScenario.Offline and settings.max_query_count:
+        count = min(count, settings.max_query_count)
+    return count

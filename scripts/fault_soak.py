@@ -130,12 +130,15 @@ class RunReport:
 class HarnessRun:
     """`python -m harness --scenario server --mode accuracy` in a subprocess, with faults injected into it."""
 
-    def __init__(self, system: Path, output: Path, cache: Path, scenario: str = "server", mode: str = "accuracy"):
+    def __init__(self, system: Path, output: Path, cache: Path, scenario: str = "server", mode: str = "accuracy",
+                 progress: bool = False):
         self.output = output
         self.metrics_url = f"http://{yaml.safe_load(system.read_text())['router']['http_listen']}/metrics"
         self.scenario_dir = output / "runs" / "cpu-tiny" / scenario.capitalize()
         self.command = [sys.executable, "-m", "harness", "--scenario", scenario, "--mode", mode, "--system",
-                        str(system), "--output", str(output), "--cache-dir", str(cache), "--no-progress"]
+                        str(system), "--output", str(output), "--cache-dir", str(cache)]
+        if not progress:
+            self.command.append("--no-progress")
         self.process: subprocess.Popen | None = None
         self.faults: list[str] = []
         self.started = 0.0

@@ -26,6 +26,7 @@ class LoadGenRunSpec:
     target_qps: float = 400.0
     server_target_latency_ms: int | None = None
     load_config_twice: bool = False
+    trace: bool = False  # also write mlperf_log_trace.json (per-sample events)
 
 
 def run_loadgen(spec: LoadGenRunSpec, out_dir: Path) -> Path:
@@ -106,7 +107,7 @@ def _run_in_this_process(spec: LoadGenRunSpec, out_dir: Path) -> None:
             raise SystemExit(f"FromConfig failed for {conf}")
     log_settings = lg.LogSettings()
     log_settings.log_output.outdir = str(out_dir)
-    log_settings.enable_trace = False
+    log_settings.enable_trace = spec.trace
 
     sut = lg.ConstructSUT(issue_queries, lambda: None)
     qsl = lg.ConstructQSL(spec.total_samples, spec.total_samples, lambda _: None, lambda _: None)

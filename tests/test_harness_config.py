@@ -190,3 +190,80 @@ def test_unreadable_yaml_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_system_config(path)
     assert str(info.value).startswith(f"{path}: cannot read YAML") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["name", "submitter"])
+@pytest.mark.parametrize("value", ["../../etc", "a/b", ".hidden", "..", "two words", "back\\slash"])
+def test_a_system_name_that_is_not_a_safe_path_component_is_refused(key, value):
+    data = cpu_tiny()
+    data["system"][key] = value
+    message = error_for(data)
+    assert f"test.yaml: system.{key}: " in message and "not a safe directory name" in message
+
+
+def test_ordinary_submitter_and_system_names_are_accepted():
+    data = cpu_tiny()
+    data["system"].update(submitter="Red_Hat-2", name="NVIDIA_H200-SXM-141GBx8_TRT+v6.1")
+    config = parse_system_config(data, "test.yaml")
+    assert config.system.submitter == "Red_Hat-2"
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("workers", "pools", 0, "count"), True),
+    (("workers", "pools", 0, "count"), "2"),
+    (("workers", "pools", 0, "count"), 2.0),
+    (("scenarios", "server", "min_query_count"), False),
+    (("scenarios", "offline", "target_qps"), True),
+    (("scenarios", "offline", "target_qps"), "2.5"),
+    (("requests", "max_tokens"), True),
+    (("ray", "num_cpus"), True),
+    (("router_shards",), True),
+])
+def test_a_boolean_or_a_string_is_not_a_number(path, value):
+    data = cpu_tiny()
+    parent = data
+    for part in path[:-1]:
+        parent = parent[part]
+    parent[path[-1]] = value
+    assert f"test.yaml: {'.'.join(str(p) for p in path)}: Input should be a valid" in error_for(data)
+
+
+def test_an_integer_is_a_valid_float():
+    data = cpu_tiny()
+    data["scenarios"]["offline"]["target_qps"] = 2
+    data["workers"]["pools"][0]["cpus_per_worker"] = 1
+    config = parse_system_config(data, "test.yaml")
+    assert config.scenario("offline").target_qps == 2.0
+
+
+def test_a_duplicate_key_is_named_with_both_lines(tmp_path):
+    lines = (CONFIG_DIR / "cpu-tiny.yaml").read_text().splitlines()
+    server = next(i for i, line in enumerate(lines) if line.lstrip().startswith("server:"))
+    lines.insert(server, "  server: {target_qps: 9.0}")  # a second `server` inside `scenarios`, just above
+    path = tmp_path / "dup.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_system_config(path)
+    assert str(info.value) == f"{path}: duplicate key 'server' on lines {server + 1} and {server + 2}"
+
+
+def test_a_duplicate_top_level_key_is_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text((CONFIG_DIR / "cpu-tiny.yaml").read_text() + "router_shards: 1\nrouter_shards: 2\n")
+    lines = path.read_text().splitlines()
+    with pytest.raises(ConfigError, match=f"duplicate key 'router_shards' on lines {len(lines) - 1} and {len(lines)}"):
+        load_system_config(path)
+
+
+def test_a_yaml_merge_key_may_still_override_what_it_merges(tmp_path):
+    data = cpu_tiny()
+    data.pop("scenarios")
+    text = yaml.safe_dump(data) + (
+        "scenarios:\n"
+        "  offline: {target_qps: 2.0, min_duration_ms: 10000, min_query_count: 32, performance_sample_count: 32}\n"
+        "  server: &server {target_qps: 1.0, min_duration_ms: 15000, min_query_count: 16,"
+        " performance_sample_count: 32, target_latency_ms: 12000}\n"
+        "  interactive:\n    <<: *server\n    performance_sample_count: 24\n    target_latency_ms: 1500\n")
+    path = tmp_path / "merge.yaml"
+    path.write_text(text)
+    assert load_system_config(path).scenario("interactive").target_latency_ms == 1500

@@ -1,5 +1,6 @@
 """The user.conf generated from a system config gives LoadGen the intended effective TestSettings
-(read back with TestSettings.FromConfig in a fresh process, as a real test does)."""
+(read back with TestSettings.FromConfig in a fresh process, as a real test does), and the progress bar's total is
+the sample count LoadGen then issues."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from harness.scenarios import Scenario
-from harness.system_config import load_system_config
+from harness.system_config import CONFIG_DIR, load_system_config
 from harness.user_conf import MODEL_KEY, render_user_conf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,3 +149,66 @@ def _env() -> dict:
     import os
 
     return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+_COUNT_ISSUED = """
+import json, sys, threading
+from pathlib import Path
+import mlperf_loadgen as lg
+from harness.scenarios import LoadGenMode, Scenario
+from harness.system_config import load_system_config
+from harness.user_conf import expected_sample_count, load_test_settings, write_user_conf
+config = load_system_config(sys.argv[1])
+scenario, mode, total = Scenario(sys.argv[2]), LoadGenMode(sys.argv[3]), int(sys.argv[4])
+settings = load_test_settings(write_user_conf(config, scenario, Path(sys.argv[5]) / "user.conf"), scenario, mode)
+issued = []
+def issue(samples):
+    issued.extend(samples)
+    threading.Thread(target=lambda: lg.QuerySamplesComplete([lg.QuerySampleResponse(s.id, 0, 0) for s in samples])).start()
+sut = lg.ConstructSUT(issue, lambda: None)
+qsl = lg.ConstructQSL(total, min(total, config.scenario(scenario.value).performance_sample_count), lambda _: None, lambda _: None)
+log = lg.LogSettings()
+log.log_output.outdir = sys.argv[5]
+lg.StartTestWithLogSettings(sut, qsl, settings, log)
+psc = config.scenario(scenario.value).performance_sample_count
+print(json.dumps({"expected": expected_sample_count(settings, total, psc), "issued": len(issued)}))
+"""
+
+
+def issued_by_loadgen(tmp_path: Path, scenario: str, mode: str, total: int, **offline) -> dict:
+    data = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+    data["scenarios"]["offline"].update(offline)
+    system = tmp_path / "system.yaml"
+    system.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-c", _COUNT_ISSUED, str(system), scenario, mode, str(total), str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("offline", "count"), [
+    ({"target_qps": 2.0, "min_duration_ms": 10000, "min_query_count": 32}, 32),  # min_query_count decides
+    ({"target_qps": 30.0, "min_duration_ms": 2000, "min_query_count": 32}, 96),  # 1.1 x 2 s x 30/s = 66, padded
+    ({"target_qps": 2.0, "min_duration_ms": 10000, "min_query_count": 40}, 64),  # to a multiple of the 32 loaded
+])
+def test_the_progress_total_is_what_loadgen_issues_in_an_offline_run(offline, count, tmp_path):
+    assert issued_by_loadgen(tmp_path, "offline", "performance", 32, **offline) == {"expected": count, "issued": count}
+
+
+def test_the_progress_total_of_an_accuracy_run_is_every_sample(tmp_path):
+    assert issued_by_loadgen(tmp_path, "offline", "accuracy", 40) == {"expected": 40, "issued": 40}
+
+
+def test_the_progress_total_of_a_server_run_is_target_qps_over_min_duration_at_least_min_query_count():
+    import mlperf_loadgen as lg
+
+    from harness.user_conf import expected_sample_count
+
+    settings = lg.TestSettings()
+    settings.scenario, settings.mode = lg.TestScenario.Server, lg.TestMode.PerformanceOnly
+    settings.server_target_qps, settings.min_duration_ms, settings.min_query_count = 2.5, 60000, 100
+    settings.sample_concatenate_permutation = False
+    assert expected_sample_count(settings, 1000, 1000) == 150
+    settings.min_query_count = 270336
+    assert expected_sample_count(settings, 1000, 1000) == 270336
+    settings.sample_concatenate_permutation = True  # equal issue: whole passes over the 1,000 loaded samples
+    assert expected_sample_count(settings, 1000, 1000) == 271000

@@ -1,14 +1,18 @@
 """Bad system configs and arguments fail before anything starts: exit status 2 and one line naming the problem
-(every top-level key missing, misspelt or mistyped; a checkpoint that is not there; more GPUs than Ray has)."""
+(every top-level key missing, misspelt or mistyped; a checkpoint that is not there; more GPUs than Ray has; a key
+given twice; an unsafe submitter name; a CUDA engine where there is no CUDA; an --output that cannot be written)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from harness.cli import main
@@ -23,6 +27,11 @@ def harness_error(tmp_path: Path, data: dict) -> tuple[int, str]:
     """`python -m harness --scenario server --system <data>` in this process: (exit status, stderr)."""
     system = tmp_path / "system.yaml"
     system.write_text(yaml.safe_dump(data))
+    return harness_main(tmp_path, system)
+
+
+def harness_main(tmp_path: Path, system: Path) -> tuple[int, str]:
+    """`python -m harness --scenario server --system <file>` in this process: (exit status, stderr)."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
@@ -96,3 +105,47 @@ def test_an_unknown_scenario_argument_is_a_usage_error(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "--scenario" in result.stderr
+
+
+def test_a_submitter_that_is_not_a_path_component_is_refused_before_anything_starts(tmp_path):
+    rc, stderr = harness_error(tmp_path, BASE | {"system": BASE["system"] | {"submitter": "../../etc"}})
+    assert rc == 2
+    assert "system.submitter: " in error_line(stderr) and "'../../etc'" in error_line(stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    system = tmp_path / "system.yaml"
+    system.write_text(yaml.safe_dump(BASE) + "router_shards: 1\nrouter_shards: 2\n")
+    last = len(system.read_text().splitlines())
+    rc, stderr = harness_main(tmp_path, system)
+    assert rc == 2
+    assert error_line(stderr) == f"run_submission.sh: error: {system}: duplicate key 'router_shards' on lines {last - 1} and {last}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe finds CUDA on this machine")
+@pytest.mark.parametrize("where", ["engine", "scenarios.server.engine"])
+def test_a_cuda_engine_on_a_machine_without_cuda_is_refused_before_anything_starts(where, tmp_path):
+    data = copy.deepcopy(BASE)
+    if where == "engine":
+        data["engine"]["device"] = "cuda"
+    else:
+        data["scenarios"]["server"]["engine"] = {"device": "cuda:0"}
+    rc, stderr = harness_error(tmp_path, data)
+    assert rc == 2
+    line = error_line(stderr)
+    assert f"{where}.device: " in line and "torch.cuda.is_available() is False" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_cannot_be_written_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = subprocess.run([sys.executable, "-m", "harness", "--scenario", "server", "--output", str(blocker / "out"),
+                             "--cache-dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"run_submission.sh: error: --output: {blocker / 'out'} is not a writable directory: Not a directory"]
+    assert not (tmp_path / "cache").exists()  # refused before the checkpoint was made

@@ -1,5 +1,6 @@
 """An interrupted run (SIGINT or SIGTERM while LoadGen runs) tears down Ray, the router and the workers (no
-process of the run is left) and never leaves an output directory that looks like a complete submission."""
+process of the run is left), never leaves an output directory that looks like a complete submission, keeps the
+previous run's raw logs as they were, and says so on a line of its own (not on the progress bar's)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_submission(sig, tmp_path):
-    run = HarnessRun(soak_system(tmp_path, 20, qps=1.0), tmp_path / "out", CACHE).start()
+    run = HarnessRun(soak_system(tmp_path, 20, qps=1.0), tmp_path / "out", CACHE, progress=True)
+    previous = run.scenario_dir / "accuracy" / "mlperf_log_accuracy.json"
+    previous.parent.mkdir(parents=True)
+    previous.write_text("[]\n")  # a previous run's raw log
+    run.start()
     run.wait_for_loadgen()
     assert run.wait_for_inflight(1), run.process.communicate()[1][-3000:]
     started = descendants(run.pid)
@@ -43,5 +48,10 @@ def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_sub
     left = {pid: cmd for pid, cmd in started.items() if alive(pid)}
     assert left == {}, f"processes left behind: {left}"
     assert not (run.output / "submission").exists()
+    assert previous.read_text() == "[]\n"
+    assert [p.name for p in run.scenario_dir.parent.iterdir() if p.name.startswith(".")] == []  # nothing staged left
     stderr = run.process.stderr.read()
     assert f"interrupted by {signal.Signals(sig).name}" in stderr
+    for line in stderr.splitlines():  # tqdm redraws with \r, which splitlines() also splits at
+        for marker in ("[q3vl]", "run_submission.sh:"):
+            assert marker not in line or line.startswith(marker), f"{marker} shares a line: {line!r}"

@@ -239,3 +239,47 @@ def test_calibration_md_names_the_fp8_layout_and_an_fp8_kv_cache(tmp_path):
     assert "Qwen3-VL-235B-A22B-Instruct-FP8" in text
     assert "quant_method fp8, fmt e4m3, weight_block_size [128, 128]" in text
     assert "KV cache: fp8" in text and "unquantized" not in text
+
+
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".submission")] == []
+
+
+def test_no_lock_file_is_left_after_a_commit_an_incomplete_tree_or_an_exception(tmp_path, runs, repo):
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    with pytest.raises(IncompleteTree), builder(out) as b:
+        b.add_measurements("Server", MEASUREMENTS)  # a scenario without its runs
+    with pytest.raises(RuntimeError), builder(out):
+        raise RuntimeError("killed mid-build")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo", "submission"]
+
+
+def test_a_builder_waiting_for_the_lock_takes_the_lock_file_its_holder_left_in_place(tmp_path):
+    import fcntl
+    import os
+    import threading
+
+    from audit.submission_tree import _lock
+
+    path = tmp_path / ".submission.lock"
+    first = builder(tmp_path / "submission")
+    first.begin()
+    held_inode = path.stat().st_ino
+    taken: list[int] = []
+    waiter = threading.Thread(target=lambda: taken.append(_lock(path)))
+    waiter.start()
+    # Wait until the waiter blocks on the holder's file, as /proc/locks shows it (the bound only ends a hang).
+    for _ in range(2000):
+        if any("->" in line and f":{held_inode} " in line for line in Path("/proc/locks").read_text().splitlines()):
+            break
+        waiter.join(0.05)
+    else:
+        first.abort()
+        pytest.fail("the waiter never blocked on the lock file")
+    first.abort()  # unlinks the file the waiter opened, then lets go
+    waiter.join()
+    assert path.is_file() and os.fstat(taken[0]).st_ino == path.stat().st_ino  # locked afresh, on the file in place
+    probe = os.open(path, os.O_RDWR)
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # so a third builder waits for the waiter
+    os.close(probe)
+    os.close(taken[0])
