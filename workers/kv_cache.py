@@ -27,8 +27,9 @@ def cache_dtype(kv_cache_dtype: str, activation: torch.dtype) -> torch.dtype:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale in float32, clamped to +-448, rounded to the nearest e4m3 value (ties to even)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """x / scale in float32 (scale rounded to float32, as the kernels take it), clamped to +-448, rounded to the
+    nearest e4m3 value (ties to even)."""
+    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -39,6 +40,11 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
 def from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows read back in `dtype`: FP8 rows times their scale (in float32), others cast."""
     return (x.float() * scale).to(dtype) if x.dtype == FP8_DTYPE else x.to(dtype)
+
+
+def float32(x: float) -> float:
+    """x rounded to float32: the precision the kernels and the wire (KvChunk) carry scales in."""
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def check_scales(scales: list[tuple[float, float]], where: str) -> None:
@@ -171,7 +177,7 @@ class KvCache:
         if len(scales) != num_layers:
             raise ValueError(f"{len(scales)} KV scale pairs for {num_layers} layers")
         check_scales(scales, "KV cache")
-        self.scales = [(float(k), float(v)) for k, v in scales]
+        self.scales = [(float32(k), float32(v)) for k, v in scales]
         self.layers = [KvLayer(self.tensor[i, 0], self.tensor[i, 1], *self.scales[i]) for i in range(num_layers)]
 
     @property
