@@ -336,13 +336,14 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
-        num_kv_blocks=None if args.device.startswith("cuda") else 4096,
+        num_kv_blocks=None if args.device.startswith("cuda") else 4096, kv_cache_dtype=args.kv_cache_dtype,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     sync()
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
+                    "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size, "kv_cache_dtype": cfg.kv_cache_dtype,
                     "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
     rng = np.random.default_rng(1)
@@ -549,6 +550,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache element type")
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
