@@ -58,17 +58,32 @@ class AuditReport:
 
 
 def audit_tree(tree: Path, version: str = DEFAULT_VERSION, submitter: str | None = None) -> AuditReport:
-    """Applies every rule to every `<division>/<submitter>/` under `tree` (only `submitter` if given)."""
+    """Applies every rule to every `<division>/<submitter>/` under `tree` (only `submitter` if given).
+
+    `tree` is the directory that holds `closed/` and/or `open/`, or one `<division>/<submitter>/` directory
+    (then only that submission is audited)."""
     if version not in ROUNDS:
         raise ValueError(f"unknown round {version!r}; known: {', '.join(ROUNDS)}")
     tree = Path(tree)
     if not tree.is_dir():
         raise FileNotFoundError(f"submission tree {tree} is not a directory")
-    findings = list(_audit(tree, version, submitter))
-    return AuditReport(tree=tree, version=version, findings=tuple(findings))
+    root, division, submitter = _submission_root(tree, submitter)
+    findings = list(_audit(root, version, submitter, division))
+    return AuditReport(tree=root, version=version, findings=tuple(findings))
 
 
-def _audit(tree: Path, version: str, submitter: str | None) -> Iterator[Finding]:
+def _submission_root(tree: Path, submitter: str | None) -> tuple[Path, str | None, str | None]:
+    """(the dir holding the divisions, division filter, submitter filter) for either form of `tree`."""
+    holds_division = any((tree / d).is_dir() for d in DIVISIONS)
+    if holds_division or tree.absolute().parent.name not in DIVISIONS:
+        return tree, None, submitter
+    if submitter is not None and submitter != tree.name:
+        raise ValueError(f"{tree} is the submission of {tree.name!r}, but --submitter {submitter!r} was given")
+    parent = tree.absolute().parent
+    return parent.parent, parent.name, tree.name
+
+
+def _audit(tree: Path, version: str, submitter: str | None, division: str | None = None) -> Iterator[Finding]:
     def finding(rule_id: str, scenario: str, outcome: Outcome) -> Finding:
         file = outcome.file.relative_to(tree) if outcome.file.is_relative_to(tree) else outcome.file
         return Finding(rule_id, scenario, outcome.status, outcome.reason, str(file))
@@ -77,10 +92,10 @@ def _audit(tree: Path, version: str, submitter: str | None) -> Iterator[Finding]
     unknown = [d for d in divisions if d not in DIVISIONS]
     if unknown or not divisions:
         reason = (f"unknown division dirs: {', '.join(unknown)}" if unknown else "no closed/ or open/ directory")
-        reason += " (TREE is the directory that holds closed/ and/or open/)"
+        reason += " (TREE is the directory that holds closed/ and/or open/, or one <division>/<submitter>/ in it)"
         yield finding("layout", "-", failed(reason, tree))
     submissions = [SubmissionContext(tree, d, s.name, ROUNDS[version])
-                   for d in divisions if d in DIVISIONS
+                   for d in divisions if d in DIVISIONS and division in (None, d)
                    for s in sorted((tree / d).iterdir())
                    if s.is_dir() and not s.name.startswith(".") and submitter in (None, s.name)]
     if submitter is not None and not submissions:

@@ -151,6 +151,14 @@ class SubmissionTreeBuilder:
         return _write_text(self.submission_dir / "systems" / f"{self.system_name}.json",
                            json.dumps(desc, indent=2) + "\n")
 
+    def add_calibration(self, checkpoint: Path, kv_cache_dtype: str = "auto") -> Path:
+        """Writes calibration.md in the submitter folder (the legacy checker requires it outside the open
+        division): the precision of the checkpoint's weights, read from its config.json, and of the KV cache."""
+        config_path = Path(checkpoint) / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else None
+        return _write_text(self.submission_dir / "calibration.md",
+                           calibration_text(Path(checkpoint).name, config, kv_cache_dtype))
+
     def add_source(self, repo_root: Path) -> Path:
         """Replaces src/ with a copy of the harness packages, configs and scripts under `repo_root`."""
         src = self.submission_dir / "src"
@@ -254,6 +262,36 @@ class SubmissionTreeBuilder:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+
+def calibration_text(checkpoint_name: str, config: Mapping[str, Any] | None, kv_cache_dtype: str) -> str:
+    """calibration.md: what precision the weights and KV cache run in, and that the harness calibrates nothing.
+
+    `config` is the checkpoint's config.json (None: simulated workers, no weights); a `quantization_config`
+    there means the checkpoint ships quantized weights (e.g. the block-wise FP8 release), none means the
+    released unquantized weights."""
+    lines = [f"# Quantization and calibration: {checkpoint_name}", ""]
+    if config is None:
+        lines.append("No weights: the workers are simulated (a timing model); nothing is quantized or calibrated.")
+        return "\n".join(lines) + "\n"
+    quant = config.get("quantization_config")
+    if not quant:
+        dtype = config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get(
+            "torch_dtype") or "bfloat16"
+        lines.append(f"Weights: unquantized {dtype}, as in the checkpoint (its config.json has no "
+                     f"quantization_config). No quantization and no calibration were done.")
+    else:
+        shown = ", ".join(f"{key} {quant[key]}" for key in ("quant_method", "fmt", "weight_block_size",
+                                                            "activation_scheme") if key in quant)
+        kept = quant.get("modules_to_not_convert") or []
+        lines.append(f"Weights: quantized as the checkpoint ships them ({shown}; config.json quantization_config"
+                     + (f"; {len(kept)} modules left unquantized" if kept else "") + "). The harness loads them "
+                     "as they are and runs no calibration of its own.")
+    if kv_cache_dtype == "fp8":
+        lines.append("KV cache: fp8 (engine setting kv_cache_dtype: fp8).")
+    else:
+        lines.append(f"KV cache: the model's compute dtype (engine setting kv_cache_dtype: {kv_cache_dtype}).")
+    return "\n".join(lines) + "\n"
 
 
 def _write_text(path: Path, text: str) -> Path:

@@ -44,7 +44,9 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, metavar="DIR",
                         help=f"LoadGen logs go to DIR/runs, the submission tree to DIR/submission (default ./{DEFAULT_OUTPUT})")
     parser.add_argument("--ray-address", metavar="ADDR", default=None,
-                        help="join this Ray cluster instead of starting an embedded local one")
+                        help="join the Ray cluster whose head (GCS) is at host:port instead of starting an embedded "
+                             "one on loopback; fails (exit 2) if nothing answers there within ray.connect_timeout_s "
+                             "(default 30 s)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, metavar="DIR",
                         help=f"where the tiny checkpoint and synthetic catalogues are made on first use (default {DEFAULT_CACHE})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -21,6 +21,7 @@ import yaml
 from PIL import Image
 
 from harness.ray_workers import (
+    RaySession,
     ServedEngine,
     WorkerFleet,
     WorkerSpec,
@@ -241,7 +242,7 @@ class Cluster:
         shards = config.router_shards
         self._routers = [RouterProcess(config, run_dir if shards == 1 else run_dir / f"router-{k}") for k in range(shards)]
         self._fleet: WorkerFleet | None = None
-        self._connected_ray = False
+        self._ray: RaySession | None = None
 
     @property
     def router_address(self) -> str:
@@ -266,7 +267,7 @@ class Cluster:
     def _start(self) -> None:
         engine = engine_config(self._config, self._checkpoint)
         logger.info("starting Ray")
-        self._connected_ray = init_ray(self._config.ray, self._ray_address)
+        self._ray = init_ray(self._config.ray, self._ray_address)
         have = ray.cluster_resources()
         simulated = self._config.model.simulated_hardware
         if simulated is None:
@@ -318,12 +319,17 @@ class Cluster:
         return self._fleet.kv_link_transfers() if self._fleet is not None else {}
 
     def stop(self) -> None:
-        """Idempotent: actors, Ray (stopped if embedded, disconnected if joined), then the router."""
-        if self._fleet is not None:
-            self._fleet.stop()
-            self._fleet = None
-        if self._connected_ray and ray.is_initialized():
-            ray.shutdown()
-            self._connected_ray = False
-        for router in self._routers:
-            router.stop()
+        """Idempotent: actors, Ray (stopped and its session files removed if embedded, disconnected if joined),
+        then the router; each runs even if the one before it failed."""
+        try:
+            if self._fleet is not None:
+                self._fleet.stop()
+                self._fleet = None
+        finally:
+            try:
+                if self._ray is not None:
+                    self._ray, session = None, self._ray
+                    session.close()
+            finally:
+                for router in self._routers:
+                    router.stop()

@@ -3,18 +3,21 @@ its own process, tear down, lay out the submission tree (scored and truncated), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
 from harness.progress import format_table
+from harness.ray_network import RayUnreachable, probe_address
 from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
 from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
 from harness.user_conf import write_user_conf
@@ -51,20 +54,38 @@ def _raise_interrupted(signum, _frame) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside the block SIGINT and SIGTERM raise Interrupted, so every context manager unwinds (stops what it
+    started)."""
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def check_startable(config: SystemConfig, ray_address: str | None) -> None:
+    """ConfigError, before anything starts, when the system cannot be brought up as configured."""
+    if not config.system.system_desc_path.is_file():
+        raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
+    if ray_address is None and config.model.simulated_hardware is None:  # simulated workers need no GPUs
+        config.workers.check_fits(config.ray.num_gpus, config.ray.num_cpus, "the embedded Ray (section ray)")
+    if ray_address is not None:
+        try:
+            probe_address(ray_address, config.ray.connect_timeout_s)
+        except RayUnreachable as exc:
+            raise ConfigError(f"{exc} (ray.connect_timeout_s sets the wait)") from None
+
+
 def run_submission(options: RunOptions) -> int:
     """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything."""
     config = load_system_config(options.system)
     config.scenario(options.scenario.value)  # the scenario must be configured for this system
-    if not config.system.system_desc_path.is_file():
-        raise ConfigError(f"system.system_desc: {config.system.system_desc_path} does not exist")
-    if options.ray_address is None and config.model.simulated_hardware is None:  # simulated workers need no GPUs
-        config.workers.check_fits(config.ray.num_gpus, config.ray.num_cpus, "the embedded Ray (section ray)")
-    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    check_startable(config, options.ray_address)
+    with interruptible():
         return _run(config, options)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _run(config: SystemConfig, options: RunOptions) -> int:
@@ -85,21 +106,24 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
         say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
         for test in options.mode.tests:
             say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
-            _run_test_process(options, test, cluster.router_address, scenario_dir)
+            run_test_process(options.system, scenario, test, cluster.router_address, scenario_dir,
+                             options.cache_dir, options.show_progress)
             if test is LoadGenMode.PERFORMANCE:
                 _plot(config, scenario, scenario_dir)
         say("stopping the workers and the router")
-    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind)
+    return _report(config, options, scenario_dir, user_conf, dataset_dir, kind, checkpoint)
 
 
-def _run_test_process(options: RunOptions, test: LoadGenMode, router: str, scenario_dir: Path) -> None:
-    """One LoadGen test per process: mlperf.conf is read only by a process's first FromConfig."""
+def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router: str, scenario_dir: Path,
+                     cache_dir: Path, show_progress: bool) -> None:
+    """One LoadGen test in its own process (mlperf.conf is read only by a process's first FromConfig), with
+    scenario_dir/user.conf, against the running router; its logs land in log_dir_for(scenario_dir, test)."""
     command = [
         sys.executable, "-m", "harness", "run-test",
-        "--system", options.system, "--scenario", options.scenario.value, "--test", test.value,
-        "--router", router, "--scenario-dir", str(scenario_dir), "--cache-dir", str(options.cache_dir),
+        "--system", system, "--scenario", scenario.value, "--test", test.value,
+        "--router", router, "--scenario-dir", str(scenario_dir), "--cache-dir", str(cache_dir),
     ]
-    if not options.show_progress:
+    if not show_progress:
         command.append("--no-progress")
     child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
     try:
@@ -131,7 +155,7 @@ def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
 
 
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
-            dataset_dir: Path, kind: str) -> int:
+            dataset_dir: Path, kind: str, checkpoint: Path) -> int:
     from audit.accuracy import evaluate_accuracy_log
     from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
     from harness.dataset import load_catalogue
@@ -152,6 +176,7 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
         with builder:
             builder.add_system_description(config.system.system_desc_path)
             builder.add_source(Path(__file__).resolve().parents[1])
+            builder.add_calibration(checkpoint, config.engine.get("kv_cache_dtype", "auto"))
             for test in options.mode.tests:
                 log_dir = log_dir_for(scenario_dir, test)
                 if test is LoadGenMode.PERFORMANCE:

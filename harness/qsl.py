@@ -19,17 +19,21 @@ class LoadableStore(Protocol):
 
 
 class StoreQSL:
-    """Owns the LoadGen QSL handle for `total` samples of which `performance_count` stay loaded."""
+    """Owns the LoadGen QSL handle for `total` samples of which `performance_count` stay loaded.
+
+    LoadGen itself loads min(its performance_sample_count, total) samples (GenerateLoadableSets in
+    mlcommons/inference loadgen/loadgen.cc); the QSL reports the same, so a catalogue smaller than the published
+    one the config was validated against (a stand-in with the real layout) is simply loaded whole.
+    """
 
     def __init__(self, store: LoadableStore, total: int, performance_count: int) -> None:
         if performance_count > total:
-            raise ValueError(
-                f"performance_sample_count ({performance_count}) exceeds the dataset's {total} samples"
-            )
+            logger.info("performance_sample_count %d is more than this catalogue's %d samples: all of them stay "
+                        "loaded", performance_count, total)
         self._store = store
         self.total = total
-        self.performance_count = performance_count
-        self.handle = lg.ConstructQSL(total, performance_count, self._load, self._unload)
+        self.performance_count = min(performance_count, total)
+        self.handle = lg.ConstructQSL(total, self.performance_count, self._load, self._unload)
 
     def _load(self, indices: list[int]) -> None:
         logger.info("loading %d samples", len(indices))

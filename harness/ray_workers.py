@@ -7,18 +7,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.kv_transfer import KvLinkConfig
 
@@ -129,39 +132,71 @@ class _Instance:
     colocated: tuple[str, ...] = ()  # further workers served by the same actor
 
 
-def init_ray(settings: RaySection, address: str | None) -> bool:
-    """Joins `address`, or starts an embedded local Ray; returns whether this call connected (the caller
-    then owns `ray.shutdown()`: it disconnects from a joined cluster, it stops an embedded one).
+@dataclasses.dataclass
+class RaySession:
+    """This process's Ray. `close()` (idempotent) disconnects from a joined cluster, or stops an embedded one and
+    removes its session files; a session that found Ray already initialised owns nothing and closes nothing."""
+
+    owned: bool
+    temp_dir: Path | None = None  # an embedded Ray's session files (Ray's _temp_dir), the harness's to remove
+
+    def close(self) -> None:
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+        self.owned = False
+        if self.temp_dir is not None:
+            temp_dir, self.temp_dir = self.temp_dir, None
+            remove_temp_dir(temp_dir)
+
+
+def init_ray(settings: RaySection, address: str | None) -> RaySession:
+    """Joins `address`, or starts an embedded local Ray on loopback with its session files in a fresh temp dir.
 
     ray.init installs its own SIGTERM handler (it aborts the process); the caller's handlers are put back
     so that SIGTERM still tears everything down in order.
     """
     if ray.is_initialized():
-        return False
+        return RaySession(owned=False)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        session = RaySession(owned=True)
     else:
-        store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
-        # address "local": always a Ray of our own. Without an address ray.init joins whatever cluster RAY_ADDRESS
-        # or /tmp/ray/ray_current_cluster names (another run's, a stray one) and then refuses num_cpus.
-        start = functools.partial(
-            ray.init, address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
-            object_store_memory=store, include_dashboard=False, log_to_driver=False,
-        )
+        session = RaySession(owned=True, temp_dir=make_temp_dir())
         try:
-            start()
-        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up in time
-            if "timed out during startup" not in str(exc):
-                raise
-            # A loaded host can be slow to start the raylet; a second start usually succeeds.
-            logger.warning("embedded Ray did not start in time (%s); starting it once more", exc)
-            ray.shutdown()
-            start()
+            _start_embedded(settings, session.temp_dir)
+        except BaseException:
+            session.close()
+            raise
+        logger.info("embedded Ray on loopback, its session files in %s", session.temp_dir)
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    return True
+    return session
+
+
+def _start_embedded(settings: RaySection, temp_dir: Path) -> None:
+    store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
+    # address "local": always a Ray of our own. Without an address ray.init joins whatever cluster RAY_ADDRESS
+    # or /tmp/ray/ray_current_cluster names (another run's, a stray one) and then refuses num_cpus.
+    start = functools.partial(
+        ray.init, address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+        object_store_memory=store, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir),
+    )
+    try:
+        start()
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up in time
+        if "timed out during startup" not in str(exc):
+            raise
+        # A loaded host can be slow to start the raylet; a second start usually succeeds.
+        logger.warning("embedded Ray did not start in time (%s); starting it once more", exc)
+        ray.shutdown()
+        start()
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        raise RuntimeError(
+            f"the embedded Ray came up on {node_ip}, not on loopback: {LOCAL_MODE_ENV} must not be 1, and harness "
+            "must be imported before ray (it sets the switch Ray reads at import)")
 
 
 class WorkerFleet:

@@ -30,6 +30,7 @@ SIMULATED_PREFIX = "simulated:"  # simulated:<hardware profile>: model-free work
 SYNTHETIC_PREFIX = "synthetic:"
 
 DatasetKind = Literal["product-catalogue", "catalogue-8k"]
+SyntheticProfile = Literal["small", "mixed", "realistic"]  # harness.synthetic_catalogue.PROFILES
 ScenarioName = Literal["offline", "server", "interactive"]
 
 
@@ -56,16 +57,62 @@ class SystemSection(_Strict):
         return CONFIG_DIR / self.system_desc
 
 
-class ModelSection(_Strict):
-    """The checkpoint: a local HF directory, "tiny:moe" / "tiny:dense" (made on first use), or
-    "simulated:<hardware profile>" (simulated workers, mlperf_configs/hardware/<profile>.yaml)."""
+class GeneratedCheckpointSection(_Strict):
+    """A weightless checkpoint made on first use in the cache dir: the config.json of a released preset
+    (workers.tiny_checkpoint.RELEASED_CONFIGS) with dotted-path overrides, plus the released side configs.
+    The engine builds random weights of that shape on the device (engine.load_format: random)."""
 
-    checkpoint: str = Field(min_length=1)
+    preset: str = Field(min_length=1)
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description='dotted config.json paths, e.g. {"text_config.num_hidden_layers": 24}'
+    )
+
+    @model_validator(mode="after")
+    def _preset_and_overrides_exist(self) -> GeneratedCheckpointSection:
+        self.config_json()
+        return self
+
+    def config_json(self, weights: str = "bf16") -> dict[str, Any]:
+        """The config.json this spec writes (ValueError naming an unknown preset or override key); weights "fp8"
+        adds the quantization_config of Qwen's released FP8 checkpoints, so the random weights are FP8."""
+        from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
+        from workers.tiny_checkpoint import released_config
+
+        try:
+            config = released_config(self.preset, self.overrides)
+        except KeyError as exc:  # KeyError's str() quotes its message
+            raise ValueError(exc.args[0]) from None
+        if weights == "fp8":
+            config["quantization_config"] = quantization_config(
+                RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+        return config
+
+
+class ModelSection(_Strict):
+    """The checkpoint, exactly one of: `checkpoint`, a local HF directory, "tiny:moe" / "tiny:dense" (made on
+    first use), or "simulated:<hardware profile>" (simulated workers, mlperf_configs/hardware/<profile>.yaml);
+    or `generate`, a weightless real-shape checkpoint made on first use."""
+
+    checkpoint: str | None = Field(None, min_length=1)
+    generate: GeneratedCheckpointSection | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    weights: Literal["bf16", "fp8"] = Field(
+        "bf16", description="The checkpoint format this system expects: 'bf16' (float weights, no quantization_config) "
+        "or 'fp8' (config.json's quantization_config: Qwen's block FP8 or compressed-tensors FP8-dynamic). Checked "
+        "against the checkpoint's config.json before anything starts."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.checkpoint is None) == (self.generate is None):
+            raise ValueError("give exactly one of model.checkpoint and model.generate")
+        return self
 
     @field_validator("checkpoint")
     @classmethod
-    def _known_tiny_arch(cls, value: str) -> str:
+    def _known_tiny_arch(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if value.startswith(TINY_PREFIX) and value[len(TINY_PREFIX):] not in ("moe", "dense"):
             raise ValueError(f"tiny checkpoint must be tiny:moe or tiny:dense, got {value!r}")
         if value.startswith(SIMULATED_PREFIX):
@@ -76,23 +123,32 @@ class ModelSection(_Strict):
 
     @property
     def simulated_hardware(self) -> str | None:
-        if self.checkpoint.startswith(SIMULATED_PREFIX):
+        if self.checkpoint is not None and self.checkpoint.startswith(SIMULATED_PREFIX):
             return self.checkpoint[len(SIMULATED_PREFIX):]
         return None
 
     @property
     def tiny_arch(self) -> Literal["moe", "dense"] | None:
-        if self.checkpoint.startswith(TINY_PREFIX):
+        if self.checkpoint is not None and self.checkpoint.startswith(TINY_PREFIX):
             return self.checkpoint[len(TINY_PREFIX):]  # type: ignore[return-value]
         return None
 
 
 class DatasetSection(_Strict):
-    """A catalogue on disk, or "synthetic:N" (N samples written on first use)."""
+    """A catalogue on disk, or "synthetic:N" (N samples written on first use, in the layout of the dataset
+    kind it stands in for; `synthetic_profile` and `synthetic_seed` as harness.synthetic_catalogue takes them)."""
 
     path: str = Field(min_length=1)
     prompt_variant: Literal["v6.0", "v6.1"] = "v6.1"
     synthetic_seed: int = 0
+    synthetic_profile: SyntheticProfile = "small"
+
+    @model_validator(mode="after")
+    def _synthetic_keys_need_a_synthetic_path(self) -> DatasetSection:
+        stray = sorted({"synthetic_seed", "synthetic_profile"} & self.model_fields_set)
+        if stray and self.synthetic_count is None:
+            raise ValueError(f"{stray[0]}: only for a synthetic:N path, not {self.path!r}")
+        return self
 
     @field_validator("path")
     @classmethod
@@ -244,11 +300,13 @@ class RequestsSection(_Strict):
 
 
 class RaySection(_Strict):
-    """Resources the embedded `ray.init()` may use (ignored when joining a cluster)."""
+    """Resources the embedded `ray.init()` may use (ignored when joining a cluster), and how long a joined
+    cluster's address (--ray-address) may take to answer before the run fails."""
 
     num_cpus: PositiveInt | None = None
     num_gpus: NonNegativeInt | None = None
     object_store_memory_mb: PositiveInt | None = None
+    connect_timeout_s: PositiveFloat = 30.0
 
 
 DATASET_FOR_SCENARIO: dict[str, DatasetKind] = {
@@ -281,11 +339,42 @@ class SystemConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _generated_checkpoint_loads_random(self) -> SystemConfig:
+        if self.model.generate is None:
+            return self
+        for name in DATASET_FOR_SCENARIO:  # the engine as each configured scenario runs it
+            if getattr(self.scenarios, name) is None:
+                continue
+            if self.for_scenario(name).engine.get("load_format") != "random":
+                where = f"scenarios.{name}.engine" if "load_format" in self.scenario(name).engine else "engine"
+                raise ValueError(f"{where}.load_format: model.generate writes config.json only, no weights; "
+                                 f"set load_format: random")
+        return self
+
+    @model_validator(mode="after")
     def _datasets_for_scenarios(self) -> SystemConfig:
         for name, kind in DATASET_FOR_SCENARIO.items():
             if getattr(self.scenarios, name) is not None and kind not in self.datasets:
                 raise ValueError(f"datasets.{kind} is required by scenarios.{name}")
         return self
+
+    @model_validator(mode="after")
+    def _performance_samples_fit_datasets(self) -> SystemConfig:
+        # LoadGen cannot keep more samples loaded than the QSL has; found here, not after the cluster is up.
+        for name, kind in DATASET_FOR_SCENARIO.items():
+            section = getattr(self.scenarios, name)
+            if section is not None and kind in self.datasets and section.performance_sample_count > (
+                    size := self.dataset_size(name)):
+                raise ValueError(f"scenarios.{name}.performance_sample_count: {section.performance_sample_count} "
+                                 f"is more than the {size} samples of datasets.{kind}")
+        return self
+
+    def dataset_size(self, scenario: ScenarioName) -> int:
+        """Samples in the scenario's catalogue: N for synthetic:N, else the published dataset's size."""
+        from harness.dataset import DATASETS
+
+        count = self.dataset(scenario).synthetic_count
+        return count if count is not None else DATASETS[DATASET_FOR_SCENARIO[scenario]].size
 
     def scenario(self, name: ScenarioName) -> ScenarioSection:
         section = getattr(self.scenarios, name)
@@ -367,7 +456,7 @@ def engine_config(config: SystemConfig, checkpoint: Path):
 
 def image_pixel_limits(config: SystemConfig) -> tuple[int, int]:
     """(min_pixels, max_pixels) the workers resize images to; prompts must size images the same way."""
-    engine = engine_config(config, Path(config.model.checkpoint))  # the limits do not depend on the checkpoint
+    engine = engine_config(config, Path("checkpoint"))  # the limits do not depend on the checkpoint
     return engine.min_pixels, engine.max_pixels
 
 
@@ -385,19 +474,29 @@ def router_config(config: SystemConfig, listen: str):
     return RouterConfig.model_validate({**config.router, "listen": listen})
 
 
-def load_system_config(name_or_path: str | Path) -> SystemConfig:
-    """Loads mlperf_configs/<name>.yaml (or a YAML path) and validates it."""
+def system_config_path(name_or_path: str | Path) -> Path:
+    """mlperf_configs/<name>.yaml for a system name; a YAML path as given."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = CONFIG_DIR / f"{name_or_path}.yaml"
         if not path.exists():
             known = ", ".join(available_systems()) or "none"
             raise ConfigError(f"unknown system {str(name_or_path)!r} (known: {known})")
+    return path
+
+
+def read_system_yaml(path: Path) -> Any:
+    """The parsed YAML of a system file, not yet validated."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
-    config = parse_system_config(data, str(path))
+
+
+def load_system_config(name_or_path: str | Path) -> SystemConfig:
+    """Loads mlperf_configs/<name>.yaml (or a YAML path) and validates it."""
+    path = system_config_path(name_or_path)
+    config = parse_system_config(read_system_yaml(path), str(path))
     if path.parent == CONFIG_DIR and config.system.name != path.stem:
         raise ConfigError(f"{path}: system.name: {config.system.name!r} must equal the file name {path.stem!r}")
     return config

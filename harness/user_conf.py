@@ -2,6 +2,13 @@
 
 mlperf.conf (embedded in LoadGen) is loaded by the first FromConfig call of a process, so each process
 loads exactly one user.conf: one LoadGen test per process.
+
+A config that keeps the whole dataset loaded leaves mlperf.conf's
+`qwen3-vl-235b-a22b.*.performance_sample_count_override = 48289` in force, in every scenario: the checker wants
+effective_performance_sample_count >= 48289 whatever the scenario (MODEL_CONFIG["v6.1"]["performance-sample-count"]
+in tools/submission/submission_checker/constants.py), and LoadGen loads min(that count, the QSL's total)
+(GenerateLoadableSets in loadgen/loadgen.cc), i.e. all 8,000 samples of Interactive's catalogue, as the v6.1
+rules ask ("Performance sample count: 8000", multimodal/qwen3-vl/README.md). https://github.com/mlcommons/inference
 """
 
 from __future__ import annotations
@@ -25,8 +32,12 @@ def render_user_conf(config: SystemConfig, scenario: Scenario) -> str:
         f"{prefix}.target_qps = {section.target_qps!r}",
         f"{prefix}.min_duration = {section.min_duration_ms}",
         f"{prefix}.min_query_count = {section.min_query_count}",
-        f"{prefix}.performance_sample_count_override = {section.performance_sample_count}",
     ]
+    if section.performance_sample_count < config.dataset_size(scenario.value):
+        lines.append(f"{prefix}.performance_sample_count_override = {section.performance_sample_count}")
+    else:
+        lines.append(f"# performance_sample_count_override: mlperf.conf's value; LoadGen keeps all "
+                     f"{section.performance_sample_count} samples loaded")
     if section.target_latency_ms is not None:
         lines.append(f"{prefix}.target_latency = {section.target_latency_ms}")
     return "\n".join(lines) + "\n"

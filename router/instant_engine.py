@@ -91,7 +91,7 @@ class InstantEngine:
                 context.append(token)
                 generated += 1
                 finish = None
-                if token == self.eos_token_id:
+                if token == self.eos_token_id or token in sampling.stop_token_ids:
                     finish = FinishReason.STOP
                 elif generated >= max_new:
                     finish = FinishReason.LENGTH

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions (SSE or not), /v1/models,
+"""The OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions (SSE or not), /v1/models[/{id}],
 /health and /metrics, serving through the same Dispatcher as the gRPC RouterService.
 
-Images come only as data: URLs (remote URLs get 400 and are never fetched); a flood beyond admission gets 429.
+Images come only as data: URLs (remote URLs get 400 and are never fetched); a flood beyond admission gets 429;
+a prompt longer than the workers' context or KV pool gets 400 naming the limit; fields: router/openai_params.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from router.completion_text import CompletionText
 from router.config import RouterConfig, split_host_port
-from router.detokenize import IncrementalDetokenizer
 from router.dispatch import Dispatcher, RouterError
+from router.openai_params import BadRequest, ChatRequest, parse_chat_request
 from router.registry import SERVING_ROLES, Registry
 from router.transport import bearer_ok
 from router.wire import pb
@@ -37,33 +39,10 @@ _HTTP_STATUS = {
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 
 
-class BadRequest(ValueError):
-    """The request body is not a chat completion request this endpoint serves."""
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
-
-
-def sampling_from_body(body: dict[str, Any], default_max_tokens: int) -> pb.SamplingParams:
-    """OpenAI fields -> SamplingParams; with no sampling field at all the model's defaults apply (MLPerf)."""
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    if not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    sampling = pb.SamplingParams(max_tokens=max_tokens)
-    if body.get("seed") is not None:
-        sampling.has_seed, sampling.seed = True, int(body["seed"])
-    given = {k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}
-    if not given:
-        sampling.use_model_defaults = True
-        return sampling
-    try:
-        sampling.temperature = float(given.get("temperature", 1.0))
-        sampling.top_p = float(given.get("top_p", 1.0))
-        sampling.top_k = max(int(given.get("top_k", 0)), 0)  # vLLM's -1 means disabled, like our 0
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(f"bad sampling parameter: {exc}") from None
-    return sampling
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> web.Response:
+    """OpenAI's error body; code is the HTTP status, as vLLM writes it."""
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    return web.json_response({"error": error}, status=status)
 
 
 class HttpFrontend:
@@ -81,6 +60,7 @@ class HttpFrontend:
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),  # ids hold a "/" (Qwen/Qwen3-VL-...)
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
@@ -111,9 +91,17 @@ class HttpFrontend:
 
     # -- endpoints ------------------------------------------------------------------------------
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "q3vl"}
+
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "q3vl"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.config.served_model_name:
+            return _error(404, f"the model {model_id!r} does not exist", param="model")
+        return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         entries = self.registry.entries()
@@ -128,19 +116,16 @@ class HttpFrontend:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list")
-            sampling = sampling_from_body(body, self.config.default_max_tokens)
-            prompt = encode_chat(messages, self.tokenizer)  # ValueError names the bad message / image
+            chat = parse_chat_request(await request.json(), self.config.default_max_tokens)
+            prompt = encode_chat(chat.messages, self.tokenizer)  # ValueError names the bad message / image
+            self._check_fits(len(prompt.token_ids))
+        except BadRequest as exc:
+            return _error(400, str(exc), param=exc.param)
         except (json.JSONDecodeError, ValueError) as exc:
             return _error(400, str(exc))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen_request = pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt.token_ids, images=prompt.images, sampling=sampling
+            request_id=request_id, prompt_token_ids=prompt.token_ids, images=prompt.images, sampling=chat.sampling
         )
         chunks = self.dispatcher.generate(gen_request)
         try:
@@ -148,75 +133,83 @@ class HttpFrontend:
         except RouterError as exc:
             await chunks.aclose()
             return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
+        text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids)
+        reply = _Reply(first, chunks, text, len(prompt.token_ids))
         try:
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream(request, request_id, first, chunks, include_usage)
-            return await self._complete(request_id, first, chunks)
+            if chat.stream:
+                return await self._stream(request, request_id, reply, chat)
+            return await self._complete(request_id, reply)
         finally:
-            await chunks.aclose()
+            await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
+
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        """BadRequest when the prompt is longer than some worker's max_model_len or its whole KV pool (as vLLM
+        answers, rather than a failure upstream); workers that report no limits are not checked."""
+        for entry in self.registry.entries():
+            info = entry.info
+            if not entry.healthy:
+                continue
+            if info.max_model_len and num_prompt_tokens > info.max_model_len:
+                raise BadRequest(
+                    f"This model's maximum context length (max_model_len) is {info.max_model_len} tokens. However, "
+                    f"your messages resulted in {num_prompt_tokens} tokens (text and image tokens). Please reduce "
+                    "the length of the messages or the size of the images.", "messages")
+            pool = info.total_kv_blocks * info.kv_block_size
+            if pool and num_prompt_tokens > pool:
+                raise BadRequest(
+                    f"Your messages resulted in {num_prompt_tokens} tokens (text and image tokens), more than the KV "
+                    f"cache of worker {entry.worker_id} holds ({info.total_kv_blocks} blocks of {info.kv_block_size} "
+                    f"= {pool} tokens). Please reduce the length of the messages or the size of the images.",
+                    "messages")
 
     # -- responses ------------------------------------------------------------------------------
 
     def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.config.served_model_name}
 
-    async def _complete(self, request_id: str, first: pb.GenerateChunk, rest: AsyncIterator[pb.GenerateChunk]):
-        tokens = list(first.token_ids)
-        last = first
+    async def _complete(self, request_id: str, reply: _Reply) -> web.Response:
         try:
-            async for chunk in rest:
-                tokens.extend(chunk.token_ids)
-                last = chunk
+            async for _ in reply.deltas():
+                pass
         except RouterError as exc:
             return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
-        if last.finish_reason == pb.ERROR:
-            return _error(502, last.error or "the request failed upstream", "upstream_error")
+        if reply.failed:
+            return _error(502, reply.last.error or "the request failed upstream", "upstream_error")
         out = self._envelope(request_id, "chat.completion")
         out["choices"] = [{
             "index": 0,
-            "message": {"role": "assistant", "content": self.tokenizer.decode(tokens)},
-            "finish_reason": _FINISH.get(last.finish_reason, "stop"),
+            "message": {"role": "assistant", "content": reply.text.text},
+            "finish_reason": reply.finish_reason,
+            "stop_reason": reply.text.stop_reason,  # vLLM's extension: the stop string or token id that ended it
         }]
-        out["usage"] = _usage(last)
+        out["usage"] = reply.usage()
         return web.json_response(out)
 
-    async def _stream(
-        self, request: web.Request, request_id: str, first: pb.GenerateChunk,
-        rest: AsyncIterator[pb.GenerateChunk], include_usage: bool,
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, request_id: str, reply: _Reply, chat: ChatRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok = IncrementalDetokenizer(self.tokenizer)
         base = self._envelope(request_id, "chat.completion.chunk")
 
         async def send(delta: dict, finish: str | None = None, usage: dict | None = None, choices=True) -> None:
             event = dict(base)
             event["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else []
+            if finish is not None:
+                event["choices"][0]["stop_reason"] = reply.text.stop_reason
             if usage is not None:
                 event["usage"] = usage
             await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
 
         await send({"role": "assistant", "content": ""})
-        chunk = first
         try:
-            while True:
-                text = detok.add(chunk.token_ids)
-                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    text += detok.finish()
-                    if text:
-                        await send({"content": text})
-                    if chunk.finish_reason == pb.ERROR:
-                        await send({}, "error")
-                        log.warning("request %s failed upstream: %s", request_id, chunk.error)
-                    else:
-                        await send({}, _FINISH.get(chunk.finish_reason, "stop"))
-                    if include_usage:
-                        await send({}, usage=_usage(chunk), choices=False)
-                    break
-                if text:
-                    await send({"content": text})
-                chunk = await anext(rest)
+            async for delta in reply.deltas():
+                await send({"content": delta})
+            if reply.failed:
+                await send({}, "error")
+                log.warning("request %s failed upstream: %s", request_id, reply.last.error)
+            else:
+                await send({}, reply.finish_reason)
+            if chat.include_usage:
+                await send({}, usage=reply.usage(), choices=False)
         except RouterError as exc:  # mid-stream: the status line is gone, say it in the stream
             await response.write(f"data: {json.dumps({'error': {'message': exc.message}})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
@@ -224,9 +217,39 @@ class HttpFrontend:
         return response
 
 
-def _usage(chunk: pb.GenerateChunk) -> dict[str, int]:
-    return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-    }
+class _Reply:
+    """One request's chunks read through its CompletionText: the text deltas, then how it ended."""
+
+    def __init__(self, first: pb.GenerateChunk, rest: AsyncIterator[pb.GenerateChunk], text: CompletionText,
+                 num_prompt_tokens: int):
+        self._first, self._rest, self.text = first, rest, text
+        self.num_prompt_tokens = num_prompt_tokens
+        self.last = first
+        self.stopped = False  # a stop string matched: the request was ended here
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas, never past a stop string; RouterError when the router fails mid-stream."""
+        chunk = self._first
+        while True:
+            self.last = chunk
+            finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            self.stopped = self.text.add(chunk.token_ids, finished)
+            delta = self.text.take(final=finished or self.stopped)
+            if delta:
+                yield delta
+            if finished or self.stopped:
+                return
+            chunk = await anext(self._rest)
+
+    @property
+    def failed(self) -> bool:
+        return not self.stopped and self.last.finish_reason == pb.ERROR
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stopped else _FINISH.get(self.last.finish_reason, "stop")
+
+    def usage(self) -> dict[str, int]:
+        completion = self.text.num_tokens if self.stopped else self.last.completion_tokens
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}

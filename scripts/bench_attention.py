@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from scripts.gpu_timing import median_us  # noqa: E402
 from workers.model import paged_decode, paged_prefill  # noqa: E402
 from workers.model.attention import AttentionMetadata, sdpa_attention, write_kv  # noqa: E402
 
@@ -79,20 +79,6 @@ def causal_flops(chunks, heads: int, head_dim: int) -> float:
     """QK^T and PV multiply-adds of the visible (query, key) pairs, 2 FLOPs each."""
     pairs = sum(rows * (ctx - rows) + rows * (rows + 1) // 2 for rows, ctx in chunks)
     return 4.0 * heads * head_dim * pairs
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def bench_prefill(chunks, reps: int) -> dict:

@@ -62,14 +62,18 @@ class Workload:
         )
 
 
-def write_config(shape: str, num_layers: int | None, out_dir: Path) -> None:
-    """config.json (+ side configs) of the shape; generation never stops at an EOS."""
+def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: str = "bf16") -> None:
+    """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8": the
+    quantization_config of the released FP8 checkpoints (128x128 blocks), so the random weights are FP8."""
+    from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
     from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, write_side_configs
 
     overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
     if num_layers:
         overrides["text_config.num_hidden_layers"] = num_layers
     config = released_config(PRESETS[shape], overrides)
+    if precision == "fp8":
+        config["quantization_config"] = quantization_config(RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], moe=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_side_configs(out_dir)
     gen_path = out_dir / "generation_config.json"
@@ -336,15 +340,17 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
-        num_kv_blocks=None if args.device.startswith("cuda") else 4096, kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=None if args.device.startswith("cuda") else 4096,
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
+        **({"fp8_compute": "fp8"} if not args.device.startswith("cuda") else {}),
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     sync()
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
-                    "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size, "kv_cache_dtype": cfg.kv_cache_dtype,
-                    "block_size": cfg.block_size, "cuda_graphs": engine.runner.graphs is not None,
+                    "block_size": cfg.block_size, "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size,
+                    "weights": engine.model_config.weight_format.label, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
@@ -545,12 +551,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "engine (catalogue_run2, ...): a warm engine's figures beside the first run's")
     p.add_argument("--prefill-pointer-loads", action="store_true", help="the prefill attention kernel gathers every "
                    "chunk's K/V from the paged cache (paged_prefill.POINTER_TILES), also where the device has TMA")
+    p.add_argument("--precisions", default="bf16", help="comma-separated, each ours run in the same call: bf16, fp8 "
+                   "(FP8 weights in 128x128 blocks, W8A8; with --fp8-kv-cache also an FP8 KV cache); e.g. bf16,fp8")
+    p.add_argument("--fp8-kv-cache", action="store_true", help="the fp8 precision's run also stores the KV cache in FP8")
+    p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's KV cache element type")
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
@@ -564,6 +573,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
     from scripts.catalogue_workload import WORKLOADS
 
+    if set(args.precisions.split(",")) - {"bf16", "fp8"}:
+        p.error(f"--precisions: expected some of bf16, fp8, got {args.precisions!r}")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}")
@@ -618,16 +629,25 @@ def main(argv=None) -> dict:
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k not in ("out", "part", "config_dir")},
             }
-            if args.device.startswith("cuda"):
-                result["ours"] = _subprocess(argv_without_out(argv), "ours", config_dir, args.part_timeout)
-                if args.out is not None:  # keep ours even if the baseline never finishes
-                    args.out.write_text(json.dumps(result, indent=1) + "\n")
-                if not args.skip_baseline:
-                    result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir, args.part_timeout)
-            else:
-                result["ours"] = bench_ours(args, w, config_dir)
-                if not args.skip_baseline:
-                    result["baseline"] = bench_baseline(args, w, config_dir)
+            for precision in args.precisions.split(","):
+                key = "ours" if precision == "bf16" else f"ours_{precision}"
+                part_dir = config_dir / precision
+                part_dir.mkdir(exist_ok=True)
+                write_config(args.shape, args.num_layers, part_dir, precision)
+                kv = "fp8" if precision == "fp8" and args.fp8_kv_cache else "auto"
+                if args.device.startswith("cuda"):
+                    part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv]
+                    result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
+                    if args.out is not None:  # keep ours even if the baseline never finishes
+                        args.out.write_text(json.dumps(result, indent=1) + "\n")
+                else:
+                    args.kv_cache_dtype = kv
+                    result[key] = bench_ours(args, w, part_dir)
+            if not args.skip_baseline:
+                if args.device.startswith("cuda"):
+                    result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir / "bf16", args.part_timeout)
+                else:
+                    result["baseline"] = bench_baseline(args, w, config_dir / "bf16")
     text = json.dumps(result, indent=None if args.part != "all" else 1)
     if args.out is not None:
         args.out.write_text(text + "\n")

@@ -36,6 +36,8 @@ _BF16_ONE = np.array([0x3F80], dtype=np.uint16)
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 TensorShapes = list[tuple[str, tuple[int, ...]]]  # (name, shape) in file order
+# FP8 layout (workers/fp8_checkpoint.py): e4m3 values ~N(0, 64^2) (bytes of a pattern), each tensor's scales INIT_STD/64.
+FP8_SPREAD = 64.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class RandomCheckpointSpec:
     num_experts: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
     expert_layout: Literal["release", "transformers"] = "release"
+    precision: Literal["bf16", "fp8"] = "bf16"  # fp8: Qwen's released FP8 layout (per-expert, 128x128 blocks)
     max_shard_bytes: int = 5 * 10**9
     seed: int = 0
 
@@ -58,11 +61,54 @@ class RandomCheckpointSpec:
             overrides["text_config.num_hidden_layers"] = self.num_layers
         if self.num_experts is not None:
             overrides["text_config.num_experts"] = self.num_experts
-        return released_config(self.preset, overrides)
+        config = released_config(self.preset, overrides)
+        if self.precision == "fp8":
+            from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
+
+            config["quantization_config"] = quantization_config(
+                RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+        return config
 
 
 def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes:
-    """(name, shape) of every tensor save_pretrained would write for this config, without allocating any."""
+    """(name, shape) of every tensor save_pretrained would write for this config, without allocating any; with a
+    quantization_config, the FP8 layout's names and shapes instead (fp8_shapes)."""
+    if "quantization_config" in config:
+        return fp8_shapes(config, _float_shapes(config, "transformers"))
+    return _float_shapes(config, expert_layout)
+
+
+def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
+    """The released FP8 layout of float shapes (memory-layout experts): per-expert gate/up/down, and a
+    weight_scale_inv [ceil(N/128), ceil(K/128)] after each quantised linear."""
+    from workers.fp8_checkpoint import _is_quantised_linear
+    from workers.model.fp8 import BlockShape
+
+    block = BlockShape(*config["quantization_config"]["weight_block_size"])
+    text = config["text_config"]
+    inter, hidden = text["moe_intermediate_size"], text["hidden_size"]
+    out: TensorShapes = []
+
+    def linear(name: str, shape: tuple[int, int]) -> None:
+        out.append((name, shape))
+        out.append((name.removesuffix("weight") + "weight_scale_inv", block.grid(*shape)))
+
+    for name, shape in shapes:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    linear(f"{name.rsplit('.', 1)[0]}.{e}.{proj}.weight", (inter, hidden))
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(shape[0]):
+                linear(f"{name.rsplit('.', 1)[0]}.{e}.down_proj.weight", (hidden, inter))
+        elif _is_quantised_linear(name):
+            linear(name, shape)
+        else:
+            out.append((name, shape))
+    return out
+
+
+def _float_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes:
     import torch
     import transformers
 
@@ -78,12 +124,23 @@ def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes
     return shapes
 
 
-def plan_shards(shapes: TensorShapes, max_shard_bytes: int) -> list[TensorShapes]:
+def _dtype(name: str, fp8: bool) -> tuple[str, int]:
+    """(safetensors dtype, bytes per value) of a tensor of the checkpoint."""
+    if not fp8:
+        return "BF16", BYTES_PER_VALUE
+    if name.endswith("weight_scale_inv"):
+        return "F32", 4
+    from workers.fp8_checkpoint import _is_quantised_linear
+
+    return ("F8_E4M3", 1) if _is_quantised_linear(name) else ("BF16", BYTES_PER_VALUE)
+
+
+def plan_shards(shapes: TensorShapes, max_shard_bytes: int, fp8: bool = False) -> list[TensorShapes]:
     """Greedy split in order (as save_pretrained does); a tensor larger than the limit gets a shard of its own."""
     shards: list[TensorShapes] = [[]]
     size = 0
     for name, shape in shapes:
-        nbytes = int(np.prod(shape)) * BYTES_PER_VALUE
+        nbytes = int(np.prod(shape)) * _dtype(name, fp8)[1]
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -102,8 +159,22 @@ def _random_pattern(seed: int) -> np.ndarray:
     return np.concatenate([bits, bits])
 
 
-def _tensor_chunks(name: str, count: int, pattern: np.ndarray, rng: np.random.Generator) -> Iterator[bytes]:
-    """The bytes of one tensor: ones for norm weights (so activations keep their scale), else the pattern."""
+def _fp8_pattern(seed: int) -> np.ndarray:
+    """PATTERN_VALUES e4m3 bytes of values ~N(0, FP8_SPREAD^2), stored twice."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    values = (torch.randn(PATTERN_VALUES, generator=generator) * FP8_SPREAD).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bits = values.view(torch.uint8).numpy()
+    return np.concatenate([bits, bits])
+
+
+def _tensor_chunks(name: str, count: int, pattern: np.ndarray, rng: np.random.Generator, dtype: str = "BF16") -> Iterator[bytes]:
+    """The bytes of one tensor: ones for norm weights (so activations keep their scale), one scale for an FP8
+    tensor's scales, else the pattern (bf16 or e4m3)."""
+    if dtype == "F32":
+        yield np.full(count, INIT_STD / FP8_SPREAD, dtype=np.float32).tobytes()
+        return
     if "norm" in name and name.endswith(".weight"):
         yield np.broadcast_to(_BF16_ONE, (count,)).tobytes()
         return
@@ -114,13 +185,17 @@ def _tensor_chunks(name: str, count: int, pattern: np.ndarray, rng: np.random.Ge
         count -= take
 
 
-def write_safetensors(path: Path, tensors: TensorShapes, pattern: np.ndarray, rng: np.random.Generator) -> None:
-    """Writes one safetensors file of bfloat16 tensors, streaming the data after the header."""
+def write_safetensors(
+    path: Path, tensors: TensorShapes, pattern: np.ndarray, rng: np.random.Generator, fp8_pattern: np.ndarray | None = None,
+) -> None:
+    """Writes one safetensors file (bfloat16 tensors; with fp8_pattern the FP8 layout's e4m3 weights and float32
+    scales too), streaming the data after the header."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in tensors:
-        nbytes = int(np.prod(shape)) * BYTES_PER_VALUE
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        dtype, size = _dtype(name, fp8_pattern is not None)
+        nbytes = int(np.prod(shape)) * size
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
@@ -128,7 +203,9 @@ def write_safetensors(path: Path, tensors: TensorShapes, pattern: np.ndarray, rn
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, shape in tensors:
-            for chunk in _tensor_chunks(name, int(np.prod(shape)), pattern, rng):
+            dtype = header[name]["dtype"]
+            source = fp8_pattern if dtype == "F8_E4M3" else pattern
+            for chunk in _tensor_chunks(name, int(np.prod(shape)), source, rng, dtype):
                 f.write(chunk)
 
 
@@ -140,7 +217,8 @@ def make_random_checkpoint(out_dir: Path, spec: RandomCheckpointSpec) -> Path:
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another --out")
     config = spec.config()
     shapes = tensor_shapes(config, spec.expert_layout)
-    shards = plan_shards(shapes, spec.max_shard_bytes)
+    fp8 = spec.precision == "fp8"
+    shards = plan_shards(shapes, spec.max_shard_bytes, fp8)
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -148,17 +226,19 @@ def make_random_checkpoint(out_dir: Path, spec: RandomCheckpointSpec) -> Path:
     write_side_configs(staging)
 
     pattern = _random_pattern(spec.seed)
+    fp8_pattern = _fp8_pattern(spec.seed) if fp8 else None
     rng = np.random.default_rng(spec.seed)
     weight_map: dict[str, str] = {}
     for index, tensors in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(staging / filename, tensors, pattern, rng)
+        write_safetensors(staging / filename, tensors, pattern, rng, fp8_pattern)
         weight_map.update({name: filename for name, _ in tensors})
         log.info("wrote %s (%d tensors)", filename, len(tensors))
     if len(shards) > 1:
         total = sum(int(np.prod(shape)) for _, shape in shapes)
         index_json = {
-            "metadata": {"total_parameters": total, "total_size": total * BYTES_PER_VALUE},
+            "metadata": {"total_parameters": total,
+                         "total_size": sum(int(np.prod(shape)) * _dtype(n, fp8)[1] for n, shape in shapes)},
             "weight_map": dict(sorted(weight_map.items())),
         }
         (staging / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
@@ -188,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         help="config.json field by dotted path, e.g. vision_config.depth=2 (repeatable)",
     )
     parser.add_argument("--expert-layout", choices=["release", "transformers"], default="release")
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                        help="fp8: Qwen's released FP8 layout (e4m3 weights, 128x128 block scales, per-expert experts)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -198,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         num_experts=args.num_experts,
         overrides=dict(args.override),
         expert_layout=args.expert_layout,
+        precision=args.precision,
         max_shard_bytes=int(args.max_shard_gb * 10**9),
         seed=args.seed,
     )

@@ -1,39 +1,55 @@
-"""An FP8 (e4m3fn) rounding reference that shares no code with the engine: the nearest of the 254 finite e4m3
-values by brute force, ties to the one with an even mantissa, saturating at +-448; and inputs that probe it."""
+"""An FP8 checkpoint dequantized into the float layout transformers loads: the reference side of the FP8 tests.
+
+transformers cannot load Qwen's per-expert FP8 MoE layout (huggingface/transformers#44230), so the MoE reference is
+transformers on this dequantized copy. The dequantization is written independently of workers/model/fp8.py: each
+element times the scale of the block its (row, column) falls in, by index arithmetic.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
-
-_BYTES = torch.arange(256, dtype=torch.int32)
-_FINITE = _BYTES[(_BYTES & 0x7F) != 0x7F]  # 0x7f / 0xff are NaN in e4m3fn; there is no infinity
-_VALUES = _FINITE.to(torch.uint8).view(torch.float8_e4m3fn).double()
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
-def e4m3_bytes(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """uint8 e4m3fn encodings of float32 x / scale (IEEE float32 division, then rounded as described)."""
-    y = (x.float() / torch.tensor(scale, dtype=torch.float32)).double().clamp(-448.0, 448.0).reshape(-1, 1)
-    dist = (y - _VALUES.reshape(1, -1)).abs()
-    best = dist.min(dim=1, keepdim=True).values
-    candidates = dist == best  # one value, or two at a tie (+0 and -0 are both candidates for small |y|)
-    even = (_FINITE & 1) == 0
-    pick = torch.where(candidates.sum(1, keepdim=True) > 1, candidates & even.reshape(1, -1), candidates)
-    out = _FINITE[pick.to(torch.int8).argmax(dim=1)].clone()
-    # a value that rounds to zero keeps the sign of y, as IEEE rounding does (-0 is 0x80)
-    zero = (out & 0x7F) == 0
-    out[zero] = torch.where(torch.signbit(y.reshape(-1)[zero]), 0x80, 0x00).to(out.dtype)
-    return out.to(torch.uint8).reshape(x.shape)
+def dequantize_by_index(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w[i, j] = q[i, j] * scale[i // bn, j // bk], in float32."""
+    rows, cols = weight.shape
+    row_block = torch.arange(rows) // block[0]
+    col_block = torch.arange(cols) // block[1]
+    return weight.float() * scale.float()[row_block][:, col_block]
 
 
-def probe_values(seed: int = 0) -> torch.Tensor:
-    """float32 values that exercise every rounding case: every finite e4m3 value, every midpoint between
-    neighbours (ties), values just either side of those midpoints, beyond +-448, subnormals, signed zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    values = _VALUES.float().unique()
-    mids = (values[1:] + values[:-1]) / 2
-    eps = mids.abs() * 2**-20 + 2**-30
-    return torch.cat([
-        values, mids, mids + eps, mids - eps,
-        torch.tensor([449.0, 464.0, 479.9, 1000.0, -1e6, 0.0, -0.0, 2.0**-10, -(2.0**-10), 2.0**-11]),
-        torch.randn(4096, generator=gen) * 40, torch.randn(1024, generator=gen) * 0.01,
-    ])
+def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
+    """Writes out_dir: fp8_dir's weights dequantized to float32, per-expert tensors fused back into
+    mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], and config.json without quantization_config."""
+    config = json.loads((fp8_dir / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for side in ("generation_config.json", "preprocessor_config.json"):
+        shutil.copy(fp8_dir / side, out_dir / side)
+    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
+        raw = {name: f.get_tensor(name) for name in f.keys()}
+    floats: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scale = raw.get(name.removesuffix("weight") + "weight_scale_inv")
+        floats[name] = dequantize_by_index(tensor, scale, block) if scale is not None else tensor
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in floats if ".mlp.experts." in n]:
+        prefix, rest = name.split(".mlp.experts.")
+        e, proj, _ = rest.split(".")
+        experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = floats.pop(name)
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        floats[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
+        floats[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    save_file({k: v.contiguous() for k, v in floats.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

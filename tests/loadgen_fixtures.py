@@ -180,8 +180,11 @@ def add_scenario(builder, scenario: str, runs: dict[tuple[str, str], Path], f1: 
 
 
 def make_source_root(root: Path) -> Path:
-    """A small stand-in for the repository for add_source (one package, one config)."""
+    """A small stand-in for the repository for add_source (one package, one config), with a checkpoint
+    config.json under checkpoint/ for add_calibration."""
     (root / "harness").mkdir(parents=True, exist_ok=True)
     (root / "harness" / "__init__.py").write_text('"""harness"""\n')
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (root / "checkpoint").mkdir(exist_ok=True)
+    (root / "checkpoint" / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
     return root

@@ -59,9 +59,13 @@ class Cluster:
         await self.client.wait_for_workers(len(self.roles), timeout=10)
         return self
 
-    async def add_worker(self, worker_id: str, role: str = "aggregated", engine: InstantEngine | None = None) -> WorkerServer:
+    async def add_worker(
+        self, worker_id: str, role: str = "aggregated", engine: InstantEngine | None = None, **worker_kwargs
+    ) -> WorkerServer:
+        """worker_kwargs: more WorkerServer settings (max_model_len, kv_block_size, ...)."""
         engine = engine or InstantEngine(step_delay_s=self.step_delay_s)
-        worker = WorkerServer(engine, worker_id, role, self.router.address, token=self.token, heartbeat_interval_s=0.1)
+        worker = WorkerServer(engine, worker_id, role, self.router.address, token=self.token, heartbeat_interval_s=0.1,
+                              **worker_kwargs)
         await worker.start()
         self.workers.append(worker)
         self.engines.append(engine)

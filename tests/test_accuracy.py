@@ -130,6 +130,13 @@ def test_accuracy_txt_has_the_reference_bytes_and_hash(tmp_path):
     assert re.search(r"^hash=[0-9a-f]{64}$", text, re.MULTILINE)
 
 
+@pytest.mark.parametrize("f1", [6.9e-06, 1e-20, 0.0, 1.0, 0.30000000000000004])
+def test_accuracy_txt_writes_the_f1_so_the_checker_pattern_reads_its_value(tmp_path, f1):
+    text = acc.write_accuracy_txt(_result(f1), tmp_path / "accuracy.txt").read_text()
+    assert float(re.search(ACC_PATTERN, text).group(1)) == f1
+    assert json.loads(re.search(r"\{.*\}", text).group(0)) == {"f1": f1}
+
+
 def test_targets_per_scenario():
     assert _result(0.782397).passes("offline") and _result(0.782397).passes("Server")
     assert not _result(0.7823).passes("offline")

@@ -26,7 +26,9 @@ def golden_tree(tmp_path_factory) -> Path:
     runs = official_runs(base / "runs")
     with SubmissionTreeBuilder(base / "tree", submitter=SUBMITTER, system_name=SYSTEM) as builder:
         builder.add_system_description(SYSTEM_JSON)
-        builder.add_source(make_source_root(base / "repo"))
+        repo = make_source_root(base / "repo")
+        builder.add_source(repo)
+        builder.add_calibration(repo / "checkpoint")
         for scenario in ("Offline", "Server", "Interactive"):
             add_scenario(builder, scenario, runs)
     return base / "tree"
@@ -86,17 +88,28 @@ def test_golden_tree_passes_every_rule(golden_tree):
     assert checked == {r.id for r in RULES}  # every rule ran (F1 and hash apply to closed)
 
 
+# The fields a system description with is_network set must carry (the checker's network-mode list).
+NETWORK_FIELDS = {k: "x" for k in ("network_type", "network_media", "network_rate", "nic_loadgen", "number_nic_loadgen",
+                                   "net_software_stack_loadgen", "network_protocol", "number_connections", "nic_sut",
+                                   "number_nic_sut", "net_software_stack_sut", "network_topology")}
+
 # (rule that must fail, scenario column, how to break the golden tree)
 BREAKAGES: list[tuple[str, str, Callable[[Path], None]]] = [
     ("layout", "-", lambda t: (t / "preview").mkdir()),
     ("src-dir", "-", lambda t: shutil.rmtree(sub(t) / "src")),
     ("results-present", "-", lambda t: (sub(t) / "results" / SYSTEM / MODEL).rename(
-        sub(t) / "results" / SYSTEM / "llama2-70b")),
+        sub(t) / "results" / SYSTEM / "llama2-70b-99.9")),
+    ("calibration-doc", "-", lambda t: (sub(t) / "calibration.md").unlink()),
     ("system-description", "-", lambda t: system_json(t).unlink()),
     ("system-required-fields", "-", lambda t: edit_json(system_json(t), hw_notes=None)),
     ("system-meaningful-fields", "-", lambda t: edit_json(system_json(t), cooling="")),
     ("system-status", "-", lambda t: edit_json(system_json(t), status="released")),
     ("system-type", "-", lambda t: edit_json(system_json(t), system_type="mobile")),
+    ("system-type", "-", lambda t: edit_json(system_json(t), system_type="Datacenter")),
+    ("system-status", "-", lambda t: edit_json(system_json(t), status=" rdi")),
+    ("system-required-fields", "-", lambda t: edit_json(system_json(t), is_network="false")),
+    ("system-network", "-", lambda t: edit_json(system_json(t), is_network="True", **NETWORK_FIELDS)),
+    ("system-benchmarks", "-", lambda t: (sub(t) / "results" / SYSTEM / "llama2-70b").mkdir()),
     ("system-division", "-", lambda t: edit_json(system_json(t), division="open")),
     ("system-submitter", "-", lambda t: edit_json(system_json(t), submitter="SomeoneElse")),
     ("scenario-set", "-", lambda t: shutil.rmtree(scen(t, "Offline"))),
@@ -116,6 +129,8 @@ BREAKAGES: list[tuple[str, str, Callable[[Path], None]]] = [
         perf_log(t, "Interactive"), {"effective_schedule_rng_seed": 1})),
     ("perf-sample-count", "Offline", lambda t: rewrite_detail_values(
         perf_log(t, "Offline"), {"effective_performance_sample_count": 48288})),
+    ("perf-sample-count", "Interactive", lambda t: rewrite_detail_values(  # the 8k catalogue's size is not enough
+        perf_log(t, "Interactive"), {"effective_performance_sample_count": 8000})),
     ("perf-offline-samples-per-query", "Offline", lambda t: rewrite_detail_values(
         perf_log(t, "Offline"), {"effective_samples_per_query": 22})),
     ("perf-min-duration", "Server", lambda t: rewrite_detail_values(
@@ -244,3 +259,81 @@ def test_cli_prints_one_line_per_rule_and_exits_by_verdict(tree, capsys):
 def test_cli_exits_2_when_there_is_no_tree(tmp_path, capsys):
     assert audit_main([str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_f1_written_in_scientific_notation_is_read_as_written(tree):
+    path = scen(tree, "Offline") / "accuracy" / "accuracy.txt"
+    path.write_text(re.sub(r'\{"f1": [\d.]+\}', '{"f1": 6.9e-06}', path.read_text()))
+    [finding] = audit_tree(tree).failures
+    assert (finding.rule_id, finding.scenario) == ("accuracy-f1", "Offline")
+    assert "6.9e-06" in finding.reason and "reads as 6.9" in finding.reason
+
+
+def test_f1_in_positional_notation_below_target_fails_on_its_value(tree):
+    set_f1(tree, "Offline", "0.0000069")
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == "accuracy-f1" and "F1 0.00001 < target" in finding.reason
+
+
+def test_measured_latency_over_the_constraint_fails_with_the_measured_and_target_values(tree):
+    rewrite_detail_values(perf_log(tree, "Interactive"), {
+        "result_99.00_percentile_latency_ns": 3_820_000_000, "result_validity": "INVALID",
+        "result_overlatency_query_count": 31,
+        "early_stopping_result": " * Run unsuccessful.\n * Processed 40 queries.\n * Would need to run at least "
+                                 "9000 more queries"})
+    by_rule = {f.rule_id: f for f in audit_tree(tree).failures}
+    assert set(by_rule) == {"perf-latency-constraint", "perf-result-valid"}
+    reason = by_rule["perf-latency-constraint"].reason
+    assert "measured p99 3.82 s" in reason and "constraint 1.5 s" in reason
+    assert "31 of 40 queries over 1.5 s" in reason and "at least 9000 more queries" in reason
+
+
+def test_cli_accepts_one_submission_dir_as_the_readme_quotes_it(tree, capsys):
+    (tree / "closed" / "Other").mkdir()  # an incomplete submission beside ours is not audited
+    assert audit_main([str(sub(tree))]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("VERDICT  ACCEPTED")
+    assert audit_main([str(tree)]) == 1  # the whole tree includes Other
+    assert audit_main([str(sub(tree)), "--submitter", "Other"]) == 2
+
+
+def test_cli_help_names_both_forms_of_the_tree(capsys):
+    with pytest.raises(SystemExit):
+        audit_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the directory holding closed/" in help_text and "closed/<submitter>" in help_text
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", True])
+def test_network_mode_in_a_closed_submission_fails_as_the_checker_rejects_it(tree, value):
+    edit_json(system_json(tree), is_network=value)
+    by_rule = {f.rule_id: f for f in audit_tree(tree).failures}
+    assert set(by_rule) == {"system-network", "system-required-fields"}
+    assert "network_type" in by_rule["system-required-fields"].reason
+    edit_json(system_json(tree), **NETWORK_FIELDS)
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == "system-network"
+    expected = "not a string" if value is True else "incorrect network mode (=True) for division 'closed'"
+    assert expected in finding.reason
+
+
+def test_status_is_lower_cased_as_the_checker_does_but_not_stripped(tree):
+    edit_json(system_json(tree), status="RDI")
+    assert failures(tree) == set()
+    edit_json(system_json(tree), status=["rdi"])
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == "system-status" and "stops with an error" in finding.reason
+
+
+def test_results_of_another_benchmark_are_reported_not_audited(tree):
+    (sub(tree) / "results" / SYSTEM / "gpt-oss-120b" / "Offline").mkdir(parents=True)
+    report = audit_tree(tree)
+    assert report.accepted
+    [warning] = [f for f in report.findings if f.status == "WARN"]
+    assert warning.rule_id == "system-benchmarks" and "gpt-oss-120b" in warning.reason
+
+
+def test_calibration_doc_may_live_under_documentation(tree):
+    (sub(tree) / "documentation").mkdir()
+    (sub(tree) / "calibration.md").rename(sub(tree) / "documentation" / "calibration.md")
+    assert failures(tree) == set()

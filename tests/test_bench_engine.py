@@ -53,3 +53,12 @@ def test_repeat_fixed_runs_the_fixed_catalogue_again_on_the_same_engine(capsys):
     assert [ours[key]["samples"] for key in ("catalogue", "catalogue_run2", "catalogue_run3")] == [2, 2, 2]
     assert "catalogue_run4" not in ours
     assert ours["warm_up"] is None  # the engine warms itself up on CUDA only
+
+
+def test_precisions_run_fp8_weights_beside_bf16_in_the_same_call(tmp_path, capsys):
+    result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--precisions", "bf16,fp8",
+                                "--workloads", "fixed", "--catalogue-only"])
+    assert result["ours"]["weights"] == "bfloat16 weights"
+    assert result["ours_fp8"]["weights"].startswith("fp8 e4m3 weights in 128x128 blocks")
+    assert result["ours_fp8"]["catalogue"]["samples_per_s"] > 0
+    assert result["ours_fp8"]["kv_pool_tokens"] == result["ours_fp8"]["kv_blocks"] * result["ours_fp8"]["block_size"]

@@ -203,3 +203,24 @@ def test_building_a_tiny_checkpoint_does_not_change_what_later_calls_expect(tmp_
     tiny_checkpoint.make_tiny_checkpoint(tmp_path / "ckpt", arch="moe", seed=0)
     after = json.dumps(tiny_checkpoint._expected_stamp("moe", 0, 1), sort_keys=True)
     assert before == after
+
+
+def test_random_fp8_checkpoint_is_in_the_released_fp8_layout_and_loads(tmp_path):
+    from workers.config import EngineConfig
+    from workers.model.fp8 import FP8_DTYPE
+    from workers.model_runner import build_text_model
+    from workers.weights import load_model_config
+
+    spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,
+                                precision="fp8", max_shard_bytes=30_000_000)
+    checkpoint = make_random_checkpoint(tmp_path / "random-fp8", spec)
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    name = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
+    with safe_open(str(checkpoint / index["weight_map"][name]), framework="pt") as f:
+        assert f.get_tensor(name).dtype == FP8_DTYPE
+        assert f.get_tensor(name.removesuffix("weight") + "weight_scale_inv").dtype == torch.float32
+    assert index["weight_map"] == safetensors_keys(checkpoint)
+    config = load_model_config(checkpoint)
+    assert config.weight_format.method == "fp8_block"
+    model = build_text_model(EngineConfig(checkpoint=checkpoint, fp8_compute="fp8"), config, torch.device("cpu"), torch.float32)
+    assert model.language_model.layers[0].mlp.experts.down_proj.dtype == FP8_DTYPE

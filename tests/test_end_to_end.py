@@ -24,6 +24,7 @@ ALLOWED_FAILURES = {
     "scenario-set",  # one scenario per run; v6.1 requires Offline and one of Server/Interactive
     "perf-sample-count", "perf-min-duration", "perf-offline-samples-per-query", "perf-result-valid",
     "perf-early-stopping", "accuracy-f1", "accuracy-sample-count", "accuracy-total-count",
+    "perf-latency-constraint",  # measured p99 on two shared CPU cores may miss Interactive's 1.5 s
 }
 
 
@@ -65,6 +66,9 @@ def audit_failures(stdout: str) -> set[str]:
 def test_cpu_tiny_run_produces_loadgen_logs_a_tree_and_an_honest_verdict(scenario, tmp_path, cache_dir):
     result, output = run_harness(scenario, tmp_path, cache_dir)
     assert result.returncode == 1, result.stderr[-3000:]  # the audit rejects a tiny random model
+    # The embedded Ray kept its session files in a directory of the harness's, gone once the run is over.
+    [ray_temp_dir] = re.findall(r"embedded Ray on loopback, its session files in (\S+)", result.stderr)
+    assert not Path(ray_temp_dir).exists()
     dir_name = scenario.capitalize()
     runs = output / "runs" / "cpu-tiny" / dir_name
 

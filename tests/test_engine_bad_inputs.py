@@ -57,6 +57,11 @@ def test_undecodable_image_is_an_error(engine):
     assert "image 0" in error
 
 
+def test_an_undecodable_image_gets_the_same_error_text_each_time(engine):
+    first, second = (serve_with_a_good_neighbour(engine, with_pads(4, b"not an image at all")) for _ in range(2))
+    assert first == second and " at 0x" not in first and "format not recognised" in first
+
+
 def test_empty_image_is_an_error(engine):
     assert "image 0" in serve_with_a_good_neighbour(engine, with_pads(4, b""))
 

@@ -34,6 +34,10 @@ def checkpoint(arch, request):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
+    return transformers_reference(checkpoint)
+
+
+def transformers_reference(checkpoint):
     """transformers' generate with its own image processor: (images, text ids) -> (prompt, new tokens)."""
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

@@ -23,7 +23,7 @@ from image_fixtures import png
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import FP8_DTYPE
-from workers.types import PromptInput, SamplingParams
+from workers.types import FinishReason, PromptInput, SamplingParams
 
 IMAGE_PAD = 151655
 REL_L2_BOUND = 0.5
@@ -41,10 +41,10 @@ def run(checkpoint, max_tokens=12, **overrides) -> tuple[LLMEngine, dict[str, li
     logits: dict[str, list[torch.Tensor]] = {}
     sample = engine.runner.sampler.sample
 
-    def recording(rows, ids, params):
+    def recording(rows, ids, *args, **kwargs):
         for i, rid in enumerate(ids):
             logits.setdefault(rid, []).append(rows[i].float().cpu().clone())
-        return sample(rows, ids, params)
+        return sample(rows, ids, *args, **kwargs)
 
     engine.runner.sampler.sample = recording
     for rid, prompt in PROMPTS.items():
@@ -52,6 +52,7 @@ def run(checkpoint, max_tokens=12, **overrides) -> tuple[LLMEngine, dict[str, li
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     while engine.has_unfinished():
         for out in engine.step():
+            assert out.finish_reason is not FinishReason.ERROR, out.error
             tokens[out.request_id] += out.new_token_ids
     return engine, tokens, logits
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8_reference import e4m3_bytes, probe_values
+from fp8_kv_reference import e4m3_bytes, probe_values
 from workers.config import EngineConfig
 from workers.kv_cache import FP8_DTYPE, quantize_fp8
 from workers.model import fused_norm_rope
@@ -145,8 +145,8 @@ def test_triton_qk_norm_rope_writes_an_fp8_cache_bit_exact_with_the_reference_qu
     )
     assert q.dtype == k.dtype == v.dtype == dtype  # the step's own rows stay in the activation dtype
     stored_k, stored_v = (c.flatten(0, 1)[slots].view(torch.uint8).cpu() for c in (k_cache, v_cache))
-    assert torch.equal(stored_k, quantize_fp8(k, k_scale).view(torch.uint8).cpu())
-    assert torch.equal(stored_v, quantize_fp8(v, v_scale).view(torch.uint8).cpu())
+    assert torch.equal(stored_k, quantize_fp8(k.cpu(), k_scale).view(torch.uint8))
+    assert torch.equal(stored_v, quantize_fp8(v.cpu(), v_scale).view(torch.uint8))
     assert torch.equal(stored_v, e4m3_bytes(v.cpu(), v_scale))
 
 

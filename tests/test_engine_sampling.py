@@ -27,6 +27,25 @@ def test_greedy_picks_the_argmax():
     assert sampler.sample(torch.tensor([[0.1, 2.0, 0.3]]), ["g"], [SamplingParams()]).tolist() == [1]
 
 
+def test_a_grammar_masks_only_its_own_row_and_advances_with_the_sampled_token():
+    from workers.grammar import GrammarState
+    from workers.tokenizer import EOS_TOKEN_IDS, load_tokenizer
+
+    tok = load_tokenizer()
+    grammar = GrammarState('{"enum": ["red"]}', EOS_TOKEN_IDS)
+    logits = torch.zeros(2, 151936)
+    logits[:, tok.encode("blue")[0]] = 5.0  # the best token by far, but not one the grammar allows
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    picked = []
+    for _ in range(8):
+        free, constrained = sampler.sample(logits, ["free", "json"], [SamplingParams()] * 2, [None, grammar]).tolist()
+        assert free == tok.encode("blue")[0]
+        picked.append(constrained)
+        if constrained in EOS_TOKEN_IDS:
+            break
+    assert tok.decode(picked) == '"red"' and picked[-1] in EOS_TOKEN_IDS
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_moe_checkpoint):
     return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128))

@@ -141,6 +141,22 @@ def test_offline_has_no_latency_target():
     assert "offline.target_latency_ms" in error_for(data)
 
 
+def test_performance_sample_count_above_the_synthetic_dataset_is_named():
+    data = cpu_tiny()
+    data["scenarios"]["interactive"]["performance_sample_count"] = 25
+    assert ("scenarios.interactive.performance_sample_count: 25 is more than the 24 samples of "
+            "datasets.catalogue-8k") in error_for(data)
+
+
+def test_performance_sample_count_above_the_published_dataset_is_named():
+    data = cpu_tiny()
+    data["datasets"]["catalogue-8k"]["path"] = "/data/shopify-product-catalogue-8k"
+    data["scenarios"]["interactive"]["performance_sample_count"] = 48289
+    assert "scenarios.interactive.performance_sample_count: 48289 is more than the 8000 samples" in error_for(data)
+    data["scenarios"]["interactive"]["performance_sample_count"] = 8000
+    assert parse_system_config(data, "test.yaml").dataset_size("interactive") == 8000
+
+
 def test_bad_synthetic_dataset_names_the_key():
     data = cpu_tiny()
     data["datasets"]["product-catalogue"]["path"] = "synthetic:lots"

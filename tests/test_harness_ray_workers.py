@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 import ray
 
-from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, init_ray
+from harness.ray_network import temp_dirs_of
+from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, _node_address, init_ray
 from harness.system_config import PoolSection, RaySection
 from router.client import RouterClient
 from router.config import RouterConfig
 from router.instant_engine import InstantEngine
 from router.server import RouterServer
 from router.wire import pb
+from scripts.fault_soak import descendants
+from tests.net_fixtures import listening_sockets
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def router():
 @pytest.fixture(scope="module")
 def fleet(router):
     address, _ = router
-    started = init_ray(RaySection(num_cpus=2, num_gpus=0, object_store_memory_mb=80), address=None)
+    session = init_ray(RaySection(num_cpus=2, num_gpus=0, object_store_memory_mb=80), address=None)
 
     def instant_engine() -> ServedEngine:  # nested: Ray ships it by value (tests/ is not importable there)
         engine = InstantEngine(step_delay_s=0.001)
@@ -65,8 +68,7 @@ def fleet(router):
     fleet.start()
     yield fleet
     fleet.stop()
-    if started:
-        ray.shutdown()
+    session.close()
 
 
 def registered(call) -> dict[str, tuple[str, int, bool]]:
@@ -108,6 +110,19 @@ def test_actors_register_serve_and_come_back_after_a_crash(router, fleet):
     assert registered(call)["decode-0"][2]
 
 
+@pytest.mark.slow
+def test_the_embedded_ray_and_its_workers_listen_and_advertise_loopback_only(fleet):
+    addresses = fleet.addresses(timeout_s=60)
+    assert all(address.startswith("127.0.0.1:") for address in addresses.values()), addresses
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    assert {_node_address(instance.group) for instance in fleet.instances} == {"127.0.0.1"}  # a kv link's host
+    ray_processes = {pid: cmd for pid, cmd in descendants(os.getpid()).items() if "ray" in cmd}
+    listeners = listening_sockets({os.getpid(): "pytest", **ray_processes})
+    assert any("raylet" in one.command for one in listeners) and any("gcs_server" in one.command for one in listeners)
+    outside = [one for one in listeners if not one.loopback]
+    assert outside == [], f"listening outside loopback: {outside}"
+
+
 def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatch):
     calls = []
 
@@ -119,8 +134,9 @@ def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatc
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
-    assert init_ray(RaySection(num_cpus=1), address=None) is True
-    assert calls == ["init", "shutdown", "init"]
+    session = init_ray(RaySection(num_cpus=1), address=None)
+    assert session.owned and calls == ["init", "shutdown", "init"]
+    session.close()
 
 
 @pytest.mark.slow
@@ -140,12 +156,13 @@ def test_the_embedded_ray_is_our_own_even_with_another_cluster_running():
                          daemon=True).start()
         assert up.wait(90), "the other cluster did not come up"
         probe = (
-            "import ray\n"
             "from harness.system_config import RaySection\n"
             "from harness.ray_workers import init_ray\n"
-            "assert init_ray(RaySection(num_cpus=1, num_gpus=0), address=None)\n"
+            "import ray\n"
+            "session = init_ray(RaySection(num_cpus=1, num_gpus=0), address=None)\n"
+            "assert session.owned\n"
             "print(int(ray.cluster_resources()['CPU']))\n"
-            "ray.shutdown()\n"
+            "session.close()\n"
         )
         done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent, env=env,
                               capture_output=True, text=True, timeout=180)
@@ -162,5 +179,7 @@ def test_other_embedded_ray_start_errors_are_not_retried(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
+    before = temp_dirs_of(os.getpid())  # another test's embedded Ray may be up
     with pytest.raises(ValueError, match="too small"):
         init_ray(RaySection(num_cpus=1), address=None)
+    assert temp_dirs_of(os.getpid()) == before  # the failed start's session-file directory is gone

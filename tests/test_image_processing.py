@@ -187,6 +187,18 @@ def test_decode_rejects_bad_bytes_with_a_reason(data, reason):
         decode_image(data, max_pixels_limit=20_000_000)
 
 
+@pytest.mark.parametrize("data", [b"definitely not an image", b"\x89PNG\r\n\x1a\nthis is not a png",
+                                  png_header_only(64, 64)], ids=["garbage", "png-signature", "header-only"])
+def test_a_bad_image_gets_the_same_reason_every_time(data):
+    reasons = []
+    for _ in range(2):
+        with pytest.raises(ImageDecodeError) as info:
+            decode_image(data, max_pixels_limit=20_000_000)
+        reasons.append(str(info.value))
+    assert reasons[0] == reasons[1]
+    assert " at 0x" not in reasons[0]
+
+
 def test_decode_rejects_truncated_jpeg():
     data = rgb_jpeg(300, 200, seed=1)
     with pytest.raises(ImageDecodeError, match="cannot decode JPEG 300x200"):

@@ -158,6 +158,14 @@ def test_prompt_builder_batch_matches_single_builds_and_reports_bad_images(sampl
         builder(broken)
 
 
+def test_a_bad_image_sample_gets_the_same_message_on_every_build(sample, tok):
+    broken = dataclasses.replace(sample, index=9, image_bytes=b"GIF89a but no more")
+    builder = mp.PromptBuilder(tok, "v6.1")
+    first, second = (str(builder.build_batch([broken])[0]) for _ in range(2))
+    assert first == second
+    assert first.startswith("sample 9:") and "18 bytes" in first and " at 0x" not in first
+
+
 def test_unknown_variant_is_refused(tok):
     with pytest.raises(ValueError, match="v6.2"):
         mp.PromptBuilder(tok, "v6.2")

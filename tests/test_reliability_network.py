@@ -1,5 +1,7 @@
 """Hostile network input against the real router process (`python -m router`): malformed protobuf, oversized
-messages, calls without the token on a non-local bind, remote image URLs, and a flood beyond admission."""
+messages, calls without the token on a non-local bind, remote image URLs, and a flood beyond admission. And the
+run's own footprint: a cpu-tiny run listens on loopback only (router, workers, Ray), removes its Ray session
+files, and an unreachable --ray-address fails in bounded time."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,14 +27,19 @@ import pytest
 import yaml
 from PIL import Image
 
+from harness.ray_network import RayUnreachable, probe_address, temp_dirs_of
+from harness.system_config import CONFIG_DIR
 from router.client import RouterClient
 from router.instant_engine import InstantEngine
 from router.transport import call_metadata
 from router.wire import pb
+from scripts.fault_soak import HarnessRun, descendants, free_port, soak_system
+from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.server import WorkerServer
 
 REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache" / "tests" / "harness"
 TOKEN = "s3cret-token"
 MAX_MESSAGE = 1024 * 1024
 LIMITS = {"max_inflight_total": 4, "max_inflight_per_worker": 4, "max_queue": 8, "max_message_bytes": MAX_MESSAGE}
@@ -240,3 +248,72 @@ def test_http_flood_gets_429_and_health_stays_ok(router):
                 assert json.loads(health.read())["status"] == "healthy"
 
     run(body(), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A cpu-tiny Server run (router, two Ray workers, LoadGen), caught with requests in flight."""
+    tmp = tmp_path_factory.mktemp("live-run")
+    harness_run = HarnessRun(soak_system(tmp, 12, qps=1.0), tmp / "out", CACHE).start()
+    try:
+        harness_run.wait_for_loadgen()
+        assert harness_run.wait_for_inflight(1), harness_run.process.communicate()[1][-3000:]
+        yield harness_run
+    finally:
+        if harness_run.process.poll() is None:
+            harness_run.process.terminate()
+            harness_run.process.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_no_process_of_a_cpu_tiny_run_listens_outside_loopback(live_run):
+    processes = {live_run.pid: "harness", **descendants(live_run.pid)}
+    listeners = listening_sockets(processes)
+    for kind, marker in {"gcs_server": "gcs_server", "raylet": "raylet", "router": " -m router ",
+                         "worker": "ray::ModelWorker"}.items():  # the check covers every kind of listener
+        assert any(marker in f" {one.command} " for one in listeners), f"no {kind} listener found: {listeners}"
+    outside = [one for one in listeners if not one.loopback]
+    assert outside == [], f"listening outside loopback: {outside}"
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_removes_its_ray_session_files(live_run):
+    [temp_dir] = temp_dirs_of(live_run.pid)
+    assert (temp_dir / "session_latest").exists()  # Ray's session files are in the harness's own directory
+    live_run.process.send_signal(signal.SIGTERM)
+    live_run.process.wait(timeout=120)
+    assert live_run.process.returncode == 130
+    assert not temp_dir.exists()
+
+
+def test_an_unreachable_ray_address_fails_in_the_configured_time_naming_it_and_leaves_nothing_running(tmp_path):
+    data = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+    data["ray"]["connect_timeout_s"] = 1.0
+    system = tmp_path / "cpu-tiny-join.yaml"
+    system.write_text(yaml.safe_dump(data))
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    child = subprocess.Popen(
+        [sys.executable, "-m", "harness", "--scenario", "offline", "--system", str(system), "--ray-address", address,
+         "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, stderr = child.communicate(timeout=120)  # Ray's own connect would retry for over ten minutes
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 2, stderr
+    [line] = stderr.strip().splitlines()
+    assert f"--ray-address {address}: no Ray cluster answered within 1 s" in line
+    with pytest.raises(ProcessLookupError):  # nothing of the run's process group is left
+        os.killpg(child.pid, 0)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_ray_address_that_accepts_connections_passes_the_probe_and_a_malformed_one_is_named():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        probe_address(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5)
+        probe_address(f"ray://127.0.0.1:{server.getsockname()[1]}", timeout_s=5)
+    with pytest.raises(RayUnreachable, match="--ray-address head-node: not host:port"):
+        probe_address("head-node", timeout_s=5)

@@ -1,15 +1,20 @@
-"""The OpenAI-compatible HTTP endpoint, driven by the official `openai` package against instant workers."""
+"""The OpenAI-compatible HTTP endpoint, driven by the official `openai` package against instant workers (and, for
+guided decoding, a real engine on the tiny checkpoint): what it supports, and what it refuses naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
 from PIL import Image
 
+from router.instant_engine import InstantEngine
 from router.wire import pb
 from tests.router_fixtures import Cluster, collect, run
 from workers.chat import encode_chat
@@ -120,6 +125,212 @@ def test_health_and_prometheus_metrics_endpoints():
                          "q3vl_router_worker_inflight{", 'q3vl_router_requests_total{outcome="LENGTH"} 1.0',
                          "q3vl_router_routing_decisions_total{"):
                 assert name in text, name
+            await client.close()
+
+    run(body())
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def http_base(cluster: Cluster) -> str:
+    return f"http://127.0.0.1:{cluster.router.http_port}"
+
+
+async def post_chat(cluster: Cluster, body: dict) -> tuple[int, dict]:
+    """A raw POST, for bodies the openai package would not send as they are."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{http_base(cluster)}/v1/chat/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+
+TEXT = [{"role": "user", "content": "Name a product category."}]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 2.5), ("max_completion_tokens", 0),
+    ("temperature", True), ("temperature", -0.5), ("top_p", 0), ("top_p", False), ("top_k", True), ("top_k", -2),
+    ("seed", True), ("seed", -1), ("n", True), ("stream", "yes"),
+])
+def test_bad_numeric_or_boolean_parameters_get_400_naming_the_parameter(field, value):
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            status, reply = await post_chat(c, {"model": "any", "messages": TEXT, field: value})
+            assert status == 400, reply
+            assert reply["error"]["param"] == field and field in reply["error"]["message"]
+            assert reply["error"]["type"] == "invalid_request_error"
+            assert all(e.requests_seen == [] for e in c.engines)
+
+    run(body())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2), ("logprobs", True), ("top_logprobs", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"1": 5}), ("ignore_eos", True),
+])
+def test_unsupported_parameters_get_400_naming_the_parameter(field, value):
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            client = openai_client(c)
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="any", messages=TEXT, max_tokens=4, extra_body={field: value})
+            assert caught.value.body["param"] == field and "not supported" in caught.value.body["message"]
+            assert all(e.requests_seen == [] for e in c.engines)
+            await client.close()
+
+    run(body())
+
+
+def test_no_op_values_of_unsupported_parameters_are_accepted():
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            client = openai_client(c)
+            reply = await client.chat.completions.create(
+                model="any", messages=TEXT, max_tokens=3, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0)
+            assert len(reply.choices) == 1 and reply.usage.completion_tokens == 3
+            await client.close()
+
+    run(body())
+
+
+def test_stop_string_ends_the_text_before_it_and_the_worker_stops_streaming_or_not():
+    async def body():
+        async with Cluster(config=HTTP, step_delay_s=0.005) as c:
+            client = openai_client(c)
+            free = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=40, temperature=0)
+            text = free.choices[0].message.content
+            at = len(text) // 3
+            stop = text[at:at + 5]  # likely spans a token boundary: the tail must be held back while streaming
+            at = text.find(stop)
+            for stream in (False, True):
+                seen = [len(e.requests_seen) for e in c.engines]
+                got = await client.chat.completions.create(
+                    model="any", messages=TEXT, max_tokens=2000, temperature=0, stop=["never-in-the-text", stop],
+                    stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+                if stream:
+                    events = [e async for e in got]
+                    content = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+                    finish = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
+                    usage = events[-1].usage
+                else:
+                    content, finish, usage = got.choices[0].message.content, [got.choices[0].finish_reason], got.usage
+                assert content == text[:at]
+                assert finish == ["stop"]
+                assert usage.completion_tokens < 40
+                # The worker's request was cancelled: it did not run on to 2000 tokens.
+                (rid,) = [r for e, n in zip(c.engines, seen) for r in e.requests_seen[n:]]
+                await wait_until(lambda: any(rid in e.aborted for e in c.engines))
+            await client.close()
+
+    run(body())
+
+
+def test_stop_token_id_ends_generation_without_its_text():
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            prompt = encode_chat(TEXT, load_tokenizer())
+            req = pb.GenerateRequest(request_id="g", prompt_token_ids=prompt.token_ids,
+                                     sampling=pb.SamplingParams(max_tokens=12))
+            tokens, _ = await collect(c.client.generate(req))
+            cut = next(i for i in range(4, 12) if tokens[i] not in tokens[:i])
+            client = openai_client(c)
+            got = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=12, temperature=0,
+                                                       extra_body={"stop_token_ids": [tokens[cut]]})
+            assert got.choices[0].message.content == load_tokenizer().decode(tokens[:cut])
+            assert got.choices[0].finish_reason == "stop"
+            assert got.usage.completion_tokens == cut + 1
+            await client.close()
+
+    run(body())
+
+
+def test_prompt_longer_than_max_model_len_or_the_kv_pool_gets_400_naming_the_limit():
+    big = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url((4096, 4096))}},
+        {"type": "text", "text": "Which category is this?"}]}]
+
+    async def body():
+        async with Cluster(config=HTTP, roles=()) as c:
+            await c.add_worker("short", max_model_len=512)
+            await c.client.wait_for_workers(1, timeout=10)
+            client = openai_client(c)
+            with pytest.raises(openai.BadRequestError, match=r"maximum context length \(max_model_len\) is 512 tokens"):
+                await client.chat.completions.create(model="any", messages=big, max_tokens=4)
+            await c.workers[0].stop(0)
+            c.workers.clear()
+            await c.add_worker("small-pool", engine=InstantEngine(total_kv_blocks=8, block_size=16), kv_block_size=16)
+            await wait_until(lambda: [e.worker_id for e in c.router.registry.entries() if e.healthy] == ["small-pool"])
+            with pytest.raises(openai.BadRequestError, match=r"KV cache of worker small-pool holds \(8 blocks of 16"):
+                await client.chat.completions.create(model="any", messages=big, max_tokens=4)
+            assert (await client.chat.completions.create(model="any", messages=TEXT, max_tokens=2)).choices
+            await client.close()
+
+    run(body())
+
+
+def test_models_retrieve_returns_the_model_whose_id_holds_a_slash():
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            client = openai_client(c)
+            model = await client.models.retrieve("Qwen/Qwen3-VL-235B-A22B-Instruct")
+            assert (model.id, model.object) == ("Qwen/Qwen3-VL-235B-A22B-Instruct", "model")
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve("Qwen/some-other-model")
+            await client.close()
+
+    run(body())
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "count", "colour"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_response_from_the_tiny_checkpoint_parses_and_validates(tiny_dense_checkpoint):
+    from workers.async_engine import AsyncEngine
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_dense_checkpoint, num_kv_blocks=64, max_model_len=512)))
+    response_format = {"type": "json_schema", "json_schema": {"name": "product", "schema": SCHEMA, "strict": True}}
+
+    async def body():
+        async with Cluster(config=HTTP, roles=()) as c:
+            await c.add_worker("real", engine=engine)
+            await c.client.wait_for_workers(1, timeout=10)
+            client = openai_client(c)
+            for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+                got = await client.chat.completions.create(
+                    model="any", messages=TEXT, max_tokens=300, response_format=response_format, **sampling)
+                assert got.choices[0].finish_reason == "stop", got.choices[0].message.content
+                jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
+            free = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=20, temperature=0)
+            with pytest.raises(json.JSONDecodeError):  # the random model alone writes no JSON: the grammar did
+                json.loads(free.choices[0].message.content)
+            await client.close()
+
+    try:
+        run(body(), timeout=120)
+    finally:
+        engine.shutdown()
+
+
+def test_invalid_json_schema_gets_400_before_any_worker_sees_it():
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            client = openai_client(c)
+            bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+            with pytest.raises(openai.BadRequestError, match="Invalid type: strin") as caught:
+                await client.chat.completions.create(model="any", messages=TEXT, response_format=bad)
+            assert caught.value.body["param"] == "response_format.json_schema.schema"
+            assert all(e.requests_seen == [] for e in c.engines)
             await client.close()
 
     run(body())

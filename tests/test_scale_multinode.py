@@ -3,29 +3,49 @@ prefill pool is placed on one node, the decode pool on the other, and a run join
 
 ray.cluster_utils.Cluster starts the same head and worker-node processes as `ray start --head` /
 `ray start --address`, but tracks them, so the teardown stops only this test's processes (`ray stop` would
-stop every Ray on the machine)."""
+stop every Ray on the machine). Both nodes take 127.0.0.1 as their address (`--node-ip-address 127.0.0.1`), so
+that they, and the run that joins them at 127.0.0.1, listen on loopback only; their session files go to a temp dir
+of the test's (`--temp-dir`), not /tmp/ray."""
+
+import os
 
 import pytest
 
+from harness.ray_network import make_temp_dir, remove_temp_dir
+from scripts.fault_soak import descendants
 from scripts.sim_sweep import run_point, simulated_system
+from tests.net_fixtures import listening_sockets
+
+LOOPBACK = "127.0.0.1"
 
 
 @pytest.mark.slow
-def test_a_simulated_run_spans_two_ray_nodes(tmp_path):
+def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path):
     from ray.cluster_utils import Cluster
 
+    temp_dir = make_temp_dir()
+    node = {"node_ip_address": LOOPBACK, "temp_dir": str(temp_dir)}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 4},
-                                                            "include_dashboard": False})
+                                                            "include_dashboard": False, **node})
     try:
-        cluster.add_node(num_cpus=1, resources={"node_b": 4})
+        cluster.add_node(num_cpus=1, resources={"node_b": 4}, **node)
         cluster.wait_for_nodes()
         config = simulated_system("sim-2node", "h200", workers=2, layout="disaggregated", policy="round_robin",
                                   prefill_fraction=0.5, qps={"server": 2.0}, duration_ms=4000, samples=8,
                                   simulation={"model": "qwen3-vl-30b-a3b", "workers_per_process": 1})
         prefill, decode = config["workers"]["pools"]
         prefill["resources"], decode["resources"] = {"node_a": 1}, {"node_b": 1}
+        assert cluster.address.startswith(f"{LOOPBACK}:")
         point = run_point(config, "server", tmp_path, timeout_s=150, ray_address=cluster.address)
         assert point.get("valid"), point
         assert point["completed_qps"] > 1.0
+        nodes = {pid: cmd for pid, cmd in descendants(os.getpid()).items() if "ray" in cmd}
+        listeners = listening_sockets(nodes)
+        assert sum("gcs_server" in one.command for one in listeners) >= 1
+        assert sum("raylet" in one.command for one in listeners) >= 2  # both nodes
+        outside = [one for one in listeners if not one.loopback]
+        assert outside == [], f"the nodes listen outside loopback: {outside}"
+        assert (temp_dir / "session_latest").exists()
     finally:
         cluster.shutdown()
+        remove_temp_dir(temp_dir)

@@ -34,6 +34,7 @@ def build(out: Path, runs, repo: Path, scenarios) -> Path:
     with builder(out) as b:
         b.add_system_description(SYSTEM_JSON)
         b.add_source(repo)
+        b.add_calibration(repo / "checkpoint")
         for scenario in scenarios:
             add_scenario(b, scenario, runs)
     return out
@@ -52,6 +53,7 @@ def test_tree_appears_only_at_commit_and_passes_the_audit(tmp_path, runs, repo):
     with builder(out) as b:
         b.add_system_description(SYSTEM_JSON)
         b.add_source(repo)
+        b.add_calibration(repo / "checkpoint")
         for scenario in ("Offline", "Server"):
             add_scenario(b, scenario, runs)
         assert not out.exists() and visible(tmp_path) == ["repo"]  # only a hidden .submission.partial-*
@@ -88,6 +90,7 @@ def test_incomplete_tree_is_not_committed(tmp_path, runs, repo):
         with builder(out) as b:
             b.add_system_description(SYSTEM_JSON)
             b.add_source(repo)
+            b.add_calibration(repo / "checkpoint")
             b.add_performance_run("Offline", runs[("Offline", "performance")])
             b.add_measurements("Offline", MEASUREMENTS)
             b.add_user_conf("Offline", runs[("Offline", "performance")] / "user.conf")
@@ -149,6 +152,7 @@ def test_system_description_takes_the_trees_submitter_and_division(tmp_path, run
     with SubmissionTreeBuilder(out, submitter="AcmeAI", system_name=SYSTEM, division="open") as b:
         b.add_system_description(SYSTEM_JSON)
         b.add_source(repo)
+        b.add_calibration(repo / "checkpoint")
         add_scenario(b, "Offline", runs)
     desc = json.loads((out / "open" / "AcmeAI" / "systems" / f"{SYSTEM}.json").read_text())
     assert (desc["submitter"], desc["division"]) == ("AcmeAI", "open")
@@ -184,6 +188,7 @@ def test_shipped_system_descriptions_pass_the_system_rules(tmp_path, runs, repo,
     with SubmissionTreeBuilder(out, submitter=SUBMITTER, system_name=system_json.stem, division=division) as b:
         b.add_system_description(system_json)
         b.add_source(repo)
+        b.add_calibration(repo / "checkpoint")
         add_scenario(b, "Offline", runs)
         add_scenario(b, "Server", runs)
     report = audit_tree(out)
@@ -201,3 +206,36 @@ def test_leftovers_of_a_killed_run_are_cleared_and_an_interrupted_swap_is_undone
     assert visible(results(out)) == ["Offline", "Server"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".submission.") and
             not p.name.endswith(".lock")] == []
+
+
+def _checkpoint(root: Path, config: dict) -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def test_calibration_md_states_unquantized_weights_for_a_checkpoint_without_quantization_config(tmp_path):
+    ckpt = _checkpoint(tmp_path / "Qwen3-VL-235B-A22B-Instruct", {"torch_dtype": "bfloat16"})
+    out = tmp_path / "submission"
+    with builder(out) as b:
+        text = b.add_calibration(ckpt).read_text()
+        b.add_system_description(SYSTEM_JSON)
+        b.add_source(make_source_root(tmp_path / "repo"))
+        b.add_readme("Offline", "x", "performance")
+        b.add_measurements("Offline", MEASUREMENTS)
+        b.add_user_conf("Offline", SYSTEM_JSON)
+    assert (out / "closed" / SUBMITTER / "calibration.md").read_text() == text
+    assert "unquantized bfloat16" in text and "No quantization and no calibration" in text
+    assert "kv_cache_dtype: auto" in text and "fp8" not in text
+
+
+def test_calibration_md_names_the_fp8_layout_and_an_fp8_kv_cache(tmp_path):
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    ckpt = _checkpoint(tmp_path / "Qwen3-VL-235B-A22B-Instruct-FP8", {"quantization_config": quant})
+    b = builder(tmp_path / "submission")
+    b.begin()
+    text = b.add_calibration(ckpt, kv_cache_dtype="fp8").read_text()
+    b.abort()
+    assert "Qwen3-VL-235B-A22B-Instruct-FP8" in text
+    assert "quant_method fp8, fmt e4m3, weight_block_size [128, 128]" in text
+    assert "KV cache: fp8" in text and "unquantized" not in text

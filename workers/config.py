@@ -30,6 +30,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activation and weight dtype; 'auto' is bfloat16 on CUDA, float32 on CPU."
     )
+    fp8_compute: Literal["auto", "fp8", "dequantize"] = Field(
+        "auto", description="An FP8 checkpoint's linears: 'auto' computes in FP8 (W8A8) on CUDA and dequantizes the "
+        "weights at load on the CPU (what transformers computes there); 'fp8' also on the CPU (the kernels' torch "
+        "references, for tests); 'dequantize' everywhere (bf16 math on FP8 checkpoints)."
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="KV cache element type: 'auto' is the activation dtype; 'fp8' stores float8_e4m3fn with "
         "a per-layer k_scale/v_scale (the checkpoint's self_attn k_scale/v_scale tensors where present, else 1.0), "

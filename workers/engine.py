@@ -215,6 +215,14 @@ class LLMEngine:
         if kv_import is not None:
             self._check_import(kv_import, len(token_ids), prepared.mrope_position_delta)
             token_ids.append(kv_import.first_token_id)
+        grammar = None
+        if sampling.json_schema is not None:
+            from workers.grammar import GrammarState  # guided decoding only: others never load llguidance
+
+            try:
+                grammar = GrammarState(sampling.json_schema, self.eos_token_ids, token_ids[len(prompt.token_ids):])
+            except ValueError as exc:
+                raise PromptError(str(exc)) from None
         return Sequence(
             request_id=request_id,
             token_ids=token_ids,
@@ -226,6 +234,7 @@ class LLMEngine:
             mrope_position_delta=prepared.mrope_position_delta,
             kv_import=kv_import,
             image_spans=prepared.image_spans,
+            grammar=grammar,
         )
 
     def _check_import(self, kv: KvExport, num_tokens: int, delta: int) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from workers.vision_geometry import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, smart_resize
+from workers.vision_geometry import (MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, describe_image_error,
+                                     smart_resize)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError(f"image has too many pixels: {exc}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise ImageDecodeError(f"not a decodable image ({len(data)} bytes): {exc}") from exc
+        raise ImageDecodeError(f"not a decodable image ({len(data)} bytes): {describe_image_error(exc, data)}") from exc
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ImageDecodeError(f"image has zero size ({width}x{height})")
@@ -76,7 +77,8 @@ def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
         image.load()
         return to_rgb(image)
     except Exception as exc:  # truncated data, bad chunks, unsupported codec options
-        raise ImageDecodeError(f"cannot decode {image.format or 'image'} {width}x{height}: {exc}") from exc
+        raise ImageDecodeError(f"cannot decode {image.format or 'image'} {width}x{height}: "
+                               f"{describe_image_error(exc, data)}") from exc
 
 
 def _merge_block_patches(image: Image.Image, min_pixels: int, max_pixels: int) -> tuple[np.ndarray, int, int]:

@@ -28,8 +28,10 @@ def cache_dtype(kv_cache_dtype: str, activation: torch.dtype) -> torch.dtype:
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale in float32 (scale rounded to float32, as the kernels take it), clamped to +-448, rounded to the
-    nearest e4m3 value (ties to even)."""
-    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    nearest e4m3 value (ties to even). The divisor is a tensor on x's device: CUDA torch divides by a host scalar
+    through its reciprocal, which can round differently from the kernels' IEEE division."""
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -33,7 +33,9 @@ from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
-from workers.weights import ModelConfig, init_random_weights, load_kv_scales, load_text_weights
+from workers.weights import (
+    ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +44,29 @@ def build_text_model(
     config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None
 ):
     """The text tower (this rank's shard) with checkpoint weights, allocated once on the target device in the
-    target dtype."""
+    target dtype. An FP8 checkpoint's linears keep FP8 weights on CUDA (W8A8 GEMMs); on the CPU, as transformers
+    does there, they are dequantized at load into the activation dtype."""
+    fmt = model_config.weight_format
+    fp8_compute = fmt.is_fp8 and (device.type == "cuda" or config.fp8_compute == "fp8")
+    if config.fp8_compute == "dequantize":
+        fp8_compute = False
+    precision = text_precision(config.checkpoint, fmt, config.load_format) if fp8_compute else None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3VLTextForEngine(model_config.text, tp)
+            model = Qwen3VLTextForEngine(model_config.text, tp, *([precision] if precision else []))
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     if config.load_format == "random":
         init_random_weights(model, config.seed)
+        init_random_fp8_weights(model, config.seed)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.language_model.embed_tokens.weight
     else:
-        load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp)
-    model.finish_loading(device)
+        load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp, fmt)
+    model.finish_loading(device, scale_rows=fmt.block.n if fp8_compute else 1)
     return model.eval()
 
 
@@ -168,7 +177,9 @@ class ModelRunner:
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
         logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
         ids = [seq.request_id for _, seq in sampling]
-        tokens = HostCopy(self.sampler.sample(logits, ids, [seq.sampling for _, seq in sampling])) if sampling else None
+        tokens = HostCopy(self.sampler.sample(
+            logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
+        )) if sampling else None
         self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
         return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
 

@@ -66,10 +66,40 @@ class TensorParallel:
             return (e * self.size, rows, cols)
         return (e, rows * self.size, cols) if name.endswith("gate_up_proj") else (e, rows, cols * self.size)
 
+    # An FP8 weight's scale parameter (one scale per row and K block) is cut as its weight is: the same rows, and
+    # along K the blocks of this rank's columns (check_scale_cut makes sure they are whole).
+    _SCALE_OF = {"weight_scale": "weight", "experts.gate_up_scale": "experts.gate_up_proj", "experts.down_scale": "experts.down_proj"}
+    _COLUMN_CUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+    def _weight_name(self, name: str) -> tuple[str, bool]:
+        for scale, weight in self._SCALE_OF.items():
+            if name.endswith(scale):
+                return name.removesuffix(scale) + weight, True
+        return name, False
+
+    def _cuts_columns(self, weight_name: str) -> bool:
+        return weight_name.endswith(self._COLUMN_CUTS) or (weight_name.endswith("mlp.experts.down_proj") and not self.expert_parallel)
+
+    def check_scale_cut(self, name: str, cols: int, block_k: int, source_name: str) -> None:
+        """Raises unless this rank's input columns of the FP8 weight `name` are whole scale blocks (a K slice cannot
+        split a block: its activations would be quantised in groups that straddle two ranks)."""
+        if self.size == 1 or not self._cuts_columns(name) or block_k >= cols:
+            return
+        local = cols // self.size
+        if local % block_k:
+            raise CheckpointError(
+                f"{source_name}: tensor_parallel_size {self.size} gives each rank {local} of its {cols} input columns, "
+                f"not a whole number of the checkpoint's {block_k}-column scale blocks"
+                + ("; use expert_parallel: true" if "experts" in name else "")
+            )
+
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full tensor `name` (engine parameter name, experts in memory layout)."""
         if self.size == 1:
             return tensor
+        name, is_scale = self._weight_name(name)
+        if is_scale and self._cuts_columns(name) and tensor.shape[-1] == 1:
+            return tensor  # one scale for all columns (per-channel): every rank's K slice uses it
         if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                           "mlp.gate_proj.weight", "mlp.up_proj.weight")):

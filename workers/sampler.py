@@ -1,13 +1,20 @@
 """Sampler: picks each sequence's next token from its logits (greedy, or temperature/top-k/top-p).
 
 A request with a seed draws from its own torch.Generator, so its tokens do not depend on its batch mates.
+A request with a grammar (workers/grammar.py) has every token outside its grammar's mask removed first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from workers.types import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.grammar import GrammarState
 
 
 class Sampler:
@@ -28,9 +35,27 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        """logits [B, V] -> token ids [B] on the logits' device; greedy rows wait for nothing on the host."""
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        grammars: Sequence[GrammarState | None] = (),
+    ) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] on the logits' device; greedy rows wait for nothing on the host.
+
+        grammars: per row, the request's GrammarState or None. Only when some row has one does the step build a
+        mask, and wait for the sampled tokens on the host to advance those grammars."""
         logits = logits.float()
+        constrained = [i for i, g in enumerate(grammars) if g is not None]
+        if constrained:
+            idx = torch.tensor(constrained, device=logits.device)
+            allowed = torch.stack([grammars[i].allowed(logits.shape[-1]) for i in constrained]).to(logits.device)
+            logits = logits.index_put((idx,), logits[idx].masked_fill(~allowed, float("-inf")))
+        tokens = self._pick(logits, request_ids, params)
+        if constrained:
+            for i, token in zip(constrained, tokens[idx].tolist()):
+                grammars[i].accept(token)
+        return tokens
+
+    def _pick(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:

@@ -216,7 +216,7 @@ class Scheduler:
         return failed
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids or token in seq.sampling.stop_token_ids:
             return FinishReason.STOP
         if seq.prefill_only or seq.num_generated_tokens >= seq.sampling.max_tokens:
             return FinishReason.LENGTH

@@ -40,6 +40,8 @@ class Sequence:
     kv_import: Any = None
     # (first prompt index, token count, content digest) per image: keys image content into prefix hashes.
     image_spans: list[tuple[int, int, bytes]] = field(default_factory=list)
+    # A workers.grammar.GrammarState when sampling.json_schema is set: the sampler masks and advances it.
+    grammar: Any = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -233,15 +233,18 @@ class WorkerServer:
     # -- what the servicer uses -----------------------------------------------------------------
 
     def sampling_params(self, s: pb.SamplingParams) -> SamplingParams:
-        seed = s.seed if s.has_seed else None
+        if any(t < 0 for t in s.stop_token_ids):
+            raise ValueError(f"stop_token_ids must not be negative: {list(s.stop_token_ids)}")
+        common = {"seed": s.seed if s.has_seed else None, "stop_token_ids": frozenset(s.stop_token_ids),
+                  "json_schema": s.json_schema or None}
         if s.use_model_defaults:
             d = self.generation_defaults
             return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                                  max_tokens=s.max_tokens or d.max_tokens, seed=seed)
+                                  max_tokens=s.max_tokens or d.max_tokens, **common)
         if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
             raise ValueError(f"bad sampling params: {s}".strip())
         return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                              max_tokens=s.max_tokens or self.generation_defaults.max_tokens, seed=seed)
+                              max_tokens=s.max_tokens or self.generation_defaults.max_tokens, **common)
 
     async def coalesce(
         self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1

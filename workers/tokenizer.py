@@ -166,6 +166,10 @@ class QwenTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` serialises it (tokenizer.json), for libraries that build their own."""
+        return self._tok.to_str()
+
 
 @functools.cache
 def load_tokenizer() -> QwenTokenizer:

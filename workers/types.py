@@ -18,13 +18,16 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 disables top-k."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0 disables top-k. stop_token_ids end generation like
+    EOS does; json_schema (JSON text) constrains the output to that schema (workers/grammar.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 150
     seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    json_schema: str | None = None
 
     @property
     def greedy(self) -> bool:

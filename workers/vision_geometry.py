@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -69,6 +70,17 @@ def smart_resize(
     return h_bar, w_bar
 
 
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def describe_image_error(exc: BaseException, data: bytes) -> str:
+    """Why PIL could not read `data`, in words that are the same on every run: PIL's own messages name its
+    file object by memory address (`cannot identify image file <_io.BytesIO object at 0x...>`)."""
+    if isinstance(exc, UnidentifiedImageError):
+        return f"format not recognised (first bytes: {data[:8].hex(' ') or 'none'})"
+    return _OBJECT_REPR.sub("the image data", str(exc)) or type(exc).__name__
+
+
 def image_geometry(
     data: bytes, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
 ) -> ImageGeometry:
@@ -77,6 +89,7 @@ def image_geometry(
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
     except Exception as exc:  # PIL raises many types for bad headers
-        raise ImageGeometryError(f"cannot read image header: {exc}") from exc
+        raise ImageGeometryError(f"cannot read image header ({len(data)} bytes): "
+                                 f"{describe_image_error(exc, data)}") from exc
     rh, rw = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
     return ImageGeometry(width=width, height=height, resized_width=rw, resized_height=rh)

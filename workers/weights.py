@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+
+from workers.checkpoint_quant import QuantizationConfigError, WeightFormat, weight_format
+from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape, dequantize_weight_blocks
+from workers.model.layers import rows_scale
 
 if TYPE_CHECKING:
     from workers.parallel import TensorParallel
@@ -67,6 +71,7 @@ class ModelConfig:
     image_token_id: int
     vision_start_token_id: int
     spatial_merge_size: int
+    weight_format: WeightFormat = WeightFormat()  # config.json's quantization_config (checkpoint_quant.py)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,10 @@ def load_model_config(checkpoint: Path) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(f"{checkpoint / 'config.json'}: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    try:
+        fmt = weight_format(raw, str(checkpoint / "config.json"))
+    except QuantizationConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
     hf = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
     t = hf.text_config
     rope = t.rope_parameters or {}
@@ -127,6 +136,7 @@ def load_model_config(checkpoint: Path) -> ModelConfig:
         image_token_id=hf.image_token_id,
         vision_start_token_id=hf.vision_start_token_id,
         spatial_merge_size=hf.vision_config.spatial_merge_size,
+        weight_format=fmt,
     )
 
 
@@ -160,13 +170,108 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(checkpoint: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name without prefix, tensor) for every tensor whose name starts with prefix."""
-    for path in checkpoint_files(checkpoint):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
-                    yield name[len(prefix) :], f.get_tensor(name)
+class CheckpointIndex:
+    """Every tensor of a checkpoint by name, over all its shards; tensors are read one at a time on request."""
+
+    def __init__(self, checkpoint: Path):
+        self.checkpoint = checkpoint
+        self._file_of: dict[str, Path] = {}
+        self._open: dict[Path, object] = {}
+        for path in checkpoint_files(checkpoint):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._file_of[name] = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self._file_of if n.startswith(prefix)]
+
+    def _handle(self, name: str):
+        path = self._file_of[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.checkpoint}: tensor {name} not found")
+        return self._handle(name).get_tensor(name)
+
+    def is_fp8(self, name: str) -> bool:
+        return name in self._file_of and self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+
+
+def scale_name(weight_name: str, fmt: WeightFormat) -> str:
+    """The checkpoint name of a quantised tensor's scale: <module>.weight_scale_inv (fp8) or <module>.weight_scale
+    (compressed-tensors); a fused expert tensor <...>.gate_up_proj has <...>.gate_up_proj_scale_inv (transformers'
+    FP8Experts)."""
+    if weight_name.endswith(".weight"):
+        return weight_name.removesuffix("weight") + fmt.scale_suffix
+    return weight_name + "_" + fmt.scale_suffix
+
+
+@dataclass
+class QuantTensor:
+    """An FP8 checkpoint tensor [..., N, K] with one float32 scale per row and K block [..., N, ceil(K/block.k)]:
+    the checkpoint's block scales expanded over their rows, so that any row slice or concatenation stays exact."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight_blocks(self.weight, self.scale, BlockShape(1, self.block_k), dtype)
+
+
+def read_weight(index: CheckpointIndex, name: str, fmt: WeightFormat) -> torch.Tensor | QuantTensor:
+    """A checkpoint tensor; an FP8 one with its scale, checked against the format's block shape."""
+    tensor = index.get(name)
+    if tensor.dtype != FP8_DTYPE:
+        return tensor
+    if not fmt.is_fp8:
+        raise CheckpointError(f"{name} is float8_e4m3fn but config.json declares no quantization_config")
+    sname = scale_name(name, fmt)
+    if sname not in index:
+        raise CheckpointError(f"{name} is float8_e4m3fn but its scale tensor {sname} is missing")
+    scale = index.get(sname).float()
+    rows, cols = tensor.shape[-2:]
+    expected = (*tensor.shape[:-2], *fmt.block.grid(rows, cols))
+    if tuple(scale.shape) != expected:
+        raise CheckpointError(
+            f"{sname}: shape {tuple(scale.shape)}, expected {expected} for {name} {tuple(tensor.shape)} in "
+            f"{min(fmt.block.n, rows)}x{min(fmt.block.k, cols)} blocks"
+        )
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise CheckpointError(f"{sname}: scales must be finite and positive")
+    return QuantTensor(tensor, rows_scale(scale, fmt.block, rows), fmt.block.k)
+
+
+def _stack(parts: list, dim: int, name: str):
+    """torch.cat of float tensors, or of QuantTensors (weights and per-row scales alike)."""
+    kinds = {isinstance(p, QuantTensor) for p in parts}
+    if len(kinds) > 1:
+        raise CheckpointError(f"{name}: some experts are float8_e4m3fn and some are not")
+    if kinds == {True}:
+        return QuantTensor(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale for p in parts], dim), parts[0].block_k)
+    return torch.cat(parts, dim)
+
+
+def iter_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name without prefix, tensor) for every tensor whose name starts with prefix. An FP8 tensor comes
+    dequantized (to dtype, default float32) and its scale tensor is not listed."""
+    index = CheckpointIndex(checkpoint)
+    fmt = weight_format(_read_json(checkpoint / "config.json"), str(checkpoint / "config.json"))
+    names = index.names(prefix)
+    scales = {scale_name(n, fmt) for n in names if fmt.is_fp8 and index.is_fp8(n)}
+    for name in names:
+        if name in scales:
+            continue
+        tensor = read_weight(index, name, fmt)
+        if isinstance(tensor, QuantTensor):
+            tensor = tensor.dequantized(dtype or torch.float32)
+        yield name[len(prefix) :], tensor
 
 
 def _expert_tensor(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
@@ -179,16 +284,20 @@ def _expert_tensor(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -
 
 
 RANDOM_INIT_STD = 0.02
+FP8_SCALE_PARAMS = ("weight_scale", "gate_up_scale", "down_scale")  # the engine's names of FP8 weights' scales
 
 
 @torch.no_grad()
 def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_INIT_STD) -> None:
     """Fills every parameter in place where it lives: matrices ~N(0, std), norm weights 1, biases 0. Each
     parameter draws from its own seed (seed, position), so the replicated parameters of a tensor-parallel
-    instance (embeddings, router, lm_head) are equal on every rank."""
+    instance (embeddings, router, lm_head) are equal on every rank. FP8 weights and their scales are
+    init_random_fp8_weights' job."""
     gen = torch.Generator(device=next(module.parameters()).device)
     for index, (name, param) in enumerate(module.named_parameters()):
         gen.manual_seed(seed * 1_000_003 + index)
+        if param.dtype == FP8_DTYPE or name.endswith(FP8_SCALE_PARAMS):
+            continue
         if param.dim() >= 2:
             param.normal_(0.0, std, generator=gen)
         elif name.endswith("bias"):
@@ -237,40 +346,144 @@ def load_kv_scales(checkpoint: Path, num_layers: int) -> list[tuple[float, float
     return [(found[(i, "k")], found[(i, "v")]) for i in range(num_layers)]
 
 
+FP8_RANDOM_SPREAD = 64.0  # random FP8 weights: e4m3 values ~N(0, 64^2) times a scale std/64 (7 sigma below 448)
+
+
+@torch.no_grad()
+def init_random_fp8_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_INIT_STD) -> None:
+    """Fills the FP8 weights of module (Fp8Linear layers and FP8 MoE experts) with values ~N(0, std) in e4m3 times
+    one scale each; the float parameters are init_random_weights' job."""
+    gen = torch.Generator(device=next(module.parameters()).device)
+    for index, (name, param) in enumerate(module.named_parameters()):
+        if param.dtype == FP8_DTYPE:
+            gen.manual_seed(seed * 1_000_003 + index)
+            values = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.bfloat16)
+            param.copy_((values * FP8_RANDOM_SPREAD).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+        elif name.endswith(FP8_SCALE_PARAMS):
+            param.fill_(std / FP8_RANDOM_SPREAD)
+
+
+def text_precision(checkpoint: Path, fmt: WeightFormat, load_format: str) -> Callable[[str], BlockShape | None]:
+    """Which text-tower modules to build with FP8 weights (workers/model/text.py LinearPrecision): those the
+    checkpoint stores in float8_e4m3fn (read from the safetensors headers), or, for load_format 'random', every
+    linear the quantization_config does not name as left unquantised. Routers and lm_head stay in the activation
+    dtype (the releases leave them unquantised); a checkpoint that quantised them is dequantized at load."""
+    if not fmt.is_fp8:
+        return lambda _name: None
+    row_block = BlockShape(1, fmt.block.k)
+    if load_format == "random":
+        return lambda name: None if fmt.skips("model.language_model." + name) else row_block
+    index = CheckpointIndex(checkpoint)
+
+    def precision(name: str) -> BlockShape | None:
+        full = TEXT_PREFIX + name
+        if name.endswith("mlp.experts"):
+            candidates = (full + ".gate_up_proj", full + ".0.gate_proj.weight")
+        else:
+            candidates = (full + ".weight",)
+        return row_block if any(index.is_fp8(c) for c in candidates) else None
+
+    return precision
+
+
+_EXPERT_SOURCES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _read_experts(index: CheckpointIndex, source: str, which: str, num_experts: int, fmt: WeightFormat):
+    """One layer's experts in transformers' memory layout ([E, 2I, H] gate then up rows, or [E, H, I]), from the
+    fused layout (released bf16: `mlp.experts.gate_up_proj` [E, H, 2I]) or the per-expert one Qwen's FP8 releases
+    use (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj`, `down_proj` [H, I], each with its scale)."""
+    fused = source + which
+    if fused in index:
+        return read_weight(index, fused, fmt), fused
+    first = f"{source}0.{_EXPERT_SOURCES[which][0]}.weight"
+    if first not in index:
+        raise CheckpointError(f"{index.checkpoint}: neither {fused} nor per-expert tensors like {first}")
+    experts = []
+    for e in range(num_experts):
+        parts = [read_weight(index, f"{source}{e}.{proj}.weight", fmt) for proj in _EXPERT_SOURCES[which]]
+        experts.append(_stack(parts, 0, f"{source}{e}") if len(parts) > 1 else parts[0])
+    stacked = [p.weight.unsqueeze(0) if isinstance(p, QuantTensor) else p.unsqueeze(0) for p in experts]
+    if isinstance(experts[0], QuantTensor):
+        return QuantTensor(torch.cat(stacked), torch.cat([p.scale.unsqueeze(0) for p in experts]), experts[0].block_k), first
+    return torch.cat(stacked), first
+
+
 def load_text_weights(
     model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, fmt: WeightFormat | None = None,
 ) -> None:
     """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place; under
-    tensor/expert parallelism each parameter gets this rank's slice of the checkpoint tensor."""
+    tensor/expert parallelism each parameter gets this rank's slice of the checkpoint tensor. FP8 tensors go into
+    FP8 parameters with their scales (one per row; see QuantTensor), or dequantized into float parameters."""
+    fmt = fmt or WeightFormat()
+    index = CheckpointIndex(checkpoint)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    consumed: set[str] = set()
 
     def put(name: str, source_name: str, tensor: torch.Tensor) -> None:
-        param = params.get(name)
-        if param is None:
-            raise CheckpointError(f"{source_name}: no such parameter in the text tower")
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            full = param.shape if tp is None else tp.full_shape(name, tuple(param.shape))
+        param = params[name]
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_scale", "experts.down_scale")):
+            weight_name = name.replace("_scale", "_proj") if name.endswith("_scale") else name
+            full = params[weight_name].shape if tp is None else tp.full_shape(weight_name, tuple(params[weight_name].shape))
+            if name.endswith("_scale"):
+                full = (*full[:-1], tensor.shape[-1])  # the weight's rows, its K blocks
             tensor = _expert_tensor(source_name, tensor, torch.Size(full))
         if tp is not None:
             tensor = tp.shard(name, tensor)
         if tensor.shape != param.shape:
             raise CheckpointError(f"{source_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(dtype))
+            param.copy_(tensor if param.dtype == FP8_DTYPE else tensor.to(param.dtype))
         loaded.add(name)
 
-    for name, tensor in iter_tensors(checkpoint, TEXT_PREFIX):
-        if name.endswith(KV_SCALE_SUFFIXES):  # the KV cache's, not a text-tower parameter: load_kv_scales
-            continue
-        put("language_model." + name, TEXT_PREFIX + name, tensor)
-    head = dict(iter_tensors(checkpoint, LM_HEAD))
-    if "" in head:
-        put("lm_head.weight", LM_HEAD, head[""])
+    def put_weight(name: str, scale_param: str, source_name: str, tensor) -> None:
+        """A weight into its parameter: FP8 with its scale, or float (dequantized if the checkpoint's is FP8)."""
+        param = params.get(name)
+        if param is None:
+            raise CheckpointError(f"{source_name}: no such parameter in the text tower")
+        if param.dtype == FP8_DTYPE:
+            if not isinstance(tensor, QuantTensor):
+                raise CheckpointError(f"{source_name}: expected float8_e4m3fn weights with scales, got {tensor.dtype}")
+            if tp is not None:
+                tp.check_scale_cut(name, tensor.weight.shape[-1], tensor.block_k, source_name)
+            put(name, source_name, tensor.weight)
+            put(scale_param, scale_name(source_name, fmt), tensor.scale)
+        else:
+            put(name, source_name, tensor.dequantized(dtype) if isinstance(tensor, QuantTensor) else tensor)
+
+    moe_layers = {}
+    for pname in params:
+        if pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            moe_layers[pname] = pname.rsplit(".", 1)
+    for pname, (owner, which) in moe_layers.items():
+        source = TEXT_PREFIX + owner.removeprefix("language_model.") + "."
+        num_experts = model.cfg.num_experts if hasattr(model, "cfg") else params[pname].shape[0]
+        tensor, source_name = _read_experts(index, source, which, num_experts, fmt)
+        consumed.update(n for n in index.names(source) if _is_expert_tensor(n, source, which))
+        put_weight(pname, f"{owner}.{which.replace('_proj', '_scale')}", source_name, tensor)
+
+    scales = {scale_name(n, fmt) for n in index.names(TEXT_PREFIX) if fmt.is_fp8 and index.is_fp8(n)}
+    for name in index.names(TEXT_PREFIX):
+        if name in consumed or name in scales or name.endswith(KV_SCALE_SUFFIXES):
+            continue  # (KV scales are the KV cache's, not text-tower parameters: load_kv_scales)
+        engine_name = "language_model." + name[len(TEXT_PREFIX) :]
+        put_weight(engine_name, engine_name.removesuffix("weight") + "weight_scale", name, read_weight(index, name, fmt))
+    if LM_HEAD in index:
+        put_weight("lm_head.weight", "lm_head.weight_scale", LM_HEAD, read_weight(index, LM_HEAD, fmt))
     elif tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{checkpoint}: missing text-tower weights, e.g. {missing[:3]}")
+
+
+def _is_expert_tensor(name: str, source: str, which: str) -> bool:
+    """Whether `name` is one of the tensors (weights or scales) _read_experts read for `which`."""
+    rest = name[len(source) :]
+    if rest.startswith(which):
+        return True
+    parts = rest.split(".")
+    return len(parts) >= 3 and parts[0].isdigit() and parts[1] in _EXPERT_SOURCES[which]

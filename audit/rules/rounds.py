@@ -25,7 +25,10 @@ COMPLIANCE_TEST_DIR = re.compile(r"^TEST\d\d$")
 # truncate_accuracy_log.py: logs above MAX are cut to the first and last VIEWABLE bytes.
 MAX_ACCURACY_LOG_SIZE = 10 * 1024
 ACCURACY_LOG_VIEWABLE_SIZE = 4096
+# The checker's ACC_PATTERN["F1_HIERARCHICAL"] (constants.py): digits and dots only, so it reads 6.9e-06 as 6.9.
 ACCURACY_F1_PATTERN = r'\{.*"f1":\s*([\d\.]+).*\}'
+# The JSON number actually written after "f1" (sign, fraction and exponent included).
+ACCURACY_F1_WRITTEN = r'"f1":\s*(-?[\d.]+(?:[eE][-+]?\d+)?)'
 ACCURACY_HASH_PATTERN = r"^hash=([\w\d]+)$"
 
 # The harness writes FAILED_SAMPLES_FILE (JSON list of {"sample_index", "error"}) next to LoadGen's logs;
@@ -33,8 +36,20 @@ ACCURACY_HASH_PATTERN = r"^hash=([\w\d]+)$"
 FAILED_SAMPLES_FILE = "failed_samples.json"
 FILED_FAILED_SAMPLES = "failed_samples_{run}.json"
 
+# The checker lower-cases `status` before this test (not stripped) and compares `system_type` as written
+# (SystemCheck.availability_check / system_type_check in submission_checker/checks/system_check.py).
 VALID_STATUS = ("available", "preview", "rdi")
 VALID_SYSTEM_TYPES = ("datacenter", "edge", "datacenter,edge", "edge,datacenter")
+# `is_network` (a string the checker lower-cases) set at all makes these fields required too, and "true" is
+# only allowed in the network division (SYSTEM_DESC_REQUIRED_FIELDS_NETWORK_MODE, constants.py).
+SYSTEM_DESC_IS_NETWORK = "is_network"
+SYSTEM_DESC_NETWORK_FIELDS = (
+    "is_network", "network_type", "network_media", "network_rate", "nic_loadgen", "number_nic_loadgen",
+    "net_software_stack_loadgen", "network_protocol", "number_connections", "nic_sut", "number_nic_sut",
+    "net_software_stack_sut", "network_topology",
+)
+# Folder names the checker maps to a benchmark of the round besides its own names (MODEL_CONFIG model_mapping).
+BENCHMARK_ALIASES = ("ssd-resnet34", "mobilenet", "resnet50", "llama3_1-405b", "llama3_1-8b", "llama3_1-8b-edge")
 
 SYSTEM_DESC_REQUIRED_FIELDS = (
     "division", "submitter", "status", "system_name", "number_of_nodes", "host_processor_model_name",
@@ -83,6 +98,12 @@ class RoundRules:
     latency_constraint_ns: Mapping[str, int]
     # Compliance (audit) tests this benchmark requires: none in v6.0/v6.1 (models_TEST0x lists, §3.4).
     compliance_tests: tuple[str, ...] = ()
+    # Every benchmark of the round (MODEL_CONFIG[round]["models"]): other results folders under a system.
+    benchmarks: tuple[str, ...] = ()
+    # One value for every scenario, Interactive's 8k catalogue included: MODEL_CONFIG[round]
+    # ["performance-sample-count"]["qwen3-vl-235b-a22b"] (constants.py; checked on LoadGen logs only, not on
+    # mlcommons/endpoints ones), and mlperf.conf's performance_sample_count_override. LoadGen loads
+    # min(this, the QSL's total), so an Interactive run logging 48289 keeps all 8,000 samples loaded.
     performance_sample_count: int = 48289
     offline_min_samples_per_query: int = 48289
     min_duration_ms: int = 600_000
@@ -101,6 +122,10 @@ ROUNDS: Mapping[str, RoundRules] = MappingProxyType({
         accuracy_targets=MappingProxyType({"Offline": 0.7903 * 0.99, "Server": 0.7903 * 0.99}),
         accuracy_sample_count=MappingProxyType({"Offline": 48289, "Server": 48289}),
         latency_constraint_ns=MappingProxyType({"Server": 12_000_000_000}),
+        benchmarks=("resnet", "retinanet", "bert-99", "bert-99.9", "3d-unet-99", "3d-unet-99.9", "llama3.1-8b",
+                    "llama3.1-8b-edge", "llama2-70b-99", "llama2-70b-99.9", "stable-diffusion-xl", "mixtral-8x7b",
+                    "llama3.1-405b", "rgat", "pointpainting", "deepseek-r1", "whisper", "gpt-oss-120b",
+                    "wan-2.2-t2v-a14b", MODEL, "dlrm-v3", "yolo-95", "yolo-99"),
     ),
     "v6.1": RoundRules(
         version="v6.1",
@@ -111,6 +136,10 @@ ROUNDS: Mapping[str, RoundRules] = MappingProxyType({
             {"Offline": 0.7903 * 0.99, "Server": 0.7903 * 0.99, "Interactive": 0.7878 * 0.99}),
         accuracy_sample_count=MappingProxyType({"Offline": 48289, "Server": 48289, "Interactive": 8000}),
         latency_constraint_ns=MappingProxyType({"Server": 12_000_000_000, "Interactive": 1_500_000_000}),
+        benchmarks=("resnet", "bert-99", "bert-99.9", "3d-unet-99", "3d-unet-99.9", "llama3.1-8b",
+                    "llama3.1-8b-edge", "llama2-70b-99.9", "stable-diffusion-xl", "rgat", "deepseek-r1", "whisper",
+                    "gpt-oss-120b", "wan-2.2-t2v-a14b", MODEL, "qwen3.6-27b", "dlrm-v3", "yolo-95", "yolo-99",
+                    "e2e-rag-qna", "e2e-rag-db"),
     ),
 })
 DEFAULT_VERSION = "v6.1"

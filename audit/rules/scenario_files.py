@@ -11,8 +11,8 @@ from typing import Literal
 from audit.loadgen_logs import LogParseError, parse_summary_log
 from audit.rules.base import (Outcome, Rule, ScenarioContext, Unavailable, check_that, failed, passed,
                               read_json_object)
-from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_HASH_PATTERN, ACCURACY_OPTIONAL_FILES,
-                                ACCURACY_REQUIRED_FILES, COMPLIANCE_TEST_DIR, FILED_FAILED_SAMPLES,
+from audit.rules.rounds import (ACCURACY_F1_PATTERN, ACCURACY_F1_WRITTEN, ACCURACY_HASH_PATTERN,
+                                ACCURACY_OPTIONAL_FILES, ACCURACY_REQUIRED_FILES, COMPLIANCE_TEST_DIR, FILED_FAILED_SAMPLES,
                                 MAX_ACCURACY_LOG_SIZE, MEASUREMENTS_REQUIRED_FIELDS, PERF_RUN_OPTIONAL_FILES,
                                 PERF_RUN_REQUIRED_FILES)
 
@@ -86,13 +86,19 @@ def _accuracy_txt(ctx: ScenarioContext) -> tuple[Path, str]:
 def check_accuracy_f1(ctx: ScenarioContext) -> Outcome:
     path, text = _accuracy_txt(ctx)
     target = ctx.round.accuracy_targets[ctx.scenario]
-    match = next((m for m in (re.match(ACCURACY_F1_PATTERN, line) for line in text.splitlines()) if m), None)
+    line, match = next(((ln, m) for ln, m in ((ln, re.match(ACCURACY_F1_PATTERN, ln)) for ln in text.splitlines())
+                        if m), ("", None))
     if match is None:
         return failed('no {"f1": ...} line', path)
+    written = re.search(ACCURACY_F1_WRITTEN, line)
     try:
-        f1 = float(match.group(1))
+        official, f1 = float(match.group(1)), float(written.group(1)) if written else None
     except ValueError:
         return failed(f"F1 {match.group(1)!r} is not a number", path)
+    if f1 is None or f1 != official:
+        shown = written.group(1) if written else line.strip()
+        return failed(f"F1 written as {shown}, which the checker's pattern reads as {match.group(1)}: "
+                      f"write it in positional notation", path)
     return check_that(f1 >= target, f"F1 {f1:.5f} {'>=' if f1 >= target else '<'} target {target:.6f}", path)
 
 

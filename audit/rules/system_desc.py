@@ -1,12 +1,16 @@
-"""Rules on a submission's layout and its systems: src/, systems/<name>.json (required and meaningful
-fields, status, system type, division and submitter matching the dirs) and the set of scenario dirs."""
+"""Rules on a submission's layout and its systems: src/, calibration.md, systems/<name>.json (fields, status,
+system type, network mode, division and submitter as the checker reads them), other benchmarks, scenario set."""
 
 from __future__ import annotations
 
 from audit.rules.base import (Outcome, Rule, SubmissionContext, SystemContext, Unavailable, check_that, failed,
                               passed)
-from audit.rules.rounds import (SCENARIOS, SYSTEM_DESC_MEANINGFUL_FIELDS, SYSTEM_DESC_REQUIRED_FIELDS,
+from audit.rules.rounds import (BENCHMARK_ALIASES, MODEL, SCENARIOS, SYSTEM_DESC_IS_NETWORK,
+                                SYSTEM_DESC_MEANINGFUL_FIELDS, SYSTEM_DESC_NETWORK_FIELDS, SYSTEM_DESC_REQUIRED_FIELDS,
                                 VALID_STATUS, VALID_SYSTEM_TYPES)
+
+# Where the checker stops with a Python error instead of a verdict, the audit fails with this note.
+CHECKER_STOPS = "the official checker stops with an error on it"
 
 
 def check_src_dir(ctx: SubmissionContext) -> Outcome:
@@ -15,6 +19,19 @@ def check_src_dir(ctx: SubmissionContext) -> Outcome:
         return failed("src/ missing (the code that produced the results)", src)
     has_files = any(src.iterdir())
     return check_that(has_files, "present" if has_files else "empty", src)
+
+
+def check_calibration_doc(ctx: SubmissionContext) -> Outcome:
+    """The legacy checker (tools/submission/submission_checker_old.py, "has not calibration file") wants
+    calibration.md or documentation/calibration.md in every submitter folder outside the open division."""
+    paths = (ctx.root / "calibration.md", ctx.root / "documentation" / "calibration.md")
+    found = next((p for p in paths if p.is_file()), None)
+    if found is not None:
+        return passed("present", found)
+    if ctx.division == "open":
+        return passed("not required in the open division", paths[0])
+    return failed("missing: calibration.md or documentation/calibration.md (the quantization/calibration used)",
+                  paths[0])
 
 
 def check_results_present(ctx: SubmissionContext) -> Outcome:
@@ -34,9 +51,11 @@ def check_description_readable(ctx: SystemContext) -> Outcome:
 
 def check_required_fields(ctx: SystemContext) -> Outcome:
     desc = ctx.description()
-    missing = [k for k in SYSTEM_DESC_REQUIRED_FIELDS if k not in desc]
+    # As the checker: any truthy is_network ("false" included) asks for the network-mode fields as well.
+    required = SYSTEM_DESC_REQUIRED_FIELDS + (SYSTEM_DESC_NETWORK_FIELDS if desc.get(SYSTEM_DESC_IS_NETWORK) else ())
+    missing = [k for k in required if k not in desc]
     return check_that(not missing, f"missing fields: {', '.join(missing)}" if missing else
-                      f"all {len(SYSTEM_DESC_REQUIRED_FIELDS)} required fields present", ctx.description_path)
+                      f"all {len(required)} required fields present", ctx.description_path)
 
 
 def check_meaningful_fields(ctx: SystemContext) -> Outcome:
@@ -47,19 +66,51 @@ def check_meaningful_fields(ctx: SystemContext) -> Outcome:
                       else "all meaningful fields non-empty", ctx.description_path)
 
 
-def _field_in(ctx: SystemContext, key: str, allowed: tuple[str, ...]) -> Outcome:
-    value = ctx.description().get(key)
-    ok = isinstance(value, str) and value.strip().lower() in allowed
-    return check_that(ok, f"{key} {value!r}" + ("" if ok else f" not in {', '.join(allowed)}"),
+def check_status(ctx: SystemContext) -> Outcome:
+    value = ctx.description().get("status")
+    if not isinstance(value, str):
+        return failed(f"status {value!r} is not a string ({CHECKER_STOPS})", ctx.description_path)
+    ok = value.lower() in VALID_STATUS  # lower-cased as the checker does; spaces are not stripped
+    return check_that(ok, f"status {value!r}" + ("" if ok else f" not in {', '.join(VALID_STATUS)}"),
                       ctx.description_path)
 
 
-def check_status(ctx: SystemContext) -> Outcome:
-    return _field_in(ctx, "status", VALID_STATUS)
-
-
 def check_system_type(ctx: SystemContext) -> Outcome:
-    return _field_in(ctx, "system_type", VALID_SYSTEM_TYPES)
+    value = ctx.description().get("system_type")
+    ok = value in VALID_SYSTEM_TYPES  # exactly as written: the checker neither strips nor lower-cases
+    return check_that(ok, f"system_type {value!r}" + ("" if ok else f" not in {', '.join(VALID_SYSTEM_TYPES)}"
+                                                       " (spelled exactly so)"), ctx.description_path)
+
+
+def check_network_mode(ctx: SystemContext) -> Outcome:
+    """is_network, as SystemCheck.network_check reads it: a string, "true" only in the network division."""
+    value, division = ctx.description().get(SYSTEM_DESC_IS_NETWORK), ctx.submission.division
+    if value is None:
+        return passed("is_network not set: not a network-division system", ctx.description_path)
+    if not isinstance(value, str):
+        return failed(f"is_network {value!r} is not a string ({CHECKER_STOPS}); write \"false\" or leave it out",
+                      ctx.description_path)
+    network = value.lower() == "true"
+    expected = {"network": True, "closed": False}.get(division)
+    ok = expected is None or network == expected
+    return check_that(ok, f"is_network {value!r}" + ("" if ok else f": incorrect network mode (={network}) for "
+                                                      f"division '{division}'"), ctx.description_path)
+
+
+def check_other_benchmarks(ctx: SystemContext) -> Outcome:
+    """Results folders of other benchmarks under the system: the checker judges them by their own rules (not
+    done here) and stops on a folder that names no benchmark of the round."""
+    system_dir = ctx.results_dir.parent
+    others = sorted(p.name for p in system_dir.iterdir() if p.is_dir() and p.name != MODEL)
+    known = set(ctx.submission.round.benchmarks) | set(BENCHMARK_ALIASES)
+    unknown = [name for name in others if name not in known]
+    if unknown:
+        return failed(f"not a {ctx.submission.round.version} benchmark: {', '.join(unknown)} ({CHECKER_STOPS})",
+                      system_dir)
+    if others:
+        return Outcome("WARN", f"results for {', '.join(others)} are not audited here; the official checker "
+                               f"applies those benchmarks' rules", system_dir)
+    return passed(f"only {MODEL} results", system_dir)
 
 
 def check_division_matches(ctx: SystemContext) -> Outcome:
@@ -93,6 +144,8 @@ def check_scenario_set(ctx: SystemContext) -> Outcome:
 
 RULES: tuple[Rule, ...] = (
     Rule("src-dir", "submission", "src/ holds the code that produced the results", check_src_dir),
+    Rule("calibration-doc", "submission", "calibration.md states the precision/calibration (legacy checker)",
+         check_calibration_doc),
     Rule("results-present", "submission", "results exist for qwen3-vl-235b-a22b", check_results_present),
     Rule("system-description", "system", "systems/<system>.json exists and is a JSON object",
          check_description_readable),
@@ -102,6 +155,10 @@ RULES: tuple[Rule, ...] = (
          check_meaningful_fields),
     Rule("system-status", "system", "status is available, preview or rdi", check_status),
     Rule("system-type", "system", "system_type is datacenter and/or edge", check_system_type),
+    Rule("system-network", "system", "is_network is a string and \"true\" only in the network division",
+         check_network_mode),
+    Rule("system-benchmarks", "system", "other results folders under the system name benchmarks of the round",
+         check_other_benchmarks),
     Rule("system-division", "system", "division matches the tree", check_division_matches),
     Rule("system-submitter", "system", "submitter matches the tree", check_submitter_matches),
     Rule("scenario-set", "system", "scenario dirs are the round's: required present, none unknown",

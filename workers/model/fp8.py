@@ -25,6 +25,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Activations are quantised in groups of at most this many columns, also against per-channel weights (whose
+# scale is one K group): finer than those checkpoints' per-token scales, and one scale per 128-wide GEMM K tile.
+ACTIVATION_GROUP = 128
 # vLLM's per_token_group_quant_fp8 floors a group's amax at 1e-10, so an all-zero group gets a finite scale.
 ACTIVATION_AMAX_FLOOR = 1e-10
 
@@ -43,17 +46,19 @@ class BlockShape:
 
 def _expand(scale: torch.Tensor, block: BlockShape, rows: int, cols: int) -> torch.Tensor:
     """[..., ceil(rows/bn), ceil(cols/bk)] -> [..., rows, cols]: each block's scale over its elements."""
-    return scale.repeat_interleave(block.n, dim=-2)[..., :rows, :].repeat_interleave(block.k, dim=-1)[..., :cols]
+    scale = scale.repeat_interleave(min(block.n, rows), dim=-2)[..., :rows, :]
+    return scale.repeat_interleave(min(block.k, cols), dim=-1)[..., :cols]
 
 
 def quantize_weight_blocks(weight: torch.Tensor, block: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [..., N, K] (any float dtype) -> (float8_e4m3fn [..., N, K], weight_scale_inv float32 [..., nb, kb])."""
     rows, cols = weight.shape[-2:]
     nb, kb = block.grid(rows, cols)
+    bn, bk = min(block.n, rows), min(block.k, cols)  # a block larger than the weight covers all of it
     w = weight.float()
-    padded = w.new_zeros(*w.shape[:-2], nb * block.n, kb * block.k)
+    padded = w.new_zeros(*w.shape[:-2], nb * bn, kb * bk)
     padded[..., :rows, :cols] = w
-    tiles = padded.unflatten(-1, (kb, block.k)).unflatten(-3, (nb, block.n))  # [..., nb, bn, kb, bk]
+    tiles = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
     amax = tiles.abs().amax(dim=(-3, -1))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w / _expand(scale_inv, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -87,13 +92,15 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
 
 
 def block_fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
+    *, act_group: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of block.k
-    columns, float32 accumulation per K block, both scales applied per block."""
-    xq, xs = quantize_activation_groups(x, block.k)
+    """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of act_group
+    (default min(block.k, ACTIVATION_GROUP)) columns, float32 accumulation, both scales applied per block."""
+    group = act_group or min(block.k, ACTIVATION_GROUP)
+    xq, xs = quantize_activation_groups(x, group)
     k = x.shape[1]
-    a = xq.float() * xs.repeat_interleave(block.k, dim=1)[:, :k]
+    a = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
     out = a @ dequantize_weight_blocks(weight, scale_inv, block).t()
     if bias is not None:
         out = out + bias.float()

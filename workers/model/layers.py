@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import fused_norm_rope
+from workers.model.fp8 import FP8_DTYPE, BlockShape, block_fp8_linear_reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,9 +73,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer on FP8 weights: weight float8_e4m3fn [N, K], weight_scale float32 [ceil(N/block.n),
+    ceil(K/block.k)] (workers/model/fp8.py). On CUDA the W8A8 Triton GEMM (workers/model/fp8_gemm.py) quantises the
+    activations per token and group of block.k columns on the fly; elsewhere its torch reference computes the same."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: BlockShape):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        nb, kb = block.grid(out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(nb, kb, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if x.is_cuda:
+            from workers.model import fp8_gemm
+
+            out = fp8_gemm.fp8_linear(flat, self.weight, self.weight_scale, self.block, self.bias)
+        else:
+            out = block_fp8_linear_reference(flat, self.weight, self.weight_scale, self.block, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block.n}x{self.block.k}"
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, block: BlockShape | None) -> nn.Module:
+    """nn.Linear, or an Fp8Linear with scales of this block shape."""
+    if block is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return Fp8Linear(in_features, out_features, bias, block)
+
+
+def rows_scale(scale: torch.Tensor, block: BlockShape, rows: int) -> torch.Tensor:
+    """A block scale [..., ceil(rows/bn), kb] as one scale per row [..., rows, kb] (block BlockShape(1, bk)): the
+    exact form for row slices and concatenations that do not fall on block boundaries."""
+    return scale.repeat_interleave(block.n, dim=-2)[..., :rows, :] if block.n != 1 else scale
+
+
+def compact_rows_scale(scale: torch.Tensor, bn: int) -> torch.Tensor | None:
+    """One scale per row [..., rows, kb] back in blocks of bn rows [..., rows/bn, kb], where every row of each block
+    has its block's scale (then the GEMMs load one scale per tile); None where that is not exact."""
+    rows = scale.shape[-2]
+    if rows % bn:
+        return None
+    tiles = scale.unflatten(-2, (rows // bn, bn))
+    first = tiles[..., :1, :]
+    return first.squeeze(-2).contiguous() if bool((tiles == first).all()) else None
+
+
 @torch.no_grad()
-def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear whose output is the given ones' outputs side by side (their weights and biases stacked)."""
+def fuse_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear layer whose output is the given ones' outputs side by side (their weights and biases stacked);
+    FP8 layers' scales are stacked too (per row where a part is not a whole number of scale blocks)."""
+    if isinstance(linears[0], Fp8Linear):
+        return _fuse_fp8(linears)
     weight = torch.cat([lin.weight for lin in linears])
     has_bias = linears[0].bias is not None
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
@@ -84,15 +139,33 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def _fuse_fp8(linears: list[Fp8Linear]) -> Fp8Linear:
+    block = linears[0].block
+    weight = torch.cat([lin.weight for lin in linears])
+    if all(lin.out_features % block.n == 0 for lin in linears):
+        scale, fused_block = torch.cat([lin.weight_scale for lin in linears]), block
+    else:
+        scale = torch.cat([rows_scale(lin.weight_scale, block, lin.out_features) for lin in linears])
+        fused_block = BlockShape(1, block.k)
+    has_bias = linears[0].bias is not None
+    with torch.device("meta"):
+        fused = Fp8Linear(weight.shape[1], weight.shape[0], has_bias, fused_block)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.weight_scale = nn.Parameter(scale, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return fused
+
+
 class DenseMLP(nn.Module):
     """gate_proj / up_proj are what the checkpoint loads into; fuse_projections() then makes them one GEMM."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, block: BlockShape | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_proj = make_linear(hidden_size, intermediate_size, False, block)
+        self.up_proj = make_linear(hidden_size, intermediate_size, False, block)
+        self.down_proj = make_linear(intermediate_size, hidden_size, False, block)
+        self.gate_up_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import fused_moe, moe_routing
+from workers.model.fp8 import ACTIVATION_GROUP, FP8_DTYPE, BlockShape, dequantize_weight_blocks, quantize_activation_groups
 from workers.parallel import TensorParallel
 
 
@@ -63,18 +64,41 @@ def _cpu_grouped_mm_works() -> bool:
     return True
 
 
+def fake_quantize_activations(x: torch.Tensor, block: BlockShape) -> torch.Tensor:
+    """x rounded as the W8A8 kernels see it (per token and group of columns to e4m3 and back), in float32."""
+    group = min(block.k, ACTIVATION_GROUP)
+    q, scales = quantize_activation_groups(x, group)
+    return q.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
 class MoeExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    """block None: expert weights in the activation dtype. Else float8_e4m3fn with a float32 scale per block of
+    block.n rows x block.k columns of each expert (gate_up_scale [E, ceil(2I/bn), ceil(H/bk)], down_scale
+    [E, ceil(H/bn), ceil(I/bk)])."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, block: BlockShape | None = None):
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.block = block
+        dtype = FP8_DTYPE if block is not None else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        if block is not None:
+            self.gate_up_scale = nn.Parameter(
+                torch.empty(num_experts, *block.grid(2 * intermediate_size, hidden_size), dtype=torch.float32), requires_grad=False)
+            self.down_scale = nn.Parameter(
+                torch.empty(num_experts, *block.grid(hidden_size, intermediate_size), dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
         """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path. foreign: top_i may hold
         num_experts, a pair served by another rank, which contributes zero."""
         if fused_moe.supports(x):
-            return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign)
+            if self.block is None:
+                return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign)
+            return fused_moe.fused_experts(
+                x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
+                gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=self.block,
+            )
         return self.grouped(x, top_w, top_i, foreign)
 
     def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
@@ -86,27 +110,42 @@ class MoeExperts(nn.Module):
         bins = self.num_experts + foreign  # foreign pairs sort last, past the last local expert's offset
         offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[: self.num_experts]
         xs = x[order // k]
-        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        ys = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+        if self.block is not None:  # the W8A8 kernels' numbers in float32: activations rounded, weights dequantized
+            gate_up, down = self.dequantized()
+            gate, up = grouped_mm(fake_quantize_activations(xs, self.block), gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+            act = (F.silu(gate) * up).to(x.dtype)
+            ys = grouped_mm(fake_quantize_activations(act, self.block), down.transpose(1, 2), offs).to(x.dtype)
+        else:
+            gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+            ys = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
         y = torch.empty_like(ys).index_copy_(0, order, ys).view(tokens, k, -1)
         if foreign:
             y = torch.where((top_i < self.num_experts).unsqueeze(-1), y, 0)
         return (y * top_w.unsqueeze(-1)).sum(dim=1)
 
 
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 experts' weights dequantized to float32 (the reference path's operands)."""
+        return (dequantize_weight_blocks(self.gate_up_proj, self.gate_up_scale, self.block),
+                dequantize_weight_blocks(self.down_proj, self.down_scale, self.block))
+
+
 class SparseMoeBlock(nn.Module):
     """Router over all experts; this rank's experts (or expert slices). The output is this rank's partial
     sum when tp.size > 1 (the decoder layer all-reduces it)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None,
+        block: BlockShape | None = None,
+    ):
         super().__init__()
         tp = tp or TensorParallel()
         self.gate = MoeRouter(num_experts, hidden_size, top_k)
         self.expert_range = tp.part(num_experts) if tp.expert_parallel and tp.size > 1 else None
         if self.expert_range is None:
-            self.experts = MoeExperts(num_experts, hidden_size, intermediate_size // tp.size)
+            self.experts = MoeExperts(num_experts, hidden_size, intermediate_size // tp.size, block)
         else:
-            self.experts = MoeExperts(num_experts // tp.size, hidden_size, intermediate_size)
+            self.experts = MoeExperts(num_experts // tp.size, hidden_size, intermediate_size, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_w, top_i = self.gate(x, self.expert_range)

@@ -5,6 +5,7 @@ Visual embeddings replace the <|image_pad|> rows; DeepStack features are added a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,10 +14,20 @@ from torch import nn
 from workers.kv_cache import KvLayer
 from workers.model import fused_norm_rope
 from workers.model.attention import AttentionMetadata, paged_attention, write_kv
-from workers.model.layers import DenseMLP, MRotaryEmbedding, RMSNorm, apply_rope, fuse_linears
-from workers.model.moe import SparseMoeBlock
+from workers.model.fp8 import BlockShape
+from workers.model.layers import DenseMLP, Fp8Linear, MRotaryEmbedding, RMSNorm, apply_rope, compact_rows_scale, fuse_linears, make_linear
+from workers.model.moe import MoeExperts, SparseMoeBlock
 from workers.parallel import TensorParallel
 from workers.weights import TextConfig
+
+# Which of the text tower's linear modules hold FP8 weights, by module name ("layers.3.self_attn.q_proj",
+# "layers.3.mlp.experts"): the scale block they are built with (one scale per row, BlockShape(1, k): see
+# workers/weights.py), or None for a module in the activation dtype.
+LinearPrecision = Callable[[str], BlockShape | None]
+
+
+def all_float(_name: str) -> BlockShape | None:
+    return None
 
 
 @dataclass
@@ -32,24 +43,33 @@ class Attention(nn.Module):
     """This rank's query and KV heads; o_proj is row-parallel (its output all-reduced). q/k/v_proj are what the
     checkpoint loads into; fuse_projections() then makes them one GEMM (qkv_proj)."""
 
-    def __init__(self, cfg: TextConfig, tp: TensorParallel):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel, prefix: str = "", precision: LinearPrecision = all_float):
         super().__init__()
         self.tp = tp
         self.num_heads = cfg.num_attention_heads // tp.size
         self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        h, q, kv, bias = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, cfg.attention_bias
+        self.q_proj = make_linear(h, q, bias, precision(prefix + "q_proj"))
+        self.k_proj = make_linear(h, kv, bias, precision(prefix + "k_proj"))
+        self.v_proj = make_linear(h, kv, bias, precision(prefix + "v_proj"))
+        self.o_proj = make_linear(q, h, bias, precision(prefix + "o_proj"))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if len({type(p) for p in parts}) > 1:  # a checkpoint that quantised only some of them: keep three GEMMs
+            return
+        self.qkv_proj = fuse_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(
         self,
@@ -60,7 +80,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.project_qkv(x)
         k_cache, v_cache, k_scale, v_scale = kv_cache
         if fused_norm_rope.supports(qkv):  # one kernel: both norms, RoPE, and the K/V cache write
             q, k, v = fused_norm_rope.qk_norm_rope_write_kv(
@@ -78,14 +98,21 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_idx: int, tp: TensorParallel):
+    def __init__(self, cfg: TextConfig, layer_idx: int, tp: TensorParallel, precision: LinearPrecision = all_float):
         super().__init__()
         self.tp = tp
-        self.self_attn = Attention(cfg, tp)
+        prefix = f"layers.{layer_idx}."
+        self.self_attn = Attention(cfg, tp, prefix + "self_attn.", precision)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+            self.mlp = SparseMoeBlock(
+                cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, tp,
+                precision(prefix + "mlp.experts"),
+            )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size)
+            mlp = prefix + "mlp."
+            if len({precision(mlp + p) for p in ("gate_proj", "up_proj", "down_proj")}) > 1:
+                raise ValueError(f"{mlp}gate_proj/up_proj/down_proj: all three or none of them must be quantised")
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, precision(mlp + "gate_proj"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -102,10 +129,10 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: TextConfig, tp: TensorParallel):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel, precision: LinearPrecision = all_float):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, precision) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -113,23 +140,27 @@ class Qwen3VLTextForEngine(nn.Module):
     """language_model.* and lm_head.* of a Qwen3-VL checkpoint (this rank's shard of them under tensor or
     expert parallelism); forward returns final hidden states, the same on every rank."""
 
-    def __init__(self, cfg: TextConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel | None = None, precision: LinearPrecision = all_float):
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TensorParallel()
         self.tp.check(cfg)
-        self.language_model = TextModel(cfg, self.tp)
+        self.language_model = TextModel(cfg, self.tp, precision)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: MRotaryEmbedding | None = None
 
-    def finish_loading(self, device: torch.device) -> None:
+    def finish_loading(self, device: torch.device, scale_rows: int = 1) -> None:
         """Once the weights are in place (random or checkpoint, any parallel layout): the rotary tables, and
-        this rank's q/k/v (and dense gate/up) projections fused into one weight each."""
+        this rank's q/k/v (and dense gate/up) projections fused into one weight each. FP8 layers load one scale per
+        row; where every scale_rows rows share one (the checkpoint's blocks, whole on this rank), they keep one per
+        block, so the GEMMs read one scale per tile."""
         self.rotary = MRotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section, device)
         for layer in self.language_model.layers:
             layer.self_attn.fuse_projections()
             if isinstance(layer.mlp, DenseMLP):
                 layer.mlp.fuse_projections()
+        if scale_rows > 1:
+            compact_fp8_scales(self, scale_rows)
 
     def forward(
         self,
@@ -154,3 +185,21 @@ class Qwen3VLTextForEngine(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+@torch.no_grad()
+def compact_fp8_scales(model: nn.Module, rows: int) -> None:
+    """Every FP8 layer's per-row scales in blocks of `rows` rows, where that is exact (workers/model/layers.py)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.block.n == 1:
+            compact = compact_rows_scale(module.weight_scale, rows)
+            if compact is not None:
+                module.weight_scale = nn.Parameter(compact, requires_grad=False)
+                module.block = BlockShape(rows, module.block.k)
+        elif isinstance(module, MoeExperts) and module.block is not None and module.block.n == 1:
+            gate_up = compact_rows_scale(module.gate_up_scale, rows)
+            down = compact_rows_scale(module.down_scale, rows)
+            if gate_up is not None and down is not None:
+                module.gate_up_scale = nn.Parameter(gate_up, requires_grad=False)
+                module.down_scale = nn.Parameter(down, requires_grad=False)
+                module.block = BlockShape(rows, module.block.k)

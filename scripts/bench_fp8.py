@@ -1,0 +1,113 @@
+"""FP8 against bf16 on one GPU at the Qwen3-VL-30B-A3B layer shapes, side by side in one run; prints one JSON object.
+
+Dense: q/k/v (2048 -> 5120) and o (4096 -> 2048) as F.linear in bf16, the Triton W8A8 GEMM (activation
+quantisation included) and torch._scaled_mm blockwise (where fp8_gemm's probe passes). MoE: 128 experts of 768,
+top-8, random routing, the bf16 fused MoE against the fp8 one. The activation quantisation kernel also alone.
+Each figure: `calls` calls captured in one CUDA graph (no launch gaps, as the engine replays its steps), median of
+--reps replays, microseconds per call, and TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.gpu_timing import graph_median_us  # noqa: E402
+from workers.model import fp8, fp8_gemm, fused_moe  # noqa: E402
+from workers.model.fp8 import BlockShape  # noqa: E402
+
+TOKENS = (1, 8, 64, 256, 1024, 8192, 16384)
+DENSE = {"qkv_2048x5120": (5120, 2048), "o_4096x2048": (2048, 4096)}  # name: (N, K)
+EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+BLOCK = BlockShape(128, 128)
+
+
+def timed(fn, tokens: int, reps: int, flops: float) -> dict:
+    calls = 10 if tokens <= 256 else 2  # large steps: a few ms a call already
+    us = graph_median_us(fn, calls, reps)
+    return {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1)}
+
+
+def bench_dense(n: int, k: int, reps: int, scaled_mm: bool) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    wq, ws = fp8.quantize_weight_blocks(w, BLOCK)
+    rows = {}
+    for m in TOKENS:
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        flops = 2.0 * m * n * k
+        row = {
+            "bf16": timed(lambda: F.linear(x, w), m, reps, flops),
+            "fp8_triton": timed(lambda: fp8_gemm.fp8_linear(x, wq, ws, BLOCK, backend="triton"), m, reps, flops),
+        }
+        if scaled_mm:
+            row["fp8_scaled_mm"] = timed(lambda: fp8_gemm.fp8_linear(x, wq, ws, BLOCK, backend="scaled_mm"), m, reps, flops)
+        rows[str(m)] = row
+    return rows
+
+
+def bench_quantize(k: int, reps: int) -> dict:
+    """Bytes moved (bf16 in, fp8 and scales out) per microsecond: GB/s."""
+    rows = {}
+    for m in TOKENS:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        us = graph_median_us(lambda: fp8_gemm.quantize_activations(x), 10 if m <= 256 else 2, reps)
+        rows[str(m)] = {"us": round(us, 2), "gb_per_s": round(m * k * (2 + 1 + 4 / 128) / us / 1e3, 1)}
+    return rows
+
+
+def bench_moe(reps: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) * 0.02).bfloat16()
+    (gq, gs), (dq, ds) = fp8.quantize_weight_blocks(gate_up, BLOCK), fp8.quantize_weight_blocks(down, BLOCK)
+    rows = {}
+    for t in TOKENS:
+        x = torch.randn(t, HIDDEN, device="cuda", generator=gen).bfloat16()
+        top_i = torch.rand(t, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
+        top_w = torch.rand(t, TOP_K, device="cuda", generator=gen).bfloat16()
+        flops = 2.0 * t * TOP_K * 3 * INTER * HIDDEN
+        rows[str(t)] = {
+            "path": "gemv" if t <= fused_moe.SMALL_BATCH_TOKENS else "tiled",
+            "bf16": timed(lambda: fused_moe.fused_experts(x, top_w, top_i, gate_up, down), t, reps, flops),
+            "fp8": timed(lambda: fused_moe.fused_experts(x, top_w, top_i, gq, dq, gate_up_scale=gs, down_scale=ds,
+                                                         block=BLOCK), t, reps, flops),
+        }
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or fp8_gemm.triton is None:
+        sys.exit("bench_fp8 needs CUDA and triton")
+    scaled_mm = fp8_gemm.scaled_mm_available(torch.device("cuda"))  # before any capture: the probe syncs
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": fp8_gemm.triton.__version__,
+        "timing": "CUDA graph replay, median of --reps, us per call",
+        "scaled_mm_blockwise_available": scaled_mm,
+        "dense": {name: bench_dense(n, k, args.reps, scaled_mm) for name, (n, k) in DENSE.items()},
+        "activation_quant": {f"k{k}": bench_quantize(k, args.reps) for k in (2048, 4096)},
+        "moe_128x768_top8": bench_moe(args.reps),
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

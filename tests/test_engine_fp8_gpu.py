@@ -1,0 +1,45 @@
+"""On CUDA the engine's FP8 path (W8A8 Triton GEMMs, FP8 fused MoE, CUDA graphs) generates what transformers generates
+on the same FP8 weights, up to a first divergence that float32 transformers on those weights cannot tell from
+rounding. Dense: transformers loads the FP8 checkpoint itself (its own W8A8 kernels). MoE: transformers cannot load
+Qwen's per-expert FP8 layout (huggingface/transformers#44230), so its reference runs on the dequantized copy
+(tests/fp8_reference.py); the engine also rounds activations there, which the arbiter's margin must cover.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bf16_reference import MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, run_engine_and_compare
+from fp8_reference import dequantized_checkpoint
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.model.layers import Fp8Linear
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def fp8_checkpoints(request, tmp_path_factory):
+    """(the FP8 checkpoint in 128x128 blocks, the checkpoint transformers reads for it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workers.fp8_checkpoint import quantize_checkpoint
+
+    src = request.getfixturevalue(f"tiny_{request.param}_checkpoint")
+    fp8 = quantize_checkpoint(src, tmp_path_factory.mktemp("fp8-gpu") / request.param)
+    if request.param == "dense":
+        return fp8, fp8
+    return fp8, dequantized_checkpoint(fp8, tmp_path_factory.mktemp("deq-gpu") / request.param)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_engine_fp8_matches_transformers_on_the_same_weights(fp8_checkpoints, enforce_eager):
+    checkpoint, reference_checkpoint = fp8_checkpoints
+    cases = bf16_cases(TransformersReference(reference_checkpoint, "cuda"))
+    engine = LLMEngine(EngineConfig(
+        checkpoint=checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=256, block_size=16, max_model_len=1024,
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_num_seqs=8, enforce_eager=enforce_eager,
+    ))
+    assert any(isinstance(m, Fp8Linear) for m in engine.runner.model.modules())
+    run_engine_and_compare(engine, cases)

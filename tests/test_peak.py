@@ -1,0 +1,178 @@
+"""The peak finder: bisection over target QPS (against a fake point), LoadGen's own verdicts read back, and one
+real search on cpu-tiny through LoadGen, the router and Ray workers, whose report holds every point's logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from audit.loadgen_logs import parse_detail_log, parse_summary_log
+from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
+from harness.system_config import CONFIG_DIR
+from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
+from workers.tiny_checkpoint import TINY_OVERRIDES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def knee(limit: float, tried: list[float]):
+    """A fake point: valid up to `limit` QPS; records what was tried."""
+
+    def run_point(qps: float) -> bool:
+        tried.append(qps)
+        return qps <= limit
+
+    return run_point
+
+
+def test_bisection_starts_at_the_first_point_and_halves_the_bracket():
+    tried: list[float] = []
+    best = bisect_max_valid(knee(7.3, tried), high=13.5, first=0.8 * 13.5, steps=6, resolution=0.05)
+    assert tried == [10.8, 5.4, 8.1, 6.75, 7.4, 7.05]
+    assert best == 7.05
+
+
+def test_bisection_returns_the_highest_valid_point_not_the_last():
+    tried: list[float] = []
+    best = bisect_max_valid(knee(6.0, tried), high=10.0, first=5.0, steps=3, resolution=0.05)
+    assert tried == [5.0, 7.5, 6.25]
+    assert best == 5.0
+
+
+def test_bisection_with_no_valid_point_finds_none():
+    tried: list[float] = []
+    assert bisect_max_valid(knee(0.0, tried), high=13.5, first=3.375, steps=4, resolution=0.05) is None
+    assert tried == [3.35, 1.65, 0.8, 0.4]
+
+
+def test_bisection_never_tries_above_the_offline_rate_nor_a_point_twice():
+    tried: list[float] = []
+    best = bisect_max_valid(knee(100.0, tried), high=2.0, first=2.0, steps=10, resolution=0.05)
+    assert max(tried) <= 2.0 and len(tried) == len(set(tried))
+    assert best == max(tried)
+    assert len(tried) < 10  # the bracket closed below the resolution
+
+
+def test_bisection_stops_before_a_point_that_does_not_fit():
+    tried: list[float] = []
+    best = bisect_max_valid(knee(7.3, tried), high=13.5, first=10.8, steps=6, resolution=0.05,
+                            fits=lambda qps: len(tried) < 2)
+    assert tried == [10.8, 5.4]
+    assert best == 5.4
+
+
+def test_a_server_point_issues_whole_passes_over_the_loaded_samples():
+    assert point_queries(8.0, 60_000, 100, 1500) == 1500  # 480 queries needed, one pass of 1,500
+    assert point_queries(8.0, 60_000, 100, 300) == 600
+    assert point_queries(1.0, 1_000, 500, 300) == 600  # min_query_count dominates
+
+
+def test_the_next_cluster_waits_until_the_stopped_ones_gpu_processes_are_gone():
+    polls = iter([["4242", "4243"], ["4243"], []])
+    asked: list[int] = []
+
+    def processes():
+        asked.append(1)
+        return next(polls)
+
+    assert wait_for_released_gpus(timeout_s=600, poll_s=0, processes=processes) is True
+    assert len(asked) == 3
+
+
+def test_without_nvidia_smi_the_search_goes_on_with_a_warning(capsys):
+    assert wait_for_released_gpus(timeout_s=600, poll_s=0, processes=lambda: None) is False
+    assert "GPU memory may still be held" in capsys.readouterr().err
+
+
+def test_a_search_without_offline_needs_the_offline_rate():
+    with pytest.raises(ValidationError, match="offline_samples_per_s"):
+        PeakSearch(scenarios=("server",))
+    with pytest.raises(ValidationError, match="offline_samples_per_s"):
+        PeakSearch(offline_samples_per_s=10.0)
+    assert PeakSearch(scenarios=("server",), offline_samples_per_s=10.0).scenarios == ("server",)
+
+
+def test_offline_is_measured_first_and_each_scenario_once():
+    with pytest.raises(ValidationError, match="offline comes first"):
+        PeakSearch(scenarios=("server", "offline"))
+    with pytest.raises(ValidationError, match="each at most once"):
+        PeakSearch(scenarios=("offline", "server", "server"))
+
+
+def test_a_point_is_read_from_loadgens_logs(tmp_path):
+    log_dir = run_loadgen(LoadGenRunSpec(scenario="Server", mode="PerformanceOnly", target_qps=200.0,
+                                         server_target_latency_ms=1000), tmp_path)
+    point = read_point(log_dir, "server", 200.0)
+    detail = parse_detail_log(log_dir / "mlperf_log_detail.txt")
+    assert point.verdict == detail["result_validity"]
+    assert point.summary_result == parse_summary_log(log_dir / "mlperf_log_summary.txt").get("Result is")
+    assert point.samples_per_s == detail["result_completed_samples_per_sec"]
+    assert point.p99_s == detail["result_99.00_percentile_latency_ns"] / 1e9
+    assert point.p50_s <= point.p90_s <= point.p99_s
+    assert point.queries == detail["result_query_count"]
+    assert point.checks["early_stopping_met"] == detail["early_stopping_met"]
+
+
+def tiny_search_system(tmp_path: Path) -> Path:
+    """cpu-tiny, smaller, with shorter answers and on one worker; its checkpoint generated on first use (random
+    weights of the tiny shape); Offline on other engine settings, so that the search must start a second cluster."""
+    data = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+    data["model"] = {"generate": {"preset": "qwen3-vl-30b-a3b", "overrides": TINY_OVERRIDES["moe"]},
+                     "dtype": "float32"}
+    data["engine"]["load_format"] = "random"
+    data["datasets"]["product-catalogue"]["path"] = "synthetic:8"
+    data["datasets"]["catalogue-8k"]["path"] = "synthetic:8"
+    data["workers"]["pools"][0]["count"] = 1
+    data["scenarios"]["offline"]["engine"] = {"max_num_batched_tokens": 1024}
+    data["requests"]["max_tokens"] = 16  # a faster engine: higher rates, so shorter points
+    for section in data["scenarios"].values():
+        section["performance_sample_count"] = 4
+    path = tmp_path / "cpu-tiny-search.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.slow
+def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_path):
+    report_path = tmp_path / "peak.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/find_peak.py", "--system", str(tiny_search_system(tmp_path)),
+         "--json", str(report_path), "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+         "--min-duration-ms", "1000", "--min-query-count", "4", "--steps", "2", "--commit", "abc123"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == report  # the last stdout line is the report
+
+    assert (report["system"], report["device"], report["commit"]) == ("cpu-tiny", "cpu", "abc123")
+    assert report["workload"]["max_tokens"] == 16 and report["workload"]["min_duration_ms"] == 1000
+    assert report["workload"]["scenarios"]["offline"]["engine"]["max_num_batched_tokens"] == 1024
+    assert {name: (w["samples"], w["catalogue_profile"]) for name, w in report["workload"]["scenarios"].items()} == {
+        "offline": (8, "small"), "server": (8, "small"), "interactive": (8, "small")}
+    assert [start["for"] for start in report["cluster_starts"]] == ["offline", "server"]  # Interactive reused it
+
+    points = report["points"]
+    assert [p["scenario"] for p in points] == ["offline", "server", "server", "interactive", "interactive"]
+    offline = points[0]
+    assert report["offline_samples_per_s"] == offline["samples_per_s"] > 0
+    assert points[1]["target_qps"] <= report["offline_samples_per_s"]
+    for point in points:
+        log_dir = Path(point["log_dir"])
+        detail = parse_detail_log(log_dir / "mlperf_log_detail.txt")
+        assert point["verdict"] == detail["result_validity"]
+        assert point["summary_result"] == parse_summary_log(log_dir / "mlperf_log_summary.txt").get("Result is")
+        assert point["p99_s"] == detail["result_99.00_percentile_latency_ns"] / 1e9
+        assert detail["effective_min_duration_ms"] == 1000 and detail["effective_performance_sample_count"] == 4
+        if point["scenario"] != "offline":
+            assert detail["effective_target_latency_ns"] == (
+                1_500_000_000 if point["scenario"] == "interactive" else 12_000_000_000)
+    for name in ("server", "interactive"):
+        valid = [p["target_qps"] for p in points if p["scenario"] == name and p["verdict"] == "VALID"]
+        assert report[f"{name}_max_valid_qps"] == (max(valid) if valid else None)

@@ -1,0 +1,124 @@
+"""Writes an FP8 copy of a float Qwen3-VL checkpoint in the layout Qwen releases its `-FP8` checkpoints in.
+
+The layout (workers/checkpoint_quant.py, workers/model/fp8.py): every text-tower linear's `weight` in float8_e4m3fn
+with a float32 `weight_scale_inv` per block; MoE experts one module per expert (`mlp.experts.{e}.gate_proj`, `up_proj`,
+`down_proj`, as vLLM's FP8 MoE loader expects them; transformers' own loader cannot read that layout for
+qwen3_vl_moe: huggingface/transformers#44230); lm_head, the routers (`mlp.gate`) and the vision tower left in the
+source dtype and named in `quantization_config.modules_to_not_convert`. Usage: tests, and
+`python -m workers.fp8_checkpoint SRC OUT [--block 128 128]` for a submitter's own bf16 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.model.fp8 import BlockShape, quantize_weight_blocks
+from workers.weights import TEXT_PREFIX, CheckpointError, checkpoint_files
+
+RELEASED_BLOCK = (128, 128)
+_SIDE_FILES = ("generation_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def quantization_config(block: tuple[int, int], num_layers: int, moe: bool) -> dict:
+    """config.json's quantization_config for the FP8 copy."""
+    skip = ["lm_head", "model.visual"]
+    if moe:
+        skip += [f"{TEXT_PREFIX}layers.{i}.mlp.gate" for i in range(num_layers)]
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": skip,
+    }
+
+
+def _is_quantised_linear(name: str) -> bool:
+    return (name.startswith(TEXT_PREFIX + "layers.") and name.endswith("_proj.weight")
+            and ".mlp.gate." not in name)
+
+
+def _fp8_tensors(name: str, tensor: torch.Tensor, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
+    """The FP8 checkpoint's tensors for one source tensor."""
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return _per_expert(name, tensor, block, text)
+    if _is_quantised_linear(name):
+        q, scale = quantize_weight_blocks(tensor, block)
+        return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
+    return {name: tensor}
+
+
+def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
+    """Fused experts (released [E, H, 2I] / [E, I, H] or transformers' [E, 2I, H] / [E, H, I]) as one quantised
+    gate_proj [I, H], up_proj [I, H] and down_proj [H, I] per expert."""
+    hidden, inter = text["hidden_size"], text["moe_intermediate_size"]
+    prefix = name.rsplit(".", 1)[0] + "."
+    out: dict[str, torch.Tensor] = {}
+    if name.endswith("gate_up_proj"):
+        memory = tensor if tensor.shape[1:] == (2 * inter, hidden) else tensor.transpose(1, 2)
+        parts = {"gate_proj": memory[:, :inter], "up_proj": memory[:, inter:]}
+    else:
+        parts = {"down_proj": tensor if tensor.shape[1:] == (hidden, inter) else tensor.transpose(1, 2)}
+    for proj, weights in parts.items():
+        for e in range(weights.shape[0]):
+            q, scale = quantize_weight_blocks(weights[e].contiguous(), block)
+            out[f"{prefix}{e}.{proj}.weight"] = q
+            out[f"{prefix}{e}.{proj}.weight_scale_inv"] = scale
+    return out
+
+
+def quantize_checkpoint(src: Path, out: Path, block: tuple[int, int] = RELEASED_BLOCK) -> Path:
+    """Writes out/ (built aside and renamed into place): config.json with quantization_config, the side configs, and
+    the weights shard by shard with an index. Refuses a source that is already quantised."""
+    src, out = Path(src), Path(out)
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise CheckpointError(f"{src / 'config.json'} already has a quantization_config")
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    text = config["text_config"]
+    shape = BlockShape(*block)
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config["quantization_config"] = quantization_config(block, text["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for side in _SIDE_FILES:
+        if (src / side).exists():
+            shutil.copy(src / side, staging / side)
+    files = checkpoint_files(src)
+    weight_map: dict[str, str] = {}
+    for index, path in enumerate(files, start=1):
+        filename = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors.update(_fp8_tensors(name, f.get_tensor(name), shape, text))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / filename), metadata={"format": "pt"})
+        weight_map.update({name: filename for name in tensors})
+    if len(files) > 1:
+        index_json = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+    os.rename(staging, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", type=Path, help="a float (bf16/fp32) Qwen3-VL checkpoint directory")
+    parser.add_argument("out", type=Path, help="where to write the FP8 copy (must not exist)")
+    parser.add_argument("--block", type=int, nargs=2, default=list(RELEASED_BLOCK), metavar=("ROWS", "COLS"))
+    args = parser.parse_args(argv)
+    print(quantize_checkpoint(args.src, args.out, tuple(args.block)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""FP8 dense linears on CUDA: per-token-group activation quantisation and a block-scaled W8A8 GEMM in Triton, and
+torch._scaled_mm's blockwise CUTLASS path behind a probe; elsewhere the torch references of workers/model/fp8.py.
+
+Numbers: quantize_activations equals fp8.quantize_activation_groups bit for bit (IEEE division, div_rn, for the
+scale and the quotient; e4m3 rounding to nearest even). fp8_linear accumulates fp8 x fp8 products in float32 per K
+block of 128 and applies x_scale[m, kb] * w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py`
+`fp8_gemm_kernel`, vLLM `w8a8_triton_block_scaled_mm`: https://github.com/vllm-project/vllm, file
+vllm/model_executor/layers/quantization/utils/fp8_utils.py); against the reference, which dequantises both operands
+first, it differs by float32 rounding and accumulation order only. Every launch's shapes are fixed by M, with no
+host sync, so all of it runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.model import fp8
+from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+ACT_GROUP = 128  # activation columns per scale, and the GEMM's BLOCK_K: one scale pair per K tile
+BACKENDS = ("auto", "triton", "scaled_mm")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # GROUP_M row blocks go through every column block before the next group (L2 reuse of A)
+
+
+def gemm_config(m: int) -> GemmConfig:
+    """Tiles by token count: decode batches stream the weights (narrow column tiles, many programs); prefill
+    steps of 1k-16k rows take 128 x 128 tiles (fp8: 32 KiB of A and B per stage, three stages)."""
+    if m <= 16:
+        return GemmConfig(16, 64, 4, 4)
+    if m <= 64:
+        return GemmConfig(32, 64, 4, 4)
+    if m <= 256:
+        return GemmConfig(64, 128, 4, 4)
+    return GemmConfig(128, 128, 8, 3)
+
+
+def on_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+    # Globals a jitted function reads must be constexpr.
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _AMAX_FLOOR = tl.constexpr(fp8.ACTIVATION_AMAX_FLOOR)
+
+    @triton.jit
+    def round_to_e4m3(v):
+        """v (float32, within +-448) rounded to nearest even on e4m3's grid, still float32, so the cast to fp8 that
+        follows is exact. The hardware cast rounds the same; this form is here because Triton 3.6's interpreter
+        casts wrongly when the mantissa carries into an odd exponent (7.9 -> 4.0) and rounds ties away from zero.
+        Adding 2^(e + 20) (e: v's binade, at least e4m3's smallest normal -6) leaves one float32 ulp = 2^(e - 3),
+        e4m3's spacing there; subtracting it again is exact."""
+        bits = v.to(tl.int32, bitcast=True)
+        binade = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        magic = ((binade + 20 + 127) << 23).to(tl.float32, bitcast=True)
+        r = (tl.abs(v) + magic) - magic
+        # v's sign bit put back as a bit (negation would give +0.0 for a negative value rounded to zero; torch: -0.0)
+        return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def quantize_group(x):
+        """x [rows, GROUP] float32 -> (e4m3 grid values float32 [rows, GROUP], scales [rows]) as the reference."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
+        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+        return round_to_e4m3(q), scale
+
+    @triton.jit(do_not_specialize=["M"])
+    def _quantize_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        """Grid (rows / BLOCK_M, groups): one [BLOCK_M, GROUP] tile; masked columns read 0 (no effect on amax)."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        group = tl.program_id(1)
+        offs_k = group * GROUP + tl.arange(0, GROUP)
+        rows = offs_m.to(tl.int64)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, scale = quantize_group(x)
+        tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows * stride_sm + group, scale, mask=offs_m < M)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _w8a8_gemm_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, block_n, block_k,
+        stride_am, stride_asm, stride_bn, stride_bsn, stride_bsk, stride_cm,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """c = a @ b.T with a [M, K] fp8 (scales [M, K / BLOCK_K]) and b [N, K] fp8 (scales [N / block_n, K / block_k],
+        block_k a multiple of BLOCK_K or >= K). The weight scale is loaded per output column (n // block_n), which
+        serves block_n 1, 128 or any other size alike; the loads hit L1 after the first row of the tile."""
+        pid = tl.program_id(0)
+        grid_m = tl.cdiv(M, BLOCK_M)
+        in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = pid // in_group * GROUP_M
+        rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + pid % in_group % rows_in_group
+        pid_n = pid % in_group // rows_in_group
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+        as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+        bs_ptrs = bs_ptr + (offs_n // block_n) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            a_s = tl.load(as_ptrs + kb, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_ptrs + (kb * BLOCK_K // block_k) * stride_bsk, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+QUANT_BLOCK_M = 16
+
+
+def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32) -> (float8_e4m3fn [M, K], scales float32 [M, ceil(K/group)]), per token and group
+    of columns; bit-equal to fp8.quantize_activation_groups (the Triton kernel on CUDA, that function elsewhere)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_activations takes [tokens, features], got shape {tuple(x.shape)}")
+    if not on_triton(x):
+        return fp8.quantize_activation_groups(x, group)
+    if group & (group - 1):
+        raise ValueError(f"activation group {group} is not a power of two")
+    m, k = x.shape
+    groups = -(-k // group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scales
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _quantize_kernel[(triton.cdiv(m, QUANT_BLOCK_M), groups)](
+        x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0),
+        GROUP=group, BLOCK_M=QUANT_BLOCK_M, num_warps=4,
+    )
+    return q, scales
+
+
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, k: int) -> None:
+    n = weight.shape[0]
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"fp8_linear needs a row-major float8_e4m3fn weight [N, {k}], got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    if tuple(scale.shape) != block.grid(n, k) or scale.dtype != torch.float32:
+        raise ValueError(
+            f"weight scale {scale.dtype} {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} in blocks of "
+            f"{block.n}x{block.k} (expected float32 {block.grid(n, k)})"
+        )
+    if block.k % ACT_GROUP and block.k < k:
+        raise ValueError(f"weight block {block.n}x{block.k}: block.k must be a multiple of {ACT_GROUP} or cover K={k}")
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype: x quantised per token and group of 128, times the block-scaled fp8 weight.
+    backend: "triton" (the Triton GEMM), "scaled_mm" (torch._scaled_mm blockwise where the probe passes and the
+    shape fits, else Triton), "auto" (Triton until the H200's numbers favour scaled_mm). Off CUDA: the reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_linear backend {backend!r} is not one of {BACKENDS}")
+    if x.dim() != 2:
+        raise ValueError(f"fp8_linear takes x [tokens, features], got shape {tuple(x.shape)}")
+    k = x.shape[1]
+    _check_weight(weight, scale, block, k)
+    if not on_triton(x):
+        return fp8.block_fp8_linear_reference(x, weight, scale, block, bias, act_group=ACT_GROUP)
+    xq, xs = quantize_activations(x, ACT_GROUP)
+    if backend == "scaled_mm" and x.shape[0] and scaled_mm_fits(weight.shape[0], k, block, x.dtype) and scaled_mm_available(x.device):
+        return scaled_mm_blockwise(xq, xs, weight, scale, x.dtype, bias)
+    return w8a8_gemm(xq, xs, weight, scale, block, x.dtype, bias)
+
+
+def w8a8_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: BlockShape,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton GEMM on already quantised activations (xq [M, K] fp8, xs [M, ceil(K/128)])."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    cfg = gemm_config(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_gemm_kernel[grid](
+        xq, xs, weight, scale, bias if bias is not None else out, out, m, n, k, block.n, block.k,
+        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=ACT_GROUP,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# torch._scaled_mm with blockwise scales. Layouts from torch's own checks (torch/_meta_registrations.py,
+# `_check_scaled_mm_sizes_v2`, https://github.com/pytorch/pytorch): a [M, K] row-major fp8, b [K, N] column-major
+# (our [N, K] weight transposed); recipe BlockWise1x128 for a: scales [M, K/128] with strides (1, M); for b either
+# BlockWise128x128: scales [L4, N/128] with strides (1, L4), L4 = K/128 rounded up to 4, or BlockWise1x128:
+# scales [N, K/128] with strides (1, N). K and N must be multiples of 128 (the recipes divide them), M any.
+
+
+def scaled_mm_fits(n: int, k: int, block: BlockShape, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and n % 128 == 0 and k % 128 == 0 and (block.n == 1 or block.n == 128) and (
+        block.k == 128 or block.k >= k)
+
+
+def _scaled_mm_scales(xs: torch.Tensor, scale: torch.Tensor, n: int, k: int):
+    """The scale tensors in the strides torch wants, and whether the weight's recipe is 128x128 (else 1x128)."""
+    kb = k // 128
+    sa = xs.t().contiguous().t()
+    if scale.shape[0] == n:  # one row per scale: 1x128 (a per-channel scale repeats over the K groups)
+        sb = scale.expand(n, kb) if scale.shape[1] == 1 else scale
+        return sa, sb.t().contiguous().t(), False
+    l4 = -(-kb // 4) * 4
+    sb = scale.new_zeros(scale.shape[0], l4)
+    sb[:, :kb] = scale
+    return sa, sb.t(), True
+
+
+def scaled_mm_blockwise(
+    x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x_fp8 [M, K] with per-token-group scales [M, K/128] times weight [N, K] with 128x128 block scales
+    [N/128, K/128] (or one per row and 128 columns, [N, K/128] or [N, 1]) through torch's blockwise CUTLASS kernels.
+    Raises whatever torch raises where this torch or GPU lacks them (scaled_mm_available catches it)."""
+    n, k = weight.shape
+    sa, sb, square = _scaled_mm_scales(x_scales, scale, n, k)
+    functional = torch.nn.functional
+    if hasattr(functional, "scaled_mm"):  # torch >= 2.10: explicit recipes
+        recipe = functional.ScalingType
+        out = functional.scaled_mm(
+            x_fp8, weight.t(), sa, recipe.BlockWise1x128, sb, recipe.BlockWise128x128 if square else recipe.BlockWise1x128,
+            output_dtype=out_dtype,
+        )
+    else:  # older: the recipe is read from the scales' shapes
+        out = torch._scaled_mm(x_fp8, weight.t(), sa, sb, out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+def _probe(device_index: int) -> bool:
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for block in (BlockShape(128, 128), BlockShape(1, 128)):
+            w, s = fp8.quantize_weight_blocks(torch.randn(256, 384, device=device, generator=gen), block)
+            for m in (1, 24, 256):
+                x = torch.randn(m, 384, device=device, generator=gen).to(torch.bfloat16)
+                xq, xs = quantize_activations(x)
+                got = scaled_mm_blockwise(xq, xs, w, s, torch.bfloat16).float()
+                want = fp8.block_fp8_linear_reference(x, w, s, block, act_group=ACT_GROUP).float()
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                    return False
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether torch._scaled_mm runs blockwise fp8 on this GPU and gives the reference's numbers: checked once per
+    device on small shapes (both weight recipes, M 1, 24 and 256), then remembered. The check syncs, so its first
+    call must come before any CUDA graph capture (the engine's warm-up)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SCALED_MM_WORKS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("scaled_mm_available(): probe the device before capturing a CUDA graph")
+        _SCALED_MM_WORKS[index] = _probe(index)
+    return _SCALED_MM_WORKS[index]
+
+
+_SCALED_MM_WORKS: dict[int, bool] = {}
