@@ -12,6 +12,7 @@ from the third on.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -119,6 +120,23 @@ def test_an_fp8_kv_engine_uses_the_checkpoints_kv_scales_and_the_auto_engine_ign
     assert_close_to_auto(auto_run, fp8)
     _, tokens, _ = run(path)  # the text tower loads around the scale tensors, unchanged
     assert tokens == auto_run[1]
+
+
+def test_the_released_fp8_weight_layout_with_kv_scales_serves_with_an_fp8_kv_cache(tiny_moe_fp8_checkpoint, tmp_path):
+    """FP8 weights and an FP8 KV cache together: the KV scales ride in their own shard of a sharded checkpoint."""
+    path = tmp_path / "fp8-weights-kv-scales"
+    shutil.copytree(tiny_moe_fp8_checkpoint, path)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {
+        "metadata": {}, "weight_map": {n: "model.safetensors" for n in load_file(str(path / "model.safetensors"))}}
+    layers = {int(n.split(".")[3]) for n in index["weight_map"] if n.startswith("model.language_model.layers.")}
+    scales = {f"model.language_model.layers.{i}.self_attn.{kind}_scale": torch.tensor(0.02) for i in layers for kind in "kv"}
+    save_file(scales, str(path / "kv-scales.safetensors"))
+    index["weight_map"].update({n: "kv-scales.safetensors" for n in scales})
+    index_path.write_text(json.dumps(index))
+    engine, tokens, _ = run(path, max_tokens=4, kv_cache_dtype="fp8")
+    assert engine.runner.kv.scales == [(torch.tensor(0.02).item(),) * 2] * len(layers)
+    assert all(len(t) == 4 for t in tokens.values())
 
 
 @pytest.mark.gpu
