@@ -1,7 +1,8 @@
 """The Triton paged attention kernels (multi-row chunks, split decode) compute what per-sequence SDPA computes.
 
 On the CPU they run in Triton's interpreter (TRITON_INTERPRET=1 with triton importable; skipped otherwise);
-the tests marked gpu compare them in bfloat16 at the Qwen3-VL-30B-A3B shape on CUDA.
+the tests marked gpu compare them in bfloat16 at the Qwen3-VL-30B-A3B shape on CUDA. With an FP8 cache both
+read what float32 SDPA over the dequantized cache reads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from workers.model import paged_decode, paged_prefill
 from scripts.bench_attention import paged_step
+from workers.kv_cache import FP8_DTYPE, from_cache, quantize_fp8
 from workers.model.attention import paged_attention, sdpa_attention
 
 interpreted = pytest.mark.skipif(
@@ -28,11 +30,27 @@ def reference(q, k, v, k_cache, v_cache, meta, scale):
     return out
 
 
-def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefill.POINTER_TILES, k=None, v=None):
+def fp8_reference(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, fresh_rows_exact):
+    """Per-sequence float32 SDPA over an FP8 cache, dequantized. fresh_rows_exact: whole-prompt chunks attend to
+    the step's own k/v (the TMA path), else to what the cache holds of them (the pointer path)."""
+    if not fresh_rows_exact:
+        k, v = from_cache(quantize_fp8(k, k_scale), k_scale, q.dtype), from_cache(quantize_fp8(v, v_scale), v_scale, q.dtype)
+    out = torch.empty_like(q, dtype=torch.float32)
+    sdpa_attention(q.float(), k.float(), v.float(), k_cache, v_cache, meta, scale, out, k_scale, v_scale)
+    return out
+
+
+def as_fp8(k_cache, v_cache, k_scale, v_scale):
+    """The caches as an FP8 pool with these scales stores them (the step's rows included)."""
+    return quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
+
+
+def run_prefill_kernel(q, k_cache, v_cache, meta, scale, out, tiles=paged_prefill.POINTER_TILES, k=None, v=None,
+                       k_scale=1.0, v_scale=1.0):
     nd = meta.num_decodes
     paged_prefill.prefill_attention(
         q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
-        meta.query_starts[nd], meta.query_starts[-1], scale, out, tiles, k, v,
+        meta.query_starts[nd], meta.query_starts[-1], scale, out, tiles, k, v, k_scale, v_scale,
     )
 
 
@@ -109,6 +127,43 @@ def test_split_decode_matches_sdpa_including_empty_splits(splits):
     torch.testing.assert_close(out, reference(q, k, v, k_cache, v_cache, meta, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 
+# Scales that are not powers of two, so a kernel that dropped or misplaced one would be far off.
+FP8_SCALES = [(1.0, 1.0), (0.37, 0.053)]
+
+
+@interpreted
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
+def test_prefill_kernel_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cache(tiles, k_scale, v_scale):
+    q, k, v, k_hi, v_hi, meta = paged_step(MIXED_STEP, 8, 2, 32, 16, torch.float32, "cpu", seed=4)
+    k, v, k_hi, v_hi = k * k_scale, v * v_scale, k_hi * k_scale, v_hi * v_scale
+    k_cache, v_cache = as_fp8(k_hi, v_hi, k_scale, v_scale)
+    assert k_cache.dtype == FP8_DTYPE
+    out = torch.full_like(q, float("nan"))
+    run_prefill_kernel(q, k_cache, v_cache, meta, 32**-0.5, out, tiles, k, v, k_scale, v_scale)
+    nd = meta.num_decodes
+    expected = fp8_reference(q, k, v, k_cache, v_cache, meta, 32**-0.5, k_scale, v_scale, tiles.fresh_tma)
+    torch.testing.assert_close(out[nd:], expected[nd:], atol=1e-5, rtol=1e-5)
+    # the FP8 rows are what was read: attention over the float32 cache they came from is measurably apart
+    assert (out[nd:] - reference(q, k, v, k_hi, v_hi, meta, 32**-0.5)[nd:]).abs().max() > 1e-3 * v_scale
+
+
+@interpreted
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_decode_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cache(splits, k_scale, v_scale):
+    step = [(1, 200), (1, 3), (1, 64), (1, 17)]
+    q, k, v, k_hi, v_hi, meta = paged_step(step, 8, 2, 32, 16, torch.float32, "cpu", seed=5)
+    k, v, k_hi, v_hi = k * k_scale, v * v_scale, k_hi * k_scale, v_hi * v_scale
+    k_cache, v_cache = as_fp8(k_hi, v_hi, k_scale, v_scale)
+    out = torch.empty_like(q)
+    paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 32**-0.5, out,
+                                  splits=splits, k_scale=k_scale, v_scale=v_scale)
+    expected = fp8_reference(q, k, v, k_cache, v_cache, meta, 32**-0.5, k_scale, v_scale, False)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (out - reference(q, k, v, k_hi, v_hi, meta, 32**-0.5)).abs().max() > 1e-3 * v_scale
+
+
 # ---- CUDA, bfloat16, Qwen3-VL-30B-A3B attention shape -----------------------------------------------
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
@@ -133,3 +188,30 @@ def test_split_decode_matches_sdpa_in_bfloat16(step):
     q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
     out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(out.float(), reference(q, k, v, k_cache, v_cache, meta, SCALE), atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
+def test_prefill_kernel_over_an_fp8_cache_matches_sdpa_on_a_catalogue_sized_step(monkeypatch, tiles):
+    monkeypatch.setattr(paged_prefill, "DEFAULT_TILES", tiles)
+    k_scale, v_scale = FP8_SCALES[1]
+    step = [(1, 1800)] * 8 + [(478, 1734), (1734, 1734), (2048, 4096), (2198, 2198)]
+    q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    k_cache, v_cache = as_fp8(k_cache * k_scale, v_cache * v_scale, k_scale, v_scale)
+    k, v = (k * k_scale).bfloat16(), (v * v_scale).bfloat16()
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale)
+    nd = meta.num_decodes
+    expected = fp8_reference(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale, tiles.fresh_tma)
+    # the output is V-sized: v_scale times the bf16 tolerance of the unit-scale tests
+    torch.testing.assert_close(out[nd:].float(), expected[nd:], atol=BF16_ATOL * v_scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [[(1, 1800)], [(1, 1800 + 13 * i) for i in range(64)]], ids=["batch1", "batch64"])
+def test_split_decode_over_an_fp8_cache_matches_sdpa_in_bfloat16(step):
+    k_scale, v_scale = FP8_SCALES[1]
+    q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    k_cache, v_cache = as_fp8(k_cache * k_scale, v_cache * v_scale, k_scale, v_scale)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale)
+    expected = fp8_reference(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale, False)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL * v_scale, rtol=0)

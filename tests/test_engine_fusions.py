@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8_kv_reference import e4m3_bytes, probe_values
 from workers.config import EngineConfig
+from workers.kv_cache import FP8_DTYPE, quantize_fp8
 from workers.model import fused_norm_rope
 from workers.model.layers import MRotaryEmbedding, apply_rope, rms_norm_reference
 from workers.model.text import Qwen3VLTextForEngine
@@ -121,3 +123,50 @@ def test_triton_qk_norm_rope_matches_torch_and_writes_k_v_into_their_slots(
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert not k_cache.flatten(0, 1)[untouched].any()
+
+
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 0.053)])
+@pytest.mark.parametrize("device,dtype,tokens,hidden,heads,kv_heads,head_dim", CASES)
+def test_triton_qk_norm_rope_writes_an_fp8_cache_bit_exact_with_the_reference_quantizer(
+    device, dtype, tokens, hidden, heads, kv_heads, head_dim, k_scale, v_scale
+):
+    gen = torch.Generator(device).manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, generator=gen).to(dtype)
+    q_weight, k_weight = ((1 + 0.1 * torch.randn(head_dim, device=device, generator=gen)).to(dtype) for _ in range(2))
+    section = [head_dim // 2 - 2 * (head_dim * 5 // 32), head_dim * 5 // 32, head_dim * 5 // 32]
+    cos, sin = MRotaryEmbedding(head_dim, 5_000_000.0, section, torch.device(device)).cos_sin(
+        torch.randint(0, 4096, (3, tokens), device=device, generator=gen), dtype)
+    num_blocks = tokens // 16 + 4
+    k_cache = torch.zeros(num_blocks, 16, kv_heads, head_dim, device=device, dtype=FP8_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * 16, device=device, generator=gen)[:tokens]
+    q, k, v = fused_norm_rope.qk_norm_rope_write_kv(
+        qkv, q_weight, k_weight, cos, sin, EPS, heads, kv_heads, k_cache, v_cache, slots, k_scale, v_scale
+    )
+    assert q.dtype == k.dtype == v.dtype == dtype  # the step's own rows stay in the activation dtype
+    stored_k, stored_v = (c.flatten(0, 1)[slots].view(torch.uint8).cpu() for c in (k_cache, v_cache))
+    assert torch.equal(stored_k, quantize_fp8(k.cpu(), k_scale).view(torch.uint8))
+    assert torch.equal(stored_v, quantize_fp8(v.cpu(), v_scale).view(torch.uint8))
+    assert torch.equal(stored_v, e4m3_bytes(v.cpu(), v_scale))
+
+
+if fused_norm_rope.triton is not None:
+    import triton.language as tl
+
+    @fused_norm_rope.triton.jit
+    def _quantize_rows(x_ptr, y_ptr, scale, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, fused_norm_rope._quantize_e4m3(tl.load(x_ptr + offs, mask=mask), scale), mask=mask)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.37])  # 0.5 keeps the ties ties
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_the_kernels_fp8_rounding_is_the_reference_on_every_e4m3_value_tie_and_overflow(device, scale):
+    x = probe_values().to(device)
+    y = torch.empty(x.shape, dtype=FP8_DTYPE, device=device)
+    _quantize_rows[(fused_norm_rope.triton.cdiv(x.numel(), 1024),)](x, y, scale, x.numel(), BLOCK=1024)
+    assert torch.equal(y.view(torch.uint8).cpu(), e4m3_bytes(x.cpu(), scale))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -121,3 +122,52 @@ def test_resumed_request_continues_after_its_resume_tokens_without_streaming_the
     outs = drain(decode)["resumed"]
     assert tokens(outs) == expected[4:]
     assert outs[-1].num_generated_tokens == 6
+
+
+def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scales(tiny_moe_checkpoint):
+    from workers.kv_cache import FP8_DTYPE, KvCache
+    from workers.server import kv_from_chunks, kv_to_chunks
+
+    def make():
+        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                      min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+    prefill, decode = make(), make()
+    scales = [(0.5, 0.25)] * len(prefill.runner.kv.layers)  # not the default: the scales must travel too
+    for engine in (prefill, decode):  # a fresh pool with these scales, as a checkpoint's k/v_scale would give
+        layers, block_size, heads, head_dim = engine.runner._kv_shape
+        engine.runner.kv = KvCache(layers, engine.runner.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
+                                   engine.runner.device, scales)
+    decode.add_request("whole", image_prompt(), GREEDY)
+    expected = tokens(drain(decode)["whole"])
+
+    prefill.add_request("split", image_prompt(), GREEDY, prefill_only=True)
+    first = tokens(drain(prefill)["split"])
+    export = prefill.export_kv("split")
+    prefill.release("split")
+    assert export.dtype_name == "float8_e4m3fn" and export.scales == scales
+    received = kv_from_chunks(kv_to_chunks(export), export.first_token_id)  # the proto messages PullKv streams
+    assert received.scales == scales
+    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
+    outs = {}
+    while "split" not in outs or not outs["split"][-1].finished:
+        for out in decode.step():
+            outs.setdefault(out.request_id, []).append(out)
+        seq = decode.scheduler.find("split")
+        if seq is not None and "imported" not in outs:  # after the step that copied the KV in
+            outs["imported"] = decode.runner.kv.gather(seq.block_table, export.num_tokens).clone()
+    assert torch.equal(outs["imported"].view(torch.uint8), export.stacked().view(torch.uint8))
+    assert first + tokens(outs["split"]) == expected
+
+
+def test_an_fp8_engine_imports_bfloat16_kv_by_quantizing_it(engines, tiny_moe_checkpoint):
+    _, _, prefill_bf16 = engines
+    prefill_bf16.add_request("q", image_prompt(), GREEDY, prefill_only=True)
+    drain(prefill_bf16)
+    export = prefill_bf16.export_kv("q")
+    prefill_bf16.release("q")
+    assert export.scales is None
+    decode = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                    min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+    decode.add_request("q", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
+    (*_, last) = drain(decode)["q"]
+    assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3

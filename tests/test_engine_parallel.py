@@ -18,7 +18,7 @@ from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink, KvLinkConfig
 from workers.rank_group import RankStartupError
-from workers.types import PromptInput, SamplingParams
+from workers.types import FinishReason, PromptInput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -154,3 +154,39 @@ def test_two_gpu_ranks_in_bfloat16_give_the_single_gpu_greedy_tokens(tiny_moe_ch
     # bf16 partial sums are added in another order: the first tokens must agree; log the rest
     for rid in expected:
         assert got[rid][:4] == expected[rid][:4], (rid, got[rid], expected[rid])
+
+
+def test_two_cpu_ranks_with_an_fp8_cache_gather_and_import_fp8_kv_as_one_rank_does(tiny_moe_checkpoint):
+    single_engine = make(tiny_moe_checkpoint, kv_cache_dtype="fp8")
+    kv = exported_kv(single_engine)
+    engine = make(tiny_moe_checkpoint, tensor_parallel_size=2, kv_cache_dtype="fp8")
+    try:
+        parallel_kv = exported_kv(engine)  # FP8 shards all-gathered as bytes
+        assert parallel_kv.dtype_name == "float8_e4m3fn" and parallel_kv.scales == kv.scales
+        # float32 K/V rounded to e4m3 on either side of a tie can land one step apart: compare dequantized
+        torch.testing.assert_close(parallel_kv.stacked().float(), kv.stacked().float(), rtol=0.07, atol=2**-9)
+        engine.add_request("imported", PROMPTS["image"], GREEDY, kv_import=kv)  # FP8 rows broadcast as bytes
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.finish_reason is not FinishReason.ERROR
+    finally:
+        engine.close()
+
+
+def test_kv_link_carries_fp8_kv_and_its_scales_bit_exact():
+    from workers.kv_cache import quantize_fp8
+
+    scales = [(0.5, 0.25), (0.125, 2.0)]
+    kv = KvExport(5, 7, 3, [quantize_fp8(torch.randn(5, 2, 8), k) for k, _ in scales],
+                  [quantize_fp8(torch.randn(5, 2, 8), v) for _, v in scales], scales)
+    port = _port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        sender, receiver = pool.map(lambda role: KvLink(KvLinkConfig("127.0.0.1", port, role, "cpu", timeout_s=60)),
+                                    ("prefill", "decode"))
+    try:
+        moved = receiver.receive(sender.send(kv), kv.num_tokens, kv.first_token_id, timeout_s=60)
+        sender.flush()
+    finally:
+        receiver.close()
+    assert moved.scales == scales and moved.dtype_name == "float8_e4m3fn"
+    assert torch.equal(moved.stacked().view(torch.uint8), kv.stacked().view(torch.uint8))

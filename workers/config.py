@@ -35,6 +35,11 @@ class EngineConfig(BaseModel):
         "weights at load on the CPU (what transformers computes there); 'fp8' also on the CPU (the kernels' torch "
         "references, for tests); 'dequantize' everywhere (bf16 math on FP8 checkpoints)."
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="KV cache element type: 'auto' is the activation dtype; 'fp8' stores float8_e4m3fn with "
+        "a per-layer k_scale/v_scale (the checkpoint's self_attn k_scale/v_scale tensors where present, else 1.0), "
+        "which holds about twice the tokens in the same memory."
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV blocks in the pool; None sizes it from free memory on CUDA "

@@ -2,7 +2,7 @@
 torch.distributed pair (NCCL between GPUs, gloo on CPU), so the KV never visits the host.
 
 Protocol: the prefill side (rank 0, host of the pair's TCPStore) numbers its transfers 0, 1, 2, ...; for each
-it writes a header (JSON: shape, dtype, MRoPE delta, send time) under the store key `kv/<n>`, then posts the
+it writes a header (JSON: shape, dtype, an FP8 export's per-layer scales, MRoPE delta, send time) under the store key `kv/<n>`, then posts the
 send. The decode side's receiver thread takes the headers in order and posts the matching receives, so NCCL's
 in-order pairing always holds, and no receive waits while the link is idle (an idle receive would trip NCCL's
 watchdog). The header is also the KvHandle's `transport_hint`; a decode Generate carrying it claims transfer n
@@ -125,13 +125,13 @@ class KvLink:
         tensor = kv.stacked().to(self.device).contiguous()
         with self._lock:
             meta = {"transport": TRANSPORT, "address": self.config.address, "transfer": self._next,
-                    "shape": list(tensor.shape), "dtype": kv.dtype_name,
+                    "shape": list(tensor.shape), "dtype": kv.dtype_name, "scales": kv.scales,
                     "mrope_position_delta": kv.mrope_position_delta, "sent_at": time.monotonic()}
             hint = json.dumps(meta).encode()
             self.store.set(f"kv/{self._next}", hint)
             self._next += 1
             self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
-            self._in_flight.append((self.group.send([tensor], self._peer, 0), tensor))
+            self._in_flight.append((self.group.send([_wire(tensor)], self._peer, 0), tensor))
         return hint
 
     def flush(self) -> None:
@@ -170,7 +170,9 @@ class KvLink:
                     raise KvLinkError(f"kv link {self.config.address}: transfer {n} did not arrive in time")
                 self._arrival.wait(left)
             kv = self._arrived.pop(n).kv
-        return KvExport(num_tokens, first_token_id, meta["mrope_position_delta"], list(kv[:, 0]), list(kv[:, 1]))
+        scales = meta.get("scales")
+        return KvExport(num_tokens, first_token_id, meta["mrope_position_delta"], list(kv[:, 0]), list(kv[:, 1]),
+                        None if scales is None else [tuple(pair) for pair in scales])
 
     def expire(self, older_than_s: float) -> int:
         """Drops received transfers nobody claimed within older_than_s (their decode request went elsewhere)."""
@@ -214,11 +216,11 @@ class KvLink:
         dtype = getattr(torch, meta["dtype"])
         if self._stream is None:
             tensor = torch.empty(meta["shape"], dtype=dtype, device=self.device)
-            self.group.recv([tensor], self._peer, 0).wait()
+            self.group.recv([_wire(tensor)], self._peer, 0).wait()
             return tensor
         with torch.cuda.stream(self._stream):
             tensor = torch.empty(meta["shape"], dtype=dtype, device=self.device)
-            self.group.recv([tensor], self._peer, 0).wait()
+            self.group.recv([_wire(tensor)], self._peer, 0).wait()
         self._stream.synchronize()  # complete before any stream reads it
         tensor.record_stream(torch.cuda.current_stream(self.device))  # the engine's stream frees it later
         return tensor
@@ -230,6 +232,12 @@ class KvLink:
             with contextlib.suppress(RuntimeError, dist.DistError):  # the store's host (the peer) may be gone
                 self.store.set(f"kv/{self._next}", _STOP)
             self._receiver.join(timeout=5)
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What goes over the pair: FP8 KV as its bytes (a uint8 view of the same memory), so neither backend needs
+    a float8 type; other dtypes as they are."""
+    return tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor
 
 
 def _parse(hint: bytes) -> dict:

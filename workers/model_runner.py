@@ -20,7 +20,7 @@ import torch
 from workers.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.host_copy import HostCopy, to_device
-from workers.kv_cache import KvCache, KvExport
+from workers.kv_cache import KvCache, KvExport, cache_dtype
 from workers.image_processing import normalise_patches
 from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
 from workers.model import fused_moe
@@ -33,7 +33,9 @@ from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
-from workers.weights import ModelConfig, init_random_fp8_weights, init_random_weights, load_text_weights, text_precision
+from workers.weights import (
+    ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,10 @@ class ModelRunner:
         checkpoint = None if config.load_format == "random" else config.checkpoint
         self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed) if self.tp.rank == 0 else None
         self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads // self.tp.size, text.head_dim)
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self._kv_scales = None  # 1.0 each: a random-weight model, or a checkpoint without calibrated scales
+        if config.kv_cache_dtype == "fp8" and checkpoint is not None:
+            self._kv_scales = load_kv_scales(checkpoint, text.num_hidden_layers)
         num_blocks = config.num_kv_blocks or (self._blocks_from_memory() if config.is_cuda else CPU_DEFAULT_KV_BLOCKS)
         if self.tp.size > 1:  # every rank holds the same block ids: the smallest pool wins
             agreed = torch.tensor([num_blocks], device=self.device)
@@ -117,7 +123,8 @@ class ModelRunner:
                 cdiv(config.max_model_len, self.block_size), scratch_block=num_blocks,
             )
         self.warm_up_report: dict | None = self.warm_up() if config.is_cuda and config.warm_up else None
-        log.info("model runner ready: %s %s, %d KV blocks of %d tokens", self.device, self.dtype, num_blocks, self.block_size)
+        log.info("model runner ready: %s %s, KV pool of %d tokens (%d blocks of %d) in %s", self.device, self.dtype,
+                 num_blocks * self.block_size, num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."))
 
     @torch.inference_mode()
     def warm_up(self) -> dict:
@@ -145,7 +152,7 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_blocks: int) -> KvCache:
         layers, block_size, heads, head_dim = self._kv_shape
-        return KvCache(layers, num_blocks, block_size, heads, head_dim, self.dtype, self.device)
+        return KvCache(layers, num_blocks, block_size, heads, head_dim, self.kv_dtype, self.device, self._kv_scales)
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -157,7 +164,7 @@ class ModelRunner:
         encoded go through the vision tower behind this step's sampling, so the GPU has that work while the host
         reads the tokens back and schedules the next step (on a second CUDA stream beside the text tower it was
         slower: benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
-        imports = [(seq.block_table, seq.kv_import.stacked().to(self.device, self.dtype)) for seq in out.kv_imports]
+        imports = [(seq.block_table, self.kv.import_rows(seq.kv_import, self.device)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
         inputs = StepInputs(batch, self._visual_rows(chunks, batch.query_starts), imports)
@@ -180,7 +187,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
         """This rank's part of one step: imported KV into the cache, the text tower; logits of `rows`."""
         lo, hi = self.tp.part(self.model_config.text.num_key_value_heads)
-        for table, kv in inputs.imports:  # kv [layers, 2, tokens, all kv heads, head_dim]
+        for table, kv in inputs.imports:  # kv [layers, 2, tokens, all kv heads, head_dim], as this cache stores it
             self.kv.write(table, list(kv[:, 0, :, lo:hi]), list(kv[:, 1, :, lo:hi]))
         batch, visual = inputs.batch, inputs.visual
         if self.graphs is not None and visual is None and self.graphs.fits(batch):
@@ -285,7 +292,8 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     def export_kv(self, seq: Sequence, on_device: bool = False) -> KvExport:
-        """The request's KV (all ranks' KV heads), on the CPU or (on_device) on this rank's device."""
+        """The request's KV (all ranks' KV heads) as the cache stores it (FP8 with its scales, or the activation
+        dtype), on the CPU or (on_device) on this rank's device."""
         if self.ranks is not None:
             self.ranks.send(("gather_kv", seq.block_table, seq.num_computed_tokens))
         kv = self.gather_kv(seq.block_table, seq.num_computed_tokens)
@@ -297,6 +305,7 @@ class ModelRunner:
             mrope_position_delta=seq.mrope_position_delta,
             keys=list(kv[:, 0]),
             values=list(kv[:, 1]),
+            scales=list(self.kv.scales) if self.kv.is_fp8 else None,
         )
 
     def gather_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
@@ -305,7 +314,11 @@ class ModelRunner:
         if self.tp.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
-        torch.distributed.all_gather(parts, local, group=self.tp.group)
+        if local.dtype.itemsize == 1:  # FP8 as bytes: the collectives need not know float8
+            torch.distributed.all_gather([p.view(torch.uint8) for p in parts], local.contiguous().view(torch.uint8),
+                                         group=self.tp.group)
+        else:
+            torch.distributed.all_gather(parts, local, group=self.tp.group)
         return torch.cat(parts, dim=3)
 
     def close(self) -> None:
@@ -343,7 +356,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         current = torch.cuda.memory_allocated(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
-        block_bytes = KvCache.bytes_per_block(*self._kv_shape, self.dtype)
+        block_bytes = KvCache.bytes_per_block(*self._kv_shape, self.kv_dtype)  # FP8: half the bytes, twice the blocks
         num_blocks = int(budget // block_bytes)
         if num_blocks < 1:
             raise RuntimeError(

@@ -171,8 +171,8 @@ class RankGroup:
         self.send(("step", inputs.batch, visual_meta, [(table, tuple(kv.shape)) for table, kv in inputs.imports]))
         if v is not None:
             dist.broadcast(torch.stack([v.embeds, *v.deepstack]).contiguous(), 0, group=self.tp.group)
-        for _, kv in inputs.imports:
-            dist.broadcast(kv, 0, group=self.tp.group)
+        for _, kv in inputs.imports:  # FP8 rows as bytes: the collectives need not know float8
+            dist.broadcast(kv.view(torch.uint8) if kv.dtype.itemsize == 1 else kv, 0, group=self.tp.group)
 
     def close(self) -> None:
         self._closing.set()
@@ -203,8 +203,11 @@ class RankGroup:
             proc.join(timeout=5)
 
 
-def receive_step(message: tuple, tp: TensorParallel, device: torch.device, dtype: torch.dtype, hidden: int) -> StepInputs:
-    """Ranks 1..n-1: the step rank 0 sent (the device tensors arrive by broadcast)."""
+def receive_step(
+    message: tuple, tp: TensorParallel, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, hidden: int
+) -> StepInputs:
+    """Ranks 1..n-1: the step rank 0 sent (the device tensors arrive by broadcast); dtype: the activations',
+    kv_dtype: the KV cache's (imported rows arrive as the cache stores them)."""
     _, batch, visual_meta, import_meta = message
     visual = None
     if visual_meta is not None:
@@ -214,8 +217,8 @@ def receive_step(message: tuple, tp: TensorParallel, device: torch.device, dtype
         visual = VisualRows(rows.to(device), stacked[0], list(stacked[1:]))
     imports = []
     for table, shape in import_meta:
-        kv = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(kv, 0, group=tp.group)
+        kv = torch.empty(shape, dtype=kv_dtype, device=device)
+        dist.broadcast(kv.view(torch.uint8) if kv.dtype.itemsize == 1 else kv, 0, group=tp.group)
         imports.append((table, kv))
     return StepInputs(batch, visual, imports)
 
@@ -242,7 +245,7 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
         if kind == "stop":
             break
         if kind == "step":
-            runner.forward(receive_step(message, tp, runner.device, runner.dtype, runner.model_config.text.hidden_size), [])
+            runner.forward(receive_step(message, tp, runner.device, runner.dtype, runner.kv_dtype, runner.model_config.text.hidden_size), [])
         elif kind == "gather_kv":
             runner.gather_kv(message[1], message[2])
         else:

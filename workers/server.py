@@ -23,7 +23,7 @@ import grpc.aio
 from router.config import MIB, is_loopback, split_host_port
 from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from router.wire import pb, pb_grpc
-from workers.kv_cache import KvExport
+from workers.kv_cache import FP8_DTYPE, KvExport
 from workers.kv_transfer import KvLink, KvLinkConfig, KvLinkError
 from workers.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 
@@ -61,6 +61,8 @@ def kv_to_chunks(export: KvExport) -> list[pb.KvChunk]:
     for layer in range(export.num_layers):
         key, value = export.layer_bytes(layer)
         chunk = pb.KvChunk(layer=layer, key=key, value=value)
+        if export.scales is not None:  # float32 on the wire: the scales are float32 values (workers/weights.py)
+            chunk.k_scale, chunk.v_scale = export.scales[layer]
         if layer == 0:
             chunk.num_tokens, chunk.num_layers = export.num_tokens, export.num_layers
             chunk.num_kv_heads, chunk.head_dim, chunk.dtype = export.num_kv_heads, export.head_dim, export.dtype_name
@@ -85,6 +87,7 @@ def kv_from_chunks(chunks: list[pb.KvChunk], first_token_id: int) -> KvExport:
         head_dim=head.head_dim,
         dtype_name=head.dtype,
         layers=[(c.key, c.value) for c in layers],
+        scales=[(c.k_scale, c.v_scale) for c in layers] if head.dtype == str(FP8_DTYPE).removeprefix("torch.") else None,
     )
 
 
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="KV cache element type (EngineConfig.kv_cache_dtype): fp8 stores float8_e4m3fn")
     parser.add_argument("--kv-link", default=None, metavar="HOST:PORT",
                         help="GPU-to-GPU KV link to this worker's one peer (a prefill and a decode worker given the same "
                              "address; the prefill worker listens there). Without it the KV goes over gRPC (PullKv).")
@@ -413,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 
-    config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks)
+    config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype)
 
     link_config = None
     if args.kv_link is not None:

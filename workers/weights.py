@@ -7,6 +7,7 @@ layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-me
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,6 +306,46 @@ def init_random_weights(module: torch.nn.Module, seed: int, std: float = RANDOM_
             param.fill_(1.0)
 
 
+# FP8 KV cache scales as checkpoints name them (vLLM's maybe_remap_kv_scale_name,
+# https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/model_loader/weight_utils.py):
+# llm-compressor / compressed-tensors write self_attn.k_scale and self_attn.v_scale, NVIDIA ModelOpt writes
+# self_attn.k_proj.k_scale and self_attn.v_proj.v_scale, and older checkpoints one self_attn.kv_scale for both.
+# Each is one float, the dequantisation factor (cache value * scale = K or V).
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale", ".kv_scale")
+_KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(k_scale|v_scale|k_proj\.k_scale|v_proj\.v_scale|kv_scale)")
+
+
+def load_kv_scales(checkpoint: Path, num_layers: int) -> list[tuple[float, float]] | None:
+    """(k_scale, v_scale) of every text layer from the checkpoint's language_model.layers.N.self_attn scale
+    tensors (reading only those); None when it has none (the FP8 cache then uses 1.0). A checkpoint with scales for
+    some layers must have them for all; a scale that is not one positive finite number fails naming the tensor."""
+    found: dict[tuple[int, str], float] = {}
+    for path in checkpoint_files(checkpoint):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not (name.startswith(TEXT_PREFIX) and name.endswith(KV_SCALE_SUFFIXES)):
+                    continue
+                match = _KV_SCALE_NAME.fullmatch(name[len(TEXT_PREFIX):])
+                if match is None or int(match[1]) >= num_layers:
+                    raise CheckpointError(f"{name}: not the KV scale of one of the {num_layers} text layers")
+                tensor = f.get_tensor(name)
+                value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+                if value is None or not 0 < value < float("inf"):
+                    raise CheckpointError(f"{name}: a KV scale must be one positive finite number, got "
+                                          f"shape {tuple(tensor.shape)}" + (f" value {value}" if value is not None else ""))
+                layer, kind = int(match[1]), match[2]
+                for which in ("k", "v") if kind == "kv_scale" else (kind[0],):
+                    found[(layer, which)] = value
+    if not found:
+        return None
+    for layer in range(num_layers):
+        for which in ("k", "v"):
+            if (layer, which) not in found:
+                raise CheckpointError(f"{checkpoint}: {TEXT_PREFIX}layers.{layer}.self_attn.{which}_scale missing "
+                                      "(the checkpoint has KV scales for other layers)")
+    return [(found[(i, "k")], found[(i, "v")]) for i in range(num_layers)]
+
+
 FP8_RANDOM_SPREAD = 64.0  # random FP8 weights: e4m3 values ~N(0, 64^2) times a scale std/64 (7 sigma below 448)
 
 
@@ -425,8 +466,8 @@ def load_text_weights(
 
     scales = {scale_name(n, fmt) for n in index.names(TEXT_PREFIX) if fmt.is_fp8 and index.is_fp8(n)}
     for name in index.names(TEXT_PREFIX):
-        if name in consumed or name in scales:
-            continue
+        if name in consumed or name in scales or name.endswith(KV_SCALE_SUFFIXES):
+            continue  # (KV scales are the KV cache's, not text-tower parameters: load_kv_scales)
         engine_name = "language_model." + name[len(TEXT_PREFIX) :]
         put_weight(engine_name, engine_name.removesuffix("weight") + "weight_scale", name, read_weight(index, name, fmt))
     if LM_HEAD in index:

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: write this step's K/V into their slots, then attend.
 
 On CUDA, single-query rows (decodes) go to one Triton kernel and all multi-row chunks to another, both
-over the block tables. Elsewhere (CPU, and as the kernels' reference) SDPA runs per sequence.
+over the block tables. Elsewhere (CPU, and as the kernels' reference) SDPA runs per sequence. An FP8 cache
+(workers/kv_cache.py) is written quantized with its layer's scales and read back times them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from workers.host_copy import to_device
+from workers.kv_cache import FP8_DTYPE, copy_rows, from_cache, quantize_fp8
 from workers.model import paged_decode, paged_prefill
 
 
@@ -43,17 +45,24 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """k_cache [num_blocks, block_size, kv_heads, head_dim]; k [T, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """k_cache [num_blocks, block_size, kv_heads, head_dim]; k [T, kv_heads, head_dim]. An FP8 cache stores
+    quantize_fp8(k, k_scale) and quantize_fp8(v, v_scale)."""
+    if k_cache.dtype == FP8_DTYPE:
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    copy_rows(k_cache, slot_mapping, k)
+    copy_rows(v_cache, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first num_tokens rows [num_tokens, kv_heads, head_dim] of a sequence's blocks."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scale: float = 1.0,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first num_tokens rows [num_tokens, kv_heads, head_dim] of a sequence's blocks, in `dtype` (default the
+    cache's): FP8 rows are multiplied by their scale."""
     num_blocks = -(-num_tokens // cache.shape[1])
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+    rows = cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+    return rows if dtype is None else from_cache(rows, scale, dtype)
 
 
 def paged_attention(
@@ -64,22 +73,25 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, heads, head_dim], this step's k/v [T, kv_heads, head_dim] (already in the cache) -> [T, heads,
-    head_dim]; causal within each sequence's context."""
+    head_dim]; causal within each sequence's context. k_scale/v_scale: an FP8 cache's dequantisation scales."""
     out = torch.empty_like(q)
     if not paged_decode.supports(q, k_cache):
-        sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, out)
+        sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
         return out
     nd = meta.num_decodes
     if nd:
         paged_decode.decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale, out[:nd]
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale, out[:nd],
+            k_scale=k_scale, v_scale=v_scale,
         )
     if meta.query_starts_device is not None:
         paged_prefill.prefill_attention(
             q, k_cache, v_cache, meta.block_tables[nd:], meta.query_starts_device[nd:], meta.context_lens[nd:],
-            meta.query_starts[nd], meta.query_starts[-1], scale, out, k_new=k, v_new=v,
+            meta.query_starts[nd], meta.query_starts[-1], scale, out, k_new=k, v_new=v, k_scale=k_scale, v_scale=v_scale,
         )
     return out
 
@@ -93,8 +105,12 @@ def sdpa_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """paged_attention by one SDPA call per sequence into out: the CPU path and the kernels' reference."""
+    """paged_attention by one SDPA call per sequence into out: the CPU path and the kernels' reference. A first
+    chunk attends to this step's own k/v (exact, as the kernels' fresh-row path does); other rows read the cache,
+    dequantized (FP8 rows times k_scale / v_scale) to q's dtype."""
     starts = meta.query_starts
     for i, ctx in enumerate(meta.context_lens_host):
         lo, hi = starts[i], starts[i + 1]
@@ -106,8 +122,8 @@ def sdpa_attention(
                 is_causal=True, scale=scale, enable_gqa=True,
             )
         else:  # a later chunk or a decode: attend to the gathered blocks, causal aligned to the end
-            ki = gather_kv(k_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
-            vi = gather_kv(v_cache, meta.block_tables[i], ctx).transpose(0, 1).unsqueeze(0)
+            ki = gather_kv(k_cache, meta.block_tables[i], ctx, k_scale, q.dtype).transpose(0, 1).unsqueeze(0)
+            vi = gather_kv(v_cache, meta.block_tables[i], ctx, v_scale, q.dtype).transpose(0, 1).unsqueeze(0)
             if n == 1:
                 o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=True)
             else:  # heads expanded: the fused kernels take a lower-right causal bias but not GQA with it

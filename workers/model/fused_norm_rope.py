@@ -3,7 +3,8 @@ q/k RMSNorm + MRoPE that also writes this step's K/V into the paged cache. One l
 
 Each rounds where transformers rounds (norm in float32, cast, weight multiply in the activation dtype; RoPE
 products and their sum each rounded to the activation dtype). The torch reference paths live in layers.py and
-text.py; `supports` says when a kernel can run (Triton present, CUDA tensors).
+text.py; `supports` says when a kernel can run (Triton present, CUDA tensors). Into an FP8 cache the K/V write
+stores what kv_cache.quantize_fp8 stores, bit for bit.
 """
 
 from __future__ import annotations
@@ -69,14 +70,38 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
+    def _quantize_e4m3(x, scale):
+        """float32 x / scale as float8_e4m3fn, as kv_cache.quantize_fp8 rounds: IEEE division, clamp to +-448,
+        then round to nearest even at e4m3's spacing in float32 arithmetic, so that the final cast is exact. (The
+        hardware cast rounds the same way; Triton 3.6's CPU interpreter truncates mantissa carries and rounds ties
+        up, so its cast alone is not a reference.) y + 1.5 * 2^(u + 23) rounds y to a multiple of 2^u, the e4m3
+        spacing near y: 2^(exponent - 3) for normals, 2^-9 below 2^-6."""
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        biased = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        u = tl.maximum(biased - 127, -6) - 3
+        magic = (((u + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        r = (y + magic) - magic
+        r = tl.where(r == 0.0, y * 0.0, r)  # keeps the sign of values that round to zero (-0 is 0x80)
+        return r.to(tl.float8e4nv)
+
+    @triton.jit
+    def _store_kv(ptr, x, mask, scale, FP8: tl.constexpr):
+        if FP8:
+            tl.store(ptr, _quantize_e4m3(x.to(tl.float32), scale), mask=mask)
+        else:
+            tl.store(ptr, x, mask=mask)
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr,
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-        eps, stride_qkv, stride_cos,
+        eps, k_scale, v_scale, stride_qkv, stride_cos,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+        FP8_CACHE: tl.constexpr,
     ):
         """Program (token, head block): the first cdiv(NUM_HEADS, BLOCK_H) blocks are query heads, the rest
-        KV heads (whose programs also copy V and write K and V into the token's cache slot)."""
+        KV heads (whose programs also copy V and write K and V into the token's cache slot, quantized with
+        k_scale / v_scale into an FP8 cache)."""
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         Q_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -103,15 +128,15 @@ if triton is not None:
             off_slot = slot * kv_row + heads * HEAD_DIM + d
             tl.store(k_ptr + off_t, o1, mask=h_mask)
             tl.store(k_ptr + off_t + HALF, o2, mask=h_mask)
-            tl.store(k_cache_ptr + off_slot, o1, mask=h_mask)
-            tl.store(k_cache_ptr + off_slot + HALF, o2, mask=h_mask)
+            _store_kv(k_cache_ptr + off_slot, o1, h_mask, k_scale, FP8_CACHE)
+            _store_kv(k_cache_ptr + off_slot + HALF, o2, h_mask, k_scale, FP8_CACHE)
             v_src = k_src + NUM_KV_HEADS * HEAD_DIM + d
             v1 = tl.load(v_src, mask=h_mask, other=0.0)
             v2 = tl.load(v_src + HALF, mask=h_mask, other=0.0)
             tl.store(v_ptr + off_t, v1, mask=h_mask)
             tl.store(v_ptr + off_t + HALF, v2, mask=h_mask)
-            tl.store(v_cache_ptr + off_slot, v1, mask=h_mask)
-            tl.store(v_cache_ptr + off_slot + HALF, v2, mask=h_mask)
+            _store_kv(v_cache_ptr + off_slot, v1, h_mask, v_scale, FP8_CACHE)
+            _store_kv(v_cache_ptr + off_slot + HALF, v2, h_mask, v_scale, FP8_CACHE)
 
 
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -156,10 +181,13 @@ def qk_norm_rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (heads + 2 kv_heads) * head_dim] (the fused projection) -> q [T, heads, head_dim], k, v [T,
     kv_heads, head_dim]: per-head RMSNorm then RoPE (cos/sin [T, head_dim]) on q and k; k and v also written
-    to slot_mapping's rows of the caches ([num_blocks, block_size, kv_heads, head_dim], contiguous)."""
+    to slot_mapping's rows of the caches ([num_blocks, block_size, kv_heads, head_dim], contiguous; in qkv's
+    dtype, or float8_e4m3fn holding quantize_fp8(k, k_scale) and quantize_fp8(v, v_scale))."""
     t = qkv.shape[0]
     head_dim = cos.shape[-1]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -175,7 +203,8 @@ def qk_norm_rope_write_kv(
         blocks = triton.cdiv(num_heads, HEADS_PER_PROGRAM) + triton.cdiv(num_kv_heads, HEADS_PER_PROGRAM)
         _qk_norm_rope_kernel[(t, blocks)](
             qkv, q_weight, k_weight, cos, sin, slot_mapping, q, k, v, k_cache, v_cache,
-            eps, qkv.stride(0), cos.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=HEADS_PER_PROGRAM, num_warps=4,
+            eps, k_scale, v_scale, qkv.stride(0), cos.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=HEADS_PER_PROGRAM,
+            FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
         )
     return q, k, v

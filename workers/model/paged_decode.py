@@ -3,6 +3,8 @@
 A program computes all query heads of one KV head's group for one split of one sequence's context
 (flash-decoding: at small batch the context is split so that the GPU has enough programs, and a small
 kernel merges the splits). The split count depends only on the batch size: CUDA-graph safe.
+An FP8 cache's rows are widened to q's dtype (exact); the K scale is folded into the softmax scale, the V scale
+into the output (both a per-tensor factor that commutes with the dot products).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width varies step to step: one compile
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -80,8 +82,8 @@ if triton is not None:
             n_mask = offs_n < hi
             block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -90,6 +92,7 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        acc = acc * v_scale
         if NUM_SPLITS == 1:
             tl.store(
                 o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -129,10 +132,13 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,
     splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """q/out [B, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim] (same strides);
-    block_tables [B, W] int32; context_lens [B] int32 (>= 1, the query's own row included).
-    splits: context splits per sequence (a power of two; default num_splits for this device)."""
+    """q/out [B, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim] (same strides; q's dtype
+    or FP8, read as cache * k_scale / v_scale); block_tables [B, W] int32; context_lens [B] int32 (>= 1, the
+    query's own row included). splits: context splits per sequence (a power of two; default num_splits for this
+    device)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -147,7 +153,7 @@ def decode_attention(
         part_acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),

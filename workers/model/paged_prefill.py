@@ -3,6 +3,8 @@
 A program owns BLOCK_Q query rows of one chunk for all query heads of one KV head (GQA rows packed
 into the tile's M dimension), reads K/V through the block table with an online softmax in float32. On devices
 with TMA, chunks that are whole prompts read this step's contiguous K/V rows through tensor descriptors instead.
+An FP8 cache's rows are widened to q's dtype (exact), with the K scale folded into the softmax scale and the V
+scale into the output; chunks reading this step's own rows (in the activation dtype) use neither.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ if triton is not None:
             n_ok = offs_n < end
             block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
             acc, l, m = _online_softmax(acc, l, m, tl.dot(q, k_t), v, offs_n, end, q_pos, qk_scale, CAUSAL_MASK)
         return acc, l, m
 
@@ -116,7 +118,8 @@ if triton is not None:
     # Vary per step: one compile. The table pointers are slices past the step's decodes (their alignment varies).
     @triton.jit(do_not_specialize=["tables_ptr", "starts_ptr", "lens_ptr", "num_seqs", "first_tile", "stride_tb"])
     def _prefill_kernel(
-        q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, tables_ptr, starts_ptr, lens_ptr, qk_scale, num_seqs, first_tile,
+        q_ptr, k_ptr, v_ptr, k_desc, v_desc, o_ptr, tables_ptr, starts_ptr, lens_ptr, qk_scale, k_scale, v_scale,
+        num_seqs, first_tile,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -157,6 +160,8 @@ if triton is not None:
             # Keys every row of the tile sees need no mask; the tail up to the tile's last row does.
             full_end = (ctx - n + row0 + 1) // BLOCK_N * BLOCK_N
             kv_end = ctx - n + tl.minimum(row0 + BLOCK_Q, n)
+            paged_scale = qk_scale * k_scale
+            v_mult = v_scale
             if FRESH_TMA:  # a compile-time branch: without FRESH_TMA the descriptors are plain pointers
                 if ctx == n:
                     col = kv_head * HEAD_DIM
@@ -166,11 +171,12 @@ if triton is not None:
                                               qk_scale, BLOCK_N, True)
                 else:
                     acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
-                                              qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+                                              paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+                v_mult = tl.where(ctx == n, 1.0, v_scale)
             else:
                 acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
-                                          qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
-            out = acc / l[:, None]
+                                          paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+            out = acc * v_mult / l[:, None]
             tl.store(
                 o_ptr + (q_start + r)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None],
@@ -191,13 +197,15 @@ def prefill_attention(
     tiles: TileConfig | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of chunks 0..S-1, rows first_row..last_row-1 of q/out [T, heads, head_dim]: chunk s is rows
     query_starts[s]:query_starts[s+1] ([S + 1] int32, device; query_starts[0] = first_row) whose context
     (its own rows included, already in the caches) is context_lens[s] tokens in blocks block_tables[s].
     k_new/v_new: this step's K/V rows [T, kv_heads, head_dim] (the rows of q), which tiles.fresh_tma reads for
     chunks that are whole prompts when they are contiguous (else every chunk reads the paged cache).
-    tiles: default default_tiles(q.device)."""
+    Caches in q's dtype or FP8 (read as cache * k_scale / v_scale). tiles: default default_tiles(q.device)."""
     tiles = tiles or default_tiles(q.device)
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -219,7 +227,8 @@ def prefill_attention(
         k_desc, v_desc = (TensorDescriptor.from_tensor(t.view(t.shape[0], -1), [tiles.block_n, head_dim])
                           for t in (k_new, v_new))
     _prefill_kernel[(kv_heads, num_tiles)](
-        q, k_cache, v_cache, k_desc, v_desc, out, block_tables, query_starts, context_lens, scale * LOG2_E, num_seqs, first_tile,
+        q, k_cache, v_cache, k_desc, v_desc, out, block_tables, query_starts, context_lens, scale * LOG2_E, k_scale, v_scale,
+        num_seqs, first_tile,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.kv_cache import KvLayer
 from workers.model import fused_norm_rope
 from workers.model.attention import AttentionMetadata, paged_attention, write_kv
 from workers.model.fp8 import BlockShape
@@ -75,24 +76,24 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KvLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.project_qkv(x)
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, k_scale, v_scale = kv_cache
         if fused_norm_rope.supports(qkv):  # one kernel: both norms, RoPE, and the K/V cache write
             q, k, v = fused_norm_rope.qk_norm_rope_write_kv(
                 qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping,
+                self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
             )
         else:
             q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
             q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
@@ -166,7 +167,7 @@ class Qwen3VLTextForEngine(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KvLayer],
         visual: VisualRows | None = None,
     ) -> torch.Tensor:
         """input_ids [T], positions [3, T] -> hidden [T, H] after the final norm."""
