@@ -62,6 +62,10 @@ class Workload:
         )
 
 
+# --precisions: name -> (the checkpoint's weights, engine.fp8_compute)
+PRECISIONS = {"bf16": ("bf16", "auto"), "fp8": ("fp8", "auto"), "fp8-dequantized": ("fp8", "dequantize")}
+
+
 def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: str = "bf16") -> None:
     """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8": the
     quantization_config of the released FP8 checkpoints (128x128 blocks), so the random weights are FP8."""
@@ -342,7 +346,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
         **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
-        **({"fp8_compute": "fp8"} if not args.device.startswith("cuda") else {}),
+        fp8_compute=args.fp8_compute if args.device.startswith("cuda") else "fp8",
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -350,7 +354,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     log.info("engine built in %.1f s", time.perf_counter() - t0)
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
                     "block_size": cfg.block_size, "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size,
-                    "weights": engine.model_config.weight_format.label, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
+                    "weights": engine.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
@@ -552,9 +556,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-pointer-loads", action="store_true", help="the prefill attention kernel gathers every "
                    "chunk's K/V from the paged cache (paged_prefill.POINTER_TILES), also where the device has TMA")
     p.add_argument("--precisions", default="bf16", help="comma-separated, each ours run in the same call: bf16, fp8 "
-                   "(FP8 weights in 128x128 blocks, W8A8; with --fp8-kv-cache also an FP8 KV cache); e.g. bf16,fp8")
+                   "(FP8 weights in 128x128 blocks, W8A8 GEMMs; with --fp8-kv-cache also an FP8 KV cache), "
+                   "fp8-dequantized (the FP8 checkpoint dequantized to bf16 at load: engine.fp8_compute dequantize)")
     p.add_argument("--fp8-kv-cache", action="store_true", help="the fp8 precision's run also stores the KV cache in FP8")
     p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--fp8-compute", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
@@ -573,8 +579,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
     from scripts.catalogue_workload import WORKLOADS
 
-    if set(args.precisions.split(",")) - {"bf16", "fp8"}:
-        p.error(f"--precisions: expected some of bf16, fp8, got {args.precisions!r}")
+    if set(args.precisions.split(",")) - set(PRECISIONS):
+        p.error(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {args.precisions!r}")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}")
@@ -630,13 +636,14 @@ def main(argv=None) -> dict:
                          if k not in ("out", "part", "config_dir")},
             }
             for precision in args.precisions.split(","):
-                key = "ours" if precision == "bf16" else f"ours_{precision}"
+                key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
+                weights, compute = PRECISIONS[precision]
                 part_dir = config_dir / precision
                 part_dir.mkdir(exist_ok=True)
-                write_config(args.shape, args.num_layers, part_dir, precision)
-                kv = "fp8" if precision == "fp8" and args.fp8_kv_cache else "auto"
+                write_config(args.shape, args.num_layers, part_dir, weights)
+                kv = "fp8" if weights == "fp8" and args.fp8_kv_cache else "auto"
                 if args.device.startswith("cuda"):
-                    part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv]
+                    part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute]
                     result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
                     if args.out is not None:  # keep ours even if the baseline never finishes
                         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -60,7 +60,7 @@ def quantize_weight_blocks(weight: torch.Tensor, block: BlockShape) -> tuple[tor
     padded[..., :rows, :cols] = w
     tiles = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (w / _expand(scale_inv, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale_inv
 
@@ -86,7 +86,9 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     padded = x.float().new_zeros(m, groups * group)
     padded[:, :k] = x.float()
     amax = padded.view(m, groups, group).abs().amax(dim=-1).clamp(min=ACTIVATION_AMAX_FLOOR)
-    scales = amax / FP8_MAX
+    # A tensor divisor: CUDA torch divides by a Python scalar through its reciprocal (an ulp off IEEE division),
+    # which the kernels and the CPU do not.
+    scales = amax / torch.full_like(amax, FP8_MAX)
     q = (x.float() / scales.repeat_interleave(group, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scales
 
