@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -170,6 +171,25 @@ class RecordingHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def router_gauge(base: str, name: str, token: str | None = TOKEN) -> float:
+    """One of the router's Prometheus gauges, read from its /metrics page."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers=headers), timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not on {base}/metrics")
+
+
+def wait_for_full_admission(base: str, timeout_s: float = 60.0) -> None:
+    """Until the router holds max_inflight_total requests in flight and max_queue waiting (no fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while (router_gauge(base, "q3vl_router_inflight_requests") < LIMITS["max_inflight_total"]
+           or router_gauge(base, "q3vl_router_queue_depth") < LIMITS["max_queue"]):
+        assert time.monotonic() < deadline, "admission never filled"
+        time.sleep(0.05)
+
+
 def post_chat(base: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token:
@@ -237,7 +257,7 @@ def test_http_flood_gets_429_and_health_stays_ok(router):
     async def body():
         async with Workers(router["address"], step_delay_s=0.05) as w:
             held = [asyncio.ensure_future(served(w.client, f"hold-{i}", max_tokens=40)) for i in range(12)]
-            await asyncio.sleep(0.5)  # 4 in flight + 8 queued for 2 s each: admission is full
+            await asyncio.to_thread(wait_for_full_admission, router["http"])  # 4 in flight + 8 queued
             messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}},
                                                      {"type": "text", "text": "Describe it."}]}]
             status, reply = await asyncio.to_thread(
