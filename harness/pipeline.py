@@ -147,7 +147,7 @@ def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        if options.show_progress:  # the child died mid-bar: what is said next starts on a line of its own
+        if show_progress:  # the child died mid-bar: what is said next starts on a line of its own
             print(file=sys.stderr, flush=True)
         raise
     if rc != 0:

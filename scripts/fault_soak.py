@@ -102,6 +102,8 @@ def soak_system(out: Path, samples: int, qps: float, dataset: str | None = None,
     data["datasets"]["product-catalogue"]["path"] = dataset or f"synthetic:{samples}"
     data["scenarios"]["server"].update(target_qps=qps, min_duration_ms=1000, min_query_count=samples,
                                        performance_sample_count=samples)
+    offline = data["scenarios"]["offline"]  # the same dataset: no more performance samples than it has
+    offline["performance_sample_count"] = min(offline["performance_sample_count"], samples)
     data["router"] = SOAK_ROUTER | {"http_listen": f"127.0.0.1:{free_port()}"}
     data["requests"].update(requests)
     path = out / "soak-system.yaml"
