@@ -42,8 +42,7 @@ from router.shards import ShardedRouterClient, connect_router
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
 from workers.chat import encode_chat
-from workers.config import EngineConfig
-from workers.kv_transfer import KvLinkConfig
+from workers.config import EngineConfig, KvLinkConfig
 from workers.tokenizer import load_tokenizer
 from workers.types import PromptInput
 

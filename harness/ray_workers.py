@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
-from workers.kv_transfer import KvLinkConfig
+from workers.config import KvLinkConfig
 
 logger = logging.getLogger(__name__)
 

@@ -311,7 +311,8 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     """GPU 0: prefill_only requests; each finished one's KV goes to GPU 1 over NCCL, its handle down the pipe as
     ("kv", rid, prompt index, tokens, first token, hint, extra). Then the Poisson levels, driven from here."""
     from workers.engine import LLMEngine
-    from workers.kv_transfer import KvLink, KvLinkConfig
+    from workers.config import KvLinkConfig
+    from workers.kv_transfer import KvLink
 
     requests = catalogue_requests(args, w)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
@@ -394,7 +395,8 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
 def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> None:
     """GPU 1: receives each request's KV from GPU 0 and decodes it: the offline run, then each Poisson level."""
     from workers.engine import LLMEngine
-    from workers.kv_transfer import KvLink, KvLinkConfig
+    from workers.config import KvLinkConfig
+    from workers.kv_transfer import KvLink
     requests = catalogue_requests(args, w)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from workers.config import EngineConfig
+from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
-from workers.kv_transfer import KvLink, KvLinkConfig
+from workers.kv_transfer import KvLink
 from workers.rank_group import RankStartupError
 from workers.types import FinishReason, PromptInput, SamplingParams
 

@@ -20,9 +20,9 @@ from router.transport import open_channel
 from router.wire import pb, pb_grpc
 from tests.router_fixtures import collect, run
 from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
+from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
-from workers.kv_transfer import KvLink, KvLinkConfig
+from workers.kv_transfer import KvLink
 from workers.server import WorkerServer
 
 

@@ -1,10 +1,12 @@
-"""EngineConfig: every setting of one engine (checkpoint, device, KV pool, batching limits, image limits).
+"""EngineConfig: every setting of one engine (checkpoint, device, KV pool, batching limits, image limits), and
+KvLinkConfig: one end of a prefill->decode KV link (read by the harness without importing torch.distributed).
 
-Validated on construction; a bad value fails with a pydantic error naming the key.
+EngineConfig is validated on construction; a bad value fails with a pydantic error naming the key.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -108,3 +110,18 @@ class EngineConfig(BaseModel):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.is_cuda else "float32"
+
+
+@dataclass(frozen=True)
+class KvLinkConfig:
+    """Both ends use the same host/port; the prefill side is rank 0 (it hosts the rendezvous store)."""
+
+    host: str
+    port: int
+    role: str  # "prefill" (sender) | "decode" (receiver)
+    device: str = "cuda:0"
+    timeout_s: float = 600.0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

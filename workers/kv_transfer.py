@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workers.config import KvLinkConfig
 from workers.kv_cache import KvExport
 
 log = logging.getLogger(__name__)
@@ -40,21 +41,6 @@ _STOP = b'{"stop": true}'
 
 class KvLinkError(RuntimeError):
     """The link cannot deliver a transfer (peer gone, timeout, mismatched setup, unknown transfer)."""
-
-
-@dataclass(frozen=True)
-class KvLinkConfig:
-    """Both ends use the same host/port; the prefill side is rank 0 (it hosts the rendezvous store)."""
-
-    host: str
-    port: int
-    role: str  # "prefill" (sender) | "decode" (receiver)
-    device: str = "cuda:0"
-    timeout_s: float = 600.0
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 @dataclass

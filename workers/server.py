@@ -24,7 +24,7 @@ from router.config import MIB, is_loopback, split_host_port
 from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from router.wire import pb, pb_grpc
 from workers.kv_cache import FP8_DTYPE, KvExport
-from workers.kv_transfer import KvLink, KvLinkConfig, KvLinkError
+from workers.kv_transfer import KvLink, KvLinkError
 from workers.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level)
 
     from workers.async_engine import AsyncEngine
-    from workers.config import EngineConfig
+    from workers.config import EngineConfig, KvLinkConfig
     from workers.engine import LLMEngine
 
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks,
