@@ -90,7 +90,7 @@ class ModelRunner:
         self.model_config = model_config
         self.ranks: RankGroup | None = None
         if tp is None and config.tensor_parallel_size > 1:
-            self.ranks = RankGroup(config)
+            self.ranks = RankGroup(config, ModelRunner)
             tp = self.ranks.tp
         self.tp = tp or TensorParallel()
         self.device = torch.device(config.device if self.tp.size == 1 else f"cuda:{torch.cuda.current_device()}"

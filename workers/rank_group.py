@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,9 @@ def _free_port() -> int:
 class RankGroup:
     """Rank 0's handle on ranks 1..n-1: start them, send them steps and commands, stop them."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, build_runner: Callable):
+        """build_runner(config, model_config, tp): the model runner each rank >= 1 serves steps with (the
+        ModelRunner class; passed in, so that this module does not import the runner that imports it)."""
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.pipes = []
@@ -95,7 +98,7 @@ class RankGroup:
         self._closing = threading.Event()
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(config, rank, init_method, child), daemon=True,
+            proc = ctx.Process(target=_rank_main, args=(config, rank, init_method, child, build_runner), daemon=True,
                                name=f"q3vl-rank{rank}")
             proc.start()
             child.close()
@@ -223,10 +226,9 @@ def receive_step(
     return StepInputs(batch, visual, imports)
 
 
-def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
+def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe, build_runner: Callable) -> None:
     """Body of rank r >= 1: build this rank's shard of the model, then serve rank 0's messages until told to stop
     (or until rank 0's end of the pipe closes)."""
-    from workers.model_runner import ModelRunner
     from workers.weights import load_model_config
 
     logging.basicConfig(level=os.environ.get("Q3VL_RANK_LOG", "WARNING"))
@@ -234,7 +236,7 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe) -> None:
     pipe.send(("phase", f"joining the process group at {init_method}"))
     tp = init_rank(config, rank, init_method)
     pipe.send(("phase", "building the model shard (collectives with rank 0: KV pool size, CUDA graphs)"))
-    runner = ModelRunner(config.model_copy(update={"device": rank_device(config, rank)}), load_model_config(config.checkpoint), tp)
+    runner = build_runner(config.model_copy(update={"device": rank_device(config, rank)}), load_model_config(config.checkpoint), tp)
     pipe.send(("phase", "ready"))
     while True:
         try:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -19,9 +19,6 @@ from safetensors import safe_open
 from workers.checkpoint_quant import QuantizationConfigError, WeightFormat, weight_format
 from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape, dequantize_weight_blocks
 from workers.model.layers import rows_scale
-
-if TYPE_CHECKING:
-    from workers.parallel import TensorParallel
 
 
 TEXT_PREFIX = "model.language_model."
@@ -409,9 +406,20 @@ def _read_experts(index: CheckpointIndex, source: str, which: str, num_experts: 
     return torch.cat(stacked), first
 
 
+class RankShards(Protocol):
+    """How a rank cuts checkpoint tensors (workers/parallel.py's TensorParallel; declared here so that the
+    loader does not import the module that imports it)."""
+
+    def full_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def check_scale_cut(self, name: str, cols: int, block_k: int, source_name: str) -> None: ...
+
+
 def load_text_weights(
     model: torch.nn.Module, checkpoint: Path, tie_word_embeddings: bool, dtype: torch.dtype,
-    tp: TensorParallel | None = None, fmt: WeightFormat | None = None,
+    tp: RankShards | None = None, fmt: WeightFormat | None = None,
 ) -> None:
     """Fills the engine's text tower (language_model.*, lm_head.*) from the checkpoint, in place; under
     tensor/expert parallelism each parameter gets this rank's slice of the checkpoint tensor. FP8 tensors go into
