@@ -27,10 +27,11 @@ from scripts.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catal
 from scripts.sim_sweep import BOUND_MS, KEPT_UP_MIN, simulated_system  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.sim.config import SimulationConfig  # noqa: E402
-from workers.sim.engine import IMAGE_PAD_ID, SimulatedEngine, build_step_model  # noqa: E402
+from workers.sim.engine import SimulatedEngine, build_step_model  # noqa: E402
 from workers.sim.latency import kept_up  # noqa: E402
 from workers.sim.step_model import Calibration, StepModel  # noqa: E402
 from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals  # noqa: E402
+from workers.tokenizer import IMAGE_PAD_ID  # noqa: E402
 from workers.types import SamplingParams  # noqa: E402
 
 SPLITS = {"aggregated": None, "pd-1:3": (1, 3), "pd-1:1": (1, 1)}

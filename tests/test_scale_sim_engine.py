@@ -8,9 +8,10 @@ import pytest
 
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import EOS_ID, IMAGE_PAD_ID, SimulatedEngine
+from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import Calibration, StepModel
 from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals
+from workers.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
 from workers.types import FinishReason, PromptInput, SamplingParams
 
 PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)

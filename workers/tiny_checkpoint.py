@@ -15,14 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from workers.tokenizer import ENDOFTEXT_ID, IM_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
+
 log = logging.getLogger(__name__)
 
-IMAGE_TOKEN_ID = 151655
-VIDEO_TOKEN_ID = 151656
-VISION_START_TOKEN_ID = 151652
-VISION_END_TOKEN_ID = 151653
-ENDOFTEXT_ID = 151643
-IM_END_ID = 151645
 VOCAB_SIZE = 151936
 
 ARCHITECTURES = {"moe": "Qwen3VLMoeForConditionalGeneration", "dense": "Qwen3VLForConditionalGeneration"}
@@ -99,10 +95,10 @@ def _release_config(arch: Literal["moe", "dense"], text: dict[str, Any], vision:
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": model_type,
-        "image_token_id": IMAGE_TOKEN_ID,
-        "video_token_id": VIDEO_TOKEN_ID,
-        "vision_start_token_id": VISION_START_TOKEN_ID,
-        "vision_end_token_id": VISION_END_TOKEN_ID,
+        "image_token_id": IMAGE_PAD_ID,
+        "video_token_id": VIDEO_PAD_ID,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
         "tie_word_embeddings": False,
         "text_config": text_config,
         "vision_config": vision_config,

@@ -67,6 +67,22 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 EOS_TOKEN_IDS = frozenset({IM_END_ID, ENDOFTEXT_ID})
 
 
+def token_runs(token_ids: Sequence[int], token_id: int = IMAGE_PAD_ID) -> list[tuple[int, int]]:
+    """(first index, length) of each maximal run of `token_id` in the prompt (<|image_pad|> by default: an image's
+    pads are one run; images written back to back share one)."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate(token_ids):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            runs.append((start, i - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(token_ids) - start))
+    return runs
+
+
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters (the byte-level alphabet)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.image_processing import ImageDecodeError, decode_image, patch_pixels
+from workers.tokenizer import token_runs
 from workers.types import PromptInput
 from workers.vision_geometry import ImageGeometryError
 
@@ -36,19 +37,22 @@ class PreparedPrompt:
 
 def _image_spans(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[tuple[int, int]]:
     """(start, length) of each image's <|image_pad|> run; each image's tokens must be one contiguous run."""
-    pads = [i for i, t in enumerate(token_ids) if t == image_token_id]
-    if len(pads) != sum(counts):
+    runs = token_runs(token_ids, image_token_id)
+    pads = sum(length for _, length in runs)
+    if pads != sum(counts):
         raise PromptError(
-            f"prompt has {len(pads)} <|image_pad|> tokens but its {len(counts)} image(s) need "
+            f"prompt has {pads} <|image_pad|> tokens but its {len(counts)} image(s) need "
             f"{sum(counts)} ({'+'.join(map(str, counts)) or '0'})"
         )
-    spans, k = [], 0
+    spans, run, used = [], 0, 0  # images written back to back share a run: `used` of runs[run] is taken
     for n, count in enumerate(counts):
-        start, end = pads[k], pads[k + count - 1]
-        if end - start != count - 1:
+        start, length = runs[run]
+        if used + count > length:
             raise PromptError(f"the {count} <|image_pad|> tokens of image {n} are not one contiguous run")
-        spans.append((start, count))
-        k += count
+        spans.append((start + used, count))
+        used += count
+        if used == length:
+            run, used = run + 1, 0
     return spans
 
 

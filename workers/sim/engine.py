@@ -20,11 +20,9 @@ from workers.sequence import Sequence
 from workers.sim.config import SimulationConfig
 from workers.sim.step_model import StepModel, StepWork
 from workers.sim.trace import RequestTrace
+from workers.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
 from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 
-IMAGE_PAD_ID = 151655
-EOS_ID = 151645
-EOS_IDS = frozenset({151645, 151643})
 VOCAB = 150_000  # generated ids stay below Qwen's special ids
 
 
@@ -45,10 +43,10 @@ class SimulatedEngine:
         self.block_manager = BlockManager(blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
-            self.block_manager, EOS_IDS,
+            self.block_manager, EOS_TOKEN_IDS,
         )
         self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
-        self.eos_token_ids = EOS_IDS
+        self.eos_token_ids = EOS_TOKEN_IDS
         self.last_step_s = 0.0
         self.busy_s = 0.0
         self.overrun_s = 0.0  # wall seconds steps ran past step_model x time_scale (a starved CPU, Python overhead)
@@ -80,7 +78,7 @@ class SimulatedEngine:
                 time.sleep(self.kv_transfer_s(kv_import.num_tokens) * self.sim.time_scale)
             token_ids.append(kv_import.first_token_id)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
-                        sampling=sampling, arrival=-1, prefill_only=prefill_only, mm=_image_runs(prompt.token_ids),
+                        sampling=sampling, arrival=-1, prefill_only=prefill_only, mm=token_runs(prompt.token_ids),
                         kv_import=kv_import)
 
     def add_prepared(self, prepared: Sequence | RequestOutput) -> None:
@@ -183,7 +181,7 @@ class SimulatedEngine:
     @staticmethod
     def image_sizes(token_ids: Seq[int]) -> set[int]:
         """The pre-merge patches of each image of a prompt (the sizes encoded_sizes holds)."""
-        return {length * 4 for _, length in _image_runs(token_ids)}
+        return {length * 4 for _, length in token_runs(token_ids)}
 
     @staticmethod
     def work(out: SchedulerOutput) -> StepWork:
@@ -211,22 +209,8 @@ class SimulatedEngine:
             if not chunk.samples:
                 continue
             done = seq.num_generated_tokens + 1 >= self.sim.output_tokens and not seq.prefill_only
-            sampled[seq.request_id] = EOS_ID if done else next_token(seq.num_tokens, seq.num_prompt_tokens)
+            sampled[seq.request_id] = IM_END_ID if done else next_token(seq.num_tokens, seq.num_prompt_tokens)
         return sampled
-
-
-def _image_runs(token_ids: Seq[int]) -> list[tuple[int, int]]:
-    """(first index, length) of each run of <|image_pad|> tokens: one run per image."""
-    runs, start = [], None
-    for i, t in enumerate(token_ids):
-        if t == IMAGE_PAD_ID and start is None:
-            start = i
-        elif t != IMAGE_PAD_ID and start is not None:
-            runs.append((start, i - start))
-            start = None
-    if start is not None:
-        runs.append((start, len(token_ids) - start))
-    return runs
 
 
 def _output(seq: Sequence) -> RequestOutput:

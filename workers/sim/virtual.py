@@ -11,8 +11,9 @@ from typing import Literal
 
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import IMAGE_PAD_ID, SimulatedEngine
+from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import StepModel
+from workers.tokenizer import IMAGE_PAD_ID
 from workers.types import PromptInput, SamplingParams
 
 Policy = Literal["round_robin", "least_loaded"]
