@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from harness.progress import percentile  # noqa: E402
+from workers.stats import percentile  # noqa: E402
 
 # LoadGen writes one "Sample" begin event per completed sample; its args carry the latency. The trace file
 # is not strict JSON (some LogDetail args are double-quoted twice), so events are matched one by one.
@@ -56,7 +56,7 @@ def plot_performance_run(trace_path: Path, out_png: Path, title: str, *, offline
     latency histogram (right)."""
     samples = read_sample_latencies(trace_path)
     latencies = sorted(s.latency_s for s in samples)
-    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    p50, p99 = percentile(latencies, 0.5, 0.0), percentile(latencies, 0.99, 0.0)
     fig, (timeline, histogram) = plt.subplots(1, 2, figsize=(12, 4.5))
     lines = [(histogram, histogram.axvline)]
     if offline:

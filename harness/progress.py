@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-
 from tqdm import tqdm
 
+from workers.stats import percentile
+
 _POSTFIX_INTERVAL_S = 1.0
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0 when empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = min(len(sorted_values) - 1, max(0, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
-    return sorted_values[rank]
 
 
 class Progress:
@@ -51,11 +43,10 @@ class Progress:
             self._bar.update(1)
 
     def _postfix(self, now: float) -> str:
-        ordered = sorted(self._latencies)
         qps = self._completed / max(now - self._start, 1e-9)
         text = (
             f"issued={self._issued} qps={qps:.2f} "
-            f"p50={percentile(ordered, 50):.2f}s p99={percentile(ordered, 99):.2f}s"
+            f"p50={percentile(self._latencies, 0.5, 0.0):.2f}s p99={percentile(self._latencies, 0.99, 0.0):.2f}s"
         )
         return text + (f" failed={self._failed}" if self._failed else "")
 

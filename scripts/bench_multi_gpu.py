@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ if str(REPO) not in sys.path:
 
 from scripts.bench_engine import Workload, run_catalogue, write_config  # noqa: E402
 from scripts.catalogue_workload import WORKLOADS, build_workload, describe, longest_request  # noqa: E402
+from workers.stats import percentile, poisson_arrivals  # noqa: E402
 
 log = logging.getLogger("bench_multi_gpu")
 PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
@@ -109,19 +109,9 @@ def catalogue(engine, requests) -> dict:
 P99_LIMITS_S = (12.0, 1.5)
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def poisson_arrivals(qps: float, requests: int, cap_s: float, seed: int) -> list[float]:
-    """Seconds from the level's start at which its requests arrive: exponential gaps at `qps`, none after cap_s."""
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for _ in range(requests):
-        t += rng.expovariate(qps)
-        arrivals.append(t)
-    return [a for a in arrivals if a <= cap_s]
+def capped_arrivals(qps: float, requests: int, cap_s: float, seed: int) -> list[float]:
+    """Seconds from the level's start at which its requests arrive: Poisson at `qps`, none after cap_s."""
+    return [a for a in poisson_arrivals(qps, requests, seed) if a <= cap_s]
 
 
 def drive_poisson(engine, requests, arrivals: list[float], stop_s: float, tag: str, on_finished,
@@ -167,7 +157,7 @@ def poisson_latencies(engine, catalogue_requests: list, qps: float, requests: in
     """Requests arrive with exponential gaps at `qps` until cap_s; each one's seconds from arrival to its last
     token; a request not finished cap_s + 12 s after the start counts as infinitely late (and is aborted)."""
     latencies: list[float] = []
-    late = drive_poisson(engine, catalogue_requests, poisson_arrivals(qps, requests, cap_s, seed), cap_s + P99_LIMITS_S[0], tag,
+    late = drive_poisson(engine, catalogue_requests, capped_arrivals(qps, requests, cap_s, seed), cap_s + P99_LIMITS_S[0], tag,
                          lambda rid, arrived: latencies.append(time.monotonic() - arrived))
     return latencies + [math.inf] * late
 
@@ -200,7 +190,7 @@ def summarize_levels(levels: list[dict]) -> dict:
         if not lat:  # no arrival fell inside the level's window: nothing to rate
             out.append({**row, "note": "no arrivals"})
             continue
-        row.update(p50_s=round(statistics.median(lat), 3), p99_s=round(p99(lat), 3), unfinished=sum(math.isinf(x) for x in lat))
+        row.update(p50_s=round(statistics.median(lat), 3), p99_s=round(percentile(lat, 0.99), 3), unfinished=sum(math.isinf(x) for x in lat))
         out.append(row)
         for limit in P99_LIMITS_S:
             if row["p99_s"] < limit and (best[limit] is None or row["qps"] > best[limit]):
@@ -371,7 +361,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
         "solo_prefill_ms": round(solo_prefill * 1e3, 2), "solo_handoff_ms": round(solo * 1e3, 3),
         "kv_bytes_per_request": kv_bytes, "solo_handoff_gb_per_s": round(kv_bytes / solo / 1e9, 2),
         "handoff_queue_ms_median": round(statistics.median(handoffs) * 1e3, 3),
-        "handoff_queue_ms_p99": round(p99(handoffs) * 1e3, 3),
+        "handoff_queue_ms_p99": round(percentile(handoffs, 0.99) * 1e3, 3),
         "handoff_s_total": round(sum(handoffs), 3), "prefill_steps_s": round(busy, 3),
         "preprocess_s": round(prepare_s, 3), "prefill_wall_s": round(time.perf_counter() - t0, 3),
     }))
@@ -380,7 +370,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     def measure(qps: float, count: int, cap_s: float, seed: int, tag: str) -> list[float]:
         """One Poisson level: arrivals and prefills here, each KV handed off as it is ready; the decode side
         returns the latencies (arrival here to last token there, one host clock)."""
-        arrivals = poisson_arrivals(qps, count, cap_s, seed)
+        arrivals = capped_arrivals(qps, count, cap_s, seed)
         start = time.monotonic()
         drive_poisson(engine, requests, arrivals, cap_s + P99_LIMITS_S[0], tag,
                       lambda rid, arrived: hand_off(rid, int(rid.split("-")[1]) % len(requests), False, arrived=arrived),
@@ -455,7 +445,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
     stats.update(decode_wall_s=round(wall, 3), samples=w.samples, samples_per_s=round(w.samples / wall, 3),
                  prefill_ms_median=round(statistics.median(p for p, _ in per_request) * 1e3, 2),
                  handoff_ms_median=round(statistics.median(h for _, h in per_request) * 1e3, 3),
-                 handoff_ms_p99=round(p99([h for _, h in per_request]) * 1e3, 3),
+                 handoff_ms_p99=round(percentile([h for _, h in per_request], 0.99) * 1e3, 3),
                  handoff_note="per request of the offline run: prefill = its add to its first token (queueing included "
                               "when all arrive at once); hand-off = export + send on GPU 0 until the KV is on GPU 1; "
                               "first_handoff_ms: the link's first transfer (NCCL peer-to-peer set-up included), "

@@ -114,6 +114,8 @@ class Procs:
 
 async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict:
     """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles."""
+    from workers.stats import percentile
+
     latencies: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
@@ -132,8 +134,7 @@ async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, sec
     start = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.monotonic() - start
-    latencies.sort()
-    pct = lambda q: round(1000 * latencies[min(int(q * len(latencies)), len(latencies) - 1)], 3) if latencies else None
+    pct = lambda q: round(1000 * percentile(latencies, q), 3) if latencies else None
     return {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "completed": len(latencies), "errors": errors}
 

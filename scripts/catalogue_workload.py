@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from workers.stats import percentile
 from workers.types import PromptInput
 
 USER, ASSISTANT, NEWLINE = 872, 77091, 198  # "user", "assistant", "\n" in Qwen's vocabulary
@@ -95,10 +96,8 @@ def describe(requests: list[CatalogueRequest]) -> dict:
     """What the requests hold: prompt / visual / output token counts (mean, median, p99, max)."""
 
     def stats(values: list[int]) -> dict:
-        ordered = sorted(values)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        return {"mean": round(statistics.fmean(values), 1), "median": statistics.median(values), "p99": p99,
-                "max": ordered[-1]}
+        return {"mean": round(statistics.fmean(values), 1), "median": statistics.median(values),
+                "p99": percentile(values, 0.99), "max": max(values)}
 
     return {
         "samples": len(requests),

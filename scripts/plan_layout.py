@@ -30,7 +30,8 @@ from workers.sim.config import SimulationConfig  # noqa: E402
 from workers.sim.engine import SimulatedEngine, build_step_model  # noqa: E402
 from workers.sim.latency import kept_up  # noqa: E402
 from workers.sim.step_model import Calibration, StepModel  # noqa: E402
-from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals  # noqa: E402
+from workers.sim.virtual import VirtualCluster, Workload  # noqa: E402
+from workers.stats import percentile, poisson_arrivals  # noqa: E402
 from workers.tokenizer import IMAGE_PAD_ID  # noqa: E402
 from workers.types import SamplingParams  # noqa: E402
 
@@ -191,7 +192,7 @@ def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict
         arrivals = [t for t in poisson_arrivals(qps, per_instance, 1000 + i) if t <= cap_s]
         result = VirtualCluster(VALIDATION_ENGINE, VALIDATION_SIM, {"aggregated": model}, {"aggregated": 1}).run(arrivals, Workload())
         latencies = sorted(x + preprocess_s for x in result.latencies_s * share)
-        p99 = latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)]
+        p99 = percentile(latencies, 0.99)
         rows.append({"run": f"run9 dp2 Poisson {level['qps']} QPS ({SESSION2})", "calibration": model.calibration.source,
                      "requests": {"measured": level["requests"], "predicted": len(latencies)},
                      "p50_s": {"measured": level["p50_s"], "predicted": round(latencies[len(latencies) // 2], 3)},
@@ -376,7 +377,7 @@ def _realistic_poisson_rows(model: StepModel, shards: list[list[CatalogueRequest
 def _latency_row(run: str, model: StepModel, level: dict, latencies: list[float]) -> dict:
     """p50 (median) and p99 as bench_multi_gpu computes them."""
     ordered = sorted(latencies)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    p99 = percentile(ordered, 0.99)
     return {"run": run, "calibration": model.calibration.source,
             "requests": {"measured": level["requests"], "predicted": len(ordered)},
             "p50_s": {"measured": level["p50_s"], "predicted": round(statistics.median(ordered), 3)},

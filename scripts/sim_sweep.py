@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from workers.sim.latency import kept_up  # noqa: E402
+from workers.stats import percentile  # noqa: E402
 
 BOUND_MS = {"server": 12000, "interactive": 1500}
 
@@ -211,11 +212,6 @@ def loadgen_latencies(trace: Path) -> list[tuple[float, float, float]]:
         rows = [(float(m[1]) / 1e6, int(m[3]) / 1e9, int(m[2]) / 1e9)
                 for line in f if '"Latency"' in line and (m := _LATENCY_EVENT.search(line))]
     return sorted(rows)
-
-
-def percentile(values: list[float], q: float) -> float:
-    data = sorted(values)
-    return data[min(int(q * len(data)), len(data) - 1)] if data else float("nan")
 
 
 def latency_drift(rows: list[tuple[float, float, float]]) -> float:
@@ -451,7 +447,8 @@ def virtual_points(args) -> list[dict]:
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.engine import build_step_model
-    from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals
+    from workers.sim.virtual import VirtualCluster, Workload
+    from workers.stats import poisson_arrivals
 
     sim = SimulationConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype)
     engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=1024, max_num_batched_tokens=8192,

@@ -31,7 +31,7 @@ def test_each_level_runs_at_its_fraction_of_the_offline_rate_and_the_best_rate_u
 
     def measure(qps, requests, cap_s, seed, tag):
         calls.append((round(qps, 3), requests, tag))
-        return [0.5] * 98 + [latency_at[round(qps, 3)]] * 2  # p99 of 100: the second-highest
+        return [0.5] * 98 + [latency_at[round(qps, 3)]] * 2  # p99 of 100: one of the two highest
 
     summary = summarize_levels(qps_search(measure, 10.0, search_args())["levels"])
     assert calls == [(5.0, 20, "q0"), (7.0, 20, "q1"), (8.5, 20, "q2")]

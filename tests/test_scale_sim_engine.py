@@ -10,7 +10,8 @@ from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import Calibration, StepModel
-from workers.sim.virtual import VirtualCluster, Workload, poisson_arrivals
+from workers.sim.virtual import VirtualCluster, Workload
+from workers.stats import poisson_arrivals
 from workers.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
 from workers.types import FinishReason, PromptInput, SamplingParams
 

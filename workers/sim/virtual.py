@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import random
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,6 +12,7 @@ from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import StepModel
+from workers.stats import percentile
 from workers.tokenizer import IMAGE_PAD_ID
 from workers.types import PromptInput, SamplingParams
 
@@ -42,10 +42,7 @@ class Result:
     busy_s: float = 0.0
 
     def percentile(self, q: float, values: list[float] | None = None) -> float:
-        data = sorted(self.latencies_s if values is None else values)
-        if not data:
-            return float("inf")
-        return data[min(int(q * len(data)), len(data) - 1)]
+        return percentile(self.latencies_s if values is None else values, q, empty=float("inf"))
 
     @property
     def throughput(self) -> float:
@@ -136,12 +133,3 @@ class VirtualCluster:
                         else:
                             result.latencies_s.append(e.clock - issued[out.request_id])
                             result.issued_s.append(issued[out.request_id])
-
-
-def poisson_arrivals(qps: float, count: int, seed: int = 0) -> list[float]:
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(count):
-        t += rng.expovariate(qps)
-        out.append(t)
-    return out
