@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
+
 from tqdm import tqdm
 
 from workers.stats import percentile
