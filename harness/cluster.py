@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from harness.system_config import (
     router_config,
     simulation_config,
 )
-from router.client import RouterClient
+from router.client import RouterClient, wait_for_workers
 from router.shards import ShardedRouterClient, connect_router
 from router.transport import call_metadata, open_channel
 from router.wire import pb, pb_grpc
@@ -169,20 +168,6 @@ def warmup_prompt(min_pixels: int, max_pixels: int) -> PromptInput:
     return encode_chat(messages, load_tokenizer(), min_pixels=min_pixels, max_pixels=max_pixels)
 
 
-async def wait_until_registered(client: RouterClient | ShardedRouterClient, worker_ids: list[str], timeout_s: float) -> pb.WorkerList:
-    """Polls ListWorkers until every expected worker is registered and healthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        listing = await client.list_workers()
-        healthy = {w.worker_id for w, ok in zip(listing.workers, listing.healthy) if ok}
-        missing = sorted(set(worker_ids) - healthy)
-        if not missing:
-            return listing
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers not registered and healthy after {timeout_s:g} s: {', '.join(missing)}")
-        await asyncio.sleep(0.2)
-
-
 def _warmup_request(request_id: str, prompt: PromptInput) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
@@ -305,7 +290,8 @@ class Cluster:
     async def _wait_ready(self, engine) -> None:
         client = connect_router(self.router_address, self.router_token)
         try:
-            listing = await wait_until_registered(client, self._fleet.worker_ids, self._ready_timeout_s)
+            listing = await wait_for_workers(client, worker_ids=self._fleet.worker_ids, timeout_s=self._ready_timeout_s,
+                                             poll_s=0.2, where=self.router_address)
             logger.info("%d workers registered and healthy; warming up", len(listing.workers))
             await warm_up(client, listing, self.router_token, warmup_prompt(engine.min_pixels, engine.max_pixels))
         except grpc.aio.AioRpcError as exc:

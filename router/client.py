@@ -1,4 +1,5 @@
-"""RouterClient: the harness's handle on the router (generate stream, abort, list workers) over gRPC.
+"""RouterClient: the harness's handle on the router (generate stream, abort, list workers) over gRPC, and
+wait_for_workers, the one wait for workers to register (on a RouterClient or a sharded one).
 
 One channel per client, reused for every call; large messages allowed for inline images; keepalive on.
 """
@@ -6,7 +7,8 @@ One channel per client, reused for every call; large messages allowed for inline
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
+from typing import Protocol
 
 import grpc.aio
 
@@ -52,15 +54,7 @@ class RouterClient:
 
     async def wait_for_workers(self, count: int, timeout: float = 60.0, roles: tuple[int, ...] | None = None) -> None:
         """Wait until `count` healthy workers (of `roles`, default any) are registered."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            listing = await self.list_workers()
-            healthy = [w for w, ok in zip(listing.workers, listing.healthy) if ok and (roles is None or w.role in roles)]
-            if len(healthy) >= count:
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{len(healthy)} of {count} workers registered at {self.address} after {timeout}s")
-            await asyncio.sleep(0.05)
+        await wait_for_workers(self, count=count, roles=roles, timeout_s=timeout, where=self.address)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -70,3 +64,28 @@ class RouterClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class WorkerLister(Protocol):
+    async def list_workers(self) -> pb.WorkerList: ...
+
+
+async def wait_for_workers(
+    client: WorkerLister, *, count: int = 0, worker_ids: Collection[str] = (), roles: tuple[int, ...] | None = None,
+    timeout_s: float = 60.0, poll_s: float = 0.05, where: str = "the router",
+) -> pb.WorkerList:
+    """Polls ListWorkers until at least `count` workers (of `roles`, default any) and every one of `worker_ids` are
+    registered and healthy, and returns that listing; TimeoutError after timeout_s says which are missing."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        listing = await client.list_workers()
+        healthy = [w for w, ok in zip(listing.workers, listing.healthy) if ok and (roles is None or w.role in roles)]
+        missing = sorted(set(worker_ids) - {w.worker_id for w in healthy})
+        if len(healthy) >= count and not missing:
+            return listing
+        if loop.time() > deadline:
+            short = [f"{len(healthy)} of {count} workers registered"] if len(healthy) < count else []
+            short += [f"not registered and healthy: {', '.join(missing)}"] if missing else []
+            raise TimeoutError(f"{'; '.join(short)} at {where} after {timeout_s:g} s")
+        await asyncio.sleep(poll_s)

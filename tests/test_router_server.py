@@ -10,7 +10,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.client import RouterClient
+from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from router.instant_engine import next_token
 from router.wire import pb
@@ -144,6 +144,22 @@ def test_health_service_reports_serving_with_workers():
                 stub = health_pb2_grpc.HealthStub(channel)
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service="q3vl.v1.RouterService"))
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(body())
+
+
+def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_names_the_missing_on_timeout():
+    async def body():
+        async with Cluster(roles=("aggregated", "decode")) as c:
+            listing = await wait_for_workers(c.client, worker_ids=["w0", "w1"], timeout_s=10)
+            assert sorted(w.worker_id for w in listing.workers) == ["w0", "w1"] and all(listing.healthy)
+            with pytest.raises(TimeoutError, match="not registered and healthy: w2"):
+                await wait_for_workers(c.client, worker_ids=["w1", "w2"], timeout_s=0.2)
+            with pytest.raises(TimeoutError, match="1 of 2 workers registered"):
+                await wait_for_workers(c.client, count=2, roles=(pb.DECODE,), timeout_s=0.2)
+            await c.add_worker("w2")
+            listing = await wait_for_workers(c.client, worker_ids=["w2"], timeout_s=10)
+            assert "w2" in {w.worker_id for w in listing.workers}
 
     run(body())
 
