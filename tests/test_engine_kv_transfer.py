@@ -65,15 +65,21 @@ def test_prefill_only_samples_one_token_and_holds_kv_until_released(engines):
         prefill.export_kv("p")
 
 
-def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(engines):
-    prefill, decode, _ = engines
+def whole_then_prefill_split(prefill, decode):
+    """The image prompt generated whole on `decode` (its tokens), then prefilled alone on `prefill`: (the whole
+    run's tokens, prefill's first token, its KV export; the prefill request released)."""
     decode.add_request("whole", image_prompt(), GREEDY)
     expected = tokens(drain(decode)["whole"])
-
     prefill.add_request("split", image_prompt(), GREEDY, prefill_only=True)
     first = tokens(drain(prefill)["split"])
     export = prefill.export_kv("split")
     prefill.release("split")
+    return expected, first, export
+
+
+def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(engines):
+    prefill, decode, _ = engines
+    expected, first, export = whole_then_prefill_split(prefill, decode)
     # Over the wire the KV travels as raw bytes per layer.
     received = KvExport.from_layer_bytes(
         num_tokens=export.num_tokens, first_token_id=export.first_token_id,
@@ -137,13 +143,7 @@ def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scal
         layers, block_size, heads, head_dim = engine.runner._kv_shape
         engine.runner.kv = KvCache(layers, engine.runner.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
                                    engine.runner.device, scales)
-    decode.add_request("whole", image_prompt(), GREEDY)
-    expected = tokens(drain(decode)["whole"])
-
-    prefill.add_request("split", image_prompt(), GREEDY, prefill_only=True)
-    first = tokens(drain(prefill)["split"])
-    export = prefill.export_kv("split")
-    prefill.release("split")
+    expected, first, export = whole_then_prefill_split(prefill, decode)
     assert export.dtype_name == "float8_e4m3fn" and export.scales == scales
     received = kv_from_chunks(kv_to_chunks(export), export.first_token_id)  # the proto messages PullKv streams
     assert received.scales == scales
