@@ -81,7 +81,7 @@ def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes
 def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
     """The released FP8 layout of float shapes (memory-layout experts): per-expert gate/up/down, and a
     weight_scale_inv [ceil(N/128), ceil(K/128)] after each quantised linear."""
-    from workers.fp8_checkpoint import _is_quantised_linear
+    from workers.fp8_checkpoint import is_quantised_linear
     from workers.model.fp8 import BlockShape
 
     block = BlockShape(*config["quantization_config"]["weight_block_size"])
@@ -101,7 +101,7 @@ def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
         elif name.endswith("mlp.experts.down_proj"):
             for e in range(shape[0]):
                 linear(f"{name.rsplit('.', 1)[0]}.{e}.down_proj.weight", (hidden, inter))
-        elif _is_quantised_linear(name):
+        elif is_quantised_linear(name):
             linear(name, shape)
         else:
             out.append((name, shape))
@@ -130,9 +130,9 @@ def _dtype(name: str, fp8: bool) -> tuple[str, int]:
         return "BF16", BYTES_PER_VALUE
     if name.endswith("weight_scale_inv"):
         return "F32", 4
-    from workers.fp8_checkpoint import _is_quantised_linear
+    from workers.fp8_checkpoint import is_quantised_linear
 
-    return ("F8_E4M3", 1) if _is_quantised_linear(name) else ("BF16", BYTES_PER_VALUE)
+    return ("F8_E4M3", 1) if is_quantised_linear(name) else ("BF16", BYTES_PER_VALUE)
 
 
 def plan_shards(shapes: TensorShapes, max_shard_bytes: int, fp8: bool = False) -> list[TensorShapes]:

@@ -41,7 +41,7 @@ def quantization_config(block: tuple[int, int], num_layers: int, moe: bool) -> d
     }
 
 
-def _is_quantised_linear(name: str) -> bool:
+def is_quantised_linear(name: str) -> bool:
     return (name.startswith(TEXT_PREFIX + "layers.") and name.endswith("_proj.weight")
             and ".mlp.gate." not in name)
 
@@ -50,7 +50,7 @@ def _fp8_tensors(name: str, tensor: torch.Tensor, block: BlockShape, text: dict)
     """The FP8 checkpoint's tensors for one source tensor."""
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
         return _per_expert(name, tensor, block, text)
-    if _is_quantised_linear(name):
+    if is_quantised_linear(name):
         q, scale = quantize_weight_blocks(tensor, block)
         return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
     return {name: tensor}

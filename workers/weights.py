@@ -245,14 +245,15 @@ def read_weight(index: CheckpointIndex, name: str, fmt: WeightFormat) -> torch.T
     return QuantTensor(tensor, rows_scale(scale, fmt.block, rows), fmt.block.k)
 
 
-def _stack(parts: list, dim: int, name: str):
-    """torch.cat of float tensors, or of QuantTensors (weights and per-row scales alike)."""
+def _join(parts: list, dim: int, name: str, new_dim: bool = False):
+    """torch.cat (new_dim: torch.stack) of float tensors, or of QuantTensors (weights and per-row scales alike)."""
+    join = torch.stack if new_dim else torch.cat
     kinds = {isinstance(p, QuantTensor) for p in parts}
     if len(kinds) > 1:
         raise CheckpointError(f"{name}: some experts are float8_e4m3fn and some are not")
     if kinds == {True}:
-        return QuantTensor(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale for p in parts], dim), parts[0].block_k)
-    return torch.cat(parts, dim)
+        return QuantTensor(join([p.weight for p in parts], dim), join([p.scale for p in parts], dim), parts[0].block_k)
+    return join(parts, dim)
 
 
 def iter_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -399,11 +400,8 @@ def _read_experts(index: CheckpointIndex, source: str, which: str, num_experts: 
     experts = []
     for e in range(num_experts):
         parts = [read_weight(index, f"{source}{e}.{proj}.weight", fmt) for proj in _EXPERT_SOURCES[which]]
-        experts.append(_stack(parts, 0, f"{source}{e}") if len(parts) > 1 else parts[0])
-    stacked = [p.weight.unsqueeze(0) if isinstance(p, QuantTensor) else p.unsqueeze(0) for p in experts]
-    if isinstance(experts[0], QuantTensor):
-        return QuantTensor(torch.cat(stacked), torch.cat([p.scale.unsqueeze(0) for p in experts]), experts[0].block_k), first
-    return torch.cat(stacked), first
+        experts.append(_join(parts, 0, f"{source}{e}") if len(parts) > 1 else parts[0])
+    return _join(experts, 0, source, new_dim=True), first
 
 
 class RankShards(Protocol):

@@ -93,16 +93,19 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     return q, scales
 
 
+def fake_quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded as the W8A8 kernels see it: per token and group of columns to e4m3 and back, in float32."""
+    q, scales = quantize_activation_groups(x, group)
+    return q.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
 def block_fp8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
     *, act_group: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of act_group
     (default min(block.k, ACTIVATION_GROUP)) columns, float32 accumulation, both scales applied per block."""
-    group = act_group or min(block.k, ACTIVATION_GROUP)
-    xq, xs = quantize_activation_groups(x, group)
-    k = x.shape[1]
-    a = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
+    a = fake_quantize_activations(x, act_group or min(block.k, ACTIVATION_GROUP))
     out = a @ dequantize_weight_blocks(weight, scale_inv, block).t()
     if bias is not None:
         out = out + bias.float()

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import fused_moe, moe_routing
-from workers.model.fp8 import ACTIVATION_GROUP, FP8_DTYPE, BlockShape, dequantize_weight_blocks, quantize_activation_groups
+from workers.model import fp8
+from workers.model.fp8 import ACTIVATION_GROUP, FP8_DTYPE, BlockShape, dequantize_weight_blocks
 from workers.parallel import TensorParallel
 
 
@@ -65,10 +66,8 @@ def _cpu_grouped_mm_works() -> bool:
 
 
 def fake_quantize_activations(x: torch.Tensor, block: BlockShape) -> torch.Tensor:
-    """x rounded as the W8A8 kernels see it (per token and group of columns to e4m3 and back), in float32."""
-    group = min(block.k, ACTIVATION_GROUP)
-    q, scales = quantize_activation_groups(x, group)
-    return q.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    """x rounded as the W8A8 kernels see it, in groups of min(block.k, ACTIVATION_GROUP) columns."""
+    return fp8.fake_quantize_activations(x, min(block.k, ACTIVATION_GROUP))
 
 
 class MoeExperts(nn.Module):
