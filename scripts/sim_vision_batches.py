@@ -1,8 +1,7 @@
 """How the fixed catalogue's images reach the vision tower, on the CPU: the engine's own Scheduler and BlockManager
-run the workload with no model (every sampled token the same, every request to its max_tokens), and the runner's
-rules decide each step's encodes: images of the step's chunks not yet encoded go through the tower in the step
-(in_step); with encode_ahead, the images of Scheduler.next_prompts that model_runner.images_pending picks go
-through it behind the step's sampling (ahead).
+run the workload with no model (every sampled token the same, every request to its max_tokens), and the scheduler's
+encoder budget decides each step's encodes: images its chunks reach go through the tower in the step (in_step);
+with encode_ahead, what budget is left encodes the next step's images behind the step's sampling (ahead).
 Prints one JSON object per max_num_seqs: steps, preemptions, tower calls by kind, images per call.
 
 Usage: python -m scripts.sim_vision_batches [--samples 2000] [--max-num-seqs 256,384,512] [--kv-blocks 41983]
@@ -18,13 +17,11 @@ import collections
 import json
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.block_manager import BlockManager  # noqa: E402
-from workers.model_runner import images_pending  # noqa: E402
 from workers.scheduler import Scheduler, SchedulerLimits  # noqa: E402
 from workers.sequence import Sequence  # noqa: E402
 from workers.types import SamplingParams  # noqa: E402
@@ -32,37 +29,19 @@ from workers.types import SamplingParams  # noqa: E402
 PROMPT, IMAGE_FIRST, IMAGE_ROWS, OUTPUT, BLOCK = 1734, 4, 1024, 45, 16
 
 
-@dataclass
-class ImageRows:
-    image_rows: range
-
-
 def simulate(samples: int, max_num_seqs: int, kv_blocks: int, budget: int, encode_ahead: bool = True) -> dict:
-    sched = Scheduler(SchedulerLimits(max_num_seqs, budget, 32768), BlockManager(kv_blocks, BLOCK), frozenset({-1}))
+    limits = SchedulerLimits(max_num_seqs, budget, 32768, encode_ahead=encode_ahead)
+    sched = Scheduler(limits, BlockManager(kv_blocks, BLOCK), frozenset({-1}))
     for i in range(samples):
-        seq = Sequence(f"c{i}", [1000 + (i * 7 + j) % 90000 for j in range(PROMPT)], PROMPT,
-                       SamplingParams(max_tokens=OUTPUT), arrival=0)
-        seq.mm = ImageRows(range(IMAGE_FIRST, IMAGE_FIRST + IMAGE_ROWS))
-        sched.add(seq)
-    encoded: set[str] = set()  # encoded, some image rows not yet in the KV cache
+        sched.add(Sequence(f"c{i}", [1000 + (i * 7 + j) % 90000 for j in range(PROMPT)], PROMPT,
+                           SamplingParams(max_tokens=OUTPUT), arrival=i, image_spans=[(IMAGE_FIRST, IMAGE_ROWS, b"")]))
     calls: list[tuple[str, int]] = []
     steps = 0
     while sched.has_unfinished():
         out = sched.schedule()
         steps += 1
-        need = [c.seq.request_id for c in out.chunks if c.seq.request_id not in encoded
-                and c.start <= c.seq.mm.image_rows[-1] and c.start + c.num_tokens > c.seq.mm.image_rows[0]]
-        if need:
-            calls.append(("in_step", len(need)))
-            encoded.update(need)
-        computed = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}
-        encoded -= {rid for rid, end in computed.items() if rid in encoded and end > IMAGE_FIRST + IMAGE_ROWS - 1}
-        if encode_ahead:
-            ahead = [s.request_id for s in sched.next_prompts(out)
-                     if images_pending(s, computed.get(s.request_id), encoded)]
-            if ahead:
-                calls.append(("ahead", len(ahead)))
-                encoded.update(ahead)
+        calls += [(kind, len(encodes)) for kind, encodes in (("in_step", out.encode_now), ("ahead", out.encode_ahead))
+                  if encodes]
         sched.update(out, {c.seq.request_id: 5 for c in out.chunks if c.samples})
     sizes = [n for _, n in calls]
     return {

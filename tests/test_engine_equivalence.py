@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from image_fixtures import png
+from scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.types import FinishReason, PromptInput, SamplingParams
@@ -99,19 +100,6 @@ def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, Pro
     return tokens
 
 
-def record_encodings(engine: LLMEngine) -> list[tuple[int, str]]:
-    """(step, request id) of every image encoding the engine runs from now on, in order."""
-    encoded = []
-    encode = engine.runner._encode
-
-    def spy(seqs):
-        encoded.extend((engine._steps, seq.request_id) for seq in seqs)
-        encode(seqs)
-
-    engine.runner._encode = spy
-    return encoded
-
-
 def test_text_only_prompts_match_transformers(checkpoint, reference):
     cases = {"short": [9707, 11, 1246], "longer": list(range(1000, 1040))}
     expected = {rid: reference([], ids) for rid, ids in cases.items()}
@@ -158,9 +146,9 @@ def test_images_of_the_next_steps_prompts_are_encoded_a_step_early_and_still_mat
     # 0-3 of "second"; its image rows come in step 1.
     assert [len(prompt.token_ids) for prompt, _ in cases.values()] == [16, 16]
     engine = make_engine(checkpoint, max_num_batched_tokens=20)
-    encoded = record_encodings(engine)
+    encoded = record_encodes(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
-    assert encoded == [(0, "first"), (0, "second")]
+    assert encoded == [(0, "first", "now"), (0, "second", "ahead")]
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
@@ -170,16 +158,16 @@ def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(ch
         "second": reference([png(64, 64, seed=9)], [23, 24]),
     }
     engine = make_engine(checkpoint, max_num_batched_tokens=20, encode_ahead=False)  # the steps of the test above
-    encoded = record_encodings(engine)
+    encoded = record_encodes(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
-    assert encoded == [(0, "first"), (1, "second")]
+    assert encoded == [(0, "first", "now"), (1, "second", "now")]
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
 def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_matching_transformers(checkpoint, reference, arch):
     cases = {"first": reference([png(64, 64, seed=8)], [21, 22]), "text": reference([], [5, 6, 7])}
     engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128), (48, 48)))
-    encoded = record_encodings(engine)
+    encoded = record_encodes(engine)
     # MoE (top-2): one step per pair of untuned tile configs (pairs <= 64, <= 4,096, above) up to the 4,096 tokens
     # of 256 blocks; dense: none. On CUDA the engine runs both warm-ups itself (EngineConfig.warm_up).
     assert engine.runner.warm_up()["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
@@ -187,7 +175,7 @@ def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_match
     # the first request alone (prefill), the other two beside its decode (a mixed step), then decodes: its third
     # token, theirs; their two images in one tower call in the mixed step
     assert (report["requests"], report["steps"]) == (3, 4)
-    assert encoded == [(0, "warm-up-0"), (1, "warm-up-1"), (1, "warm-up-2")]
+    assert encoded == [(0, "warm-up-0", "now"), (1, "warm-up-1", "now"), (1, "warm-up-2", "now")]
     assert not engine.has_unfinished() and engine.load().steps == 0 and engine.scheduler.num_preemptions == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
@@ -197,10 +185,10 @@ def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_match
 def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_continues(checkpoint, reference):
     prompt, expected = reference([png(64, 64, seed=10)], [25, 26])
     engine = make_engine(checkpoint, max_num_batched_tokens=10)  # step 0: rows 0-9, the image rows 4-7 among them
-    encoded = record_encodings(engine)
+    encoded = record_encodes(engine)
     assert run_to_completion(engine, {0: [("img", prompt)]}) == {"img": expected}
-    assert encoded == [(0, "img")]
-    assert not engine.runner._encoded
+    assert encoded == [(0, "img", "now")]
+    assert len(engine.scheduler.encoder_cache) == 0  # freed by the step that put its last rows in the KV cache
 
 
 def test_long_prompt_prefilled_in_chunks_matches_transformers(checkpoint, reference):

@@ -43,13 +43,14 @@ def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpo
 
     runner = engine.runner
     execute, wait = runner.execute, HostCopy.wait
-    steps = []
+    steps, ahead = [], []
 
-    def execute_erring_on_any_sync(out, upcoming):
+    def execute_erring_on_any_sync(out):
         steps.append(sorted(c.num_tokens for c in out.chunks))
+        ahead.append([e.seq.request_id for e in out.encode_ahead])
         torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises from here on
         try:
-            return execute(out, upcoming)
+            return execute(out)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -69,7 +70,7 @@ def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpo
     outputs = {}
     engine.step()
     assert steps[-1] == [1, 15]  # a decode beside an image prompt's prefill (eager, with the vision tower)
-    assert "image-2" in runner._encoded  # the next prompt's image, encoded behind the sampled tokens' read-back
+    assert ahead[-1] == ["image-2"]  # the next prompt's image, encoded behind the sampled tokens' read-back
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

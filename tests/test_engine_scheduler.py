@@ -40,20 +40,155 @@ def test_budget_mixes_decodes_with_a_chunk_of_a_new_prompt():
     assert out.num_batched_tokens == 8 and not out.chunks[1].samples
 
 
-def test_next_prompts_are_the_unfinished_prefills_then_the_waiting_requests_the_budget_reaches():
-    def second_step(long_prompt: int):
-        sched, _ = make(budget=8)
-        for rid, n in (("decoding", 3), ("long", long_prompt), ("fits", 4), ("beyond", 4), ("unreached", 4)):
-            sched.add(seq(rid, n))
-        step(sched)  # "decoding" whole, 5 tokens of "long"
-        out = sched.schedule()  # a decode of "decoding", the next 7 tokens of "long"
-        assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("decoding", 1), ("long", 7)]
-        return [s.request_id for s in sched.next_prompts(out)]
+def test_decodes_are_scheduled_before_the_prefill_of_a_prompt_admitted_earlier():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerLimits(8, 16, 1000, max_num_encoder_tokens=8), bm, frozenset({EOS}))
+    sched.add(image_seq("first", 10, [(0, 8)]))
+    sched.add(image_seq("early", 30, [(2, 8)]))  # its image waits for the next step's encoder budget
+    sched.add(seq("short", 2))
+    out = step(sched)
+    assert chunks(out) == [("first", 0, 10), ("early", 0, 2), ("short", 0, 2)]
+    out = sched.schedule()
+    # both decodes, though "early" (running since the same step) has 28 prompt tokens left
+    assert chunks(out) == [("first", 10, 1), ("short", 2, 1), ("early", 2, 14)]
 
-    # "long" done: 1 token for each decode, 6 left for "fits" (4) and 2 of "beyond"; none reach "unreached".
-    assert second_step(long_prompt=12) == ["fits", "beyond"]
-    # 8 tokens of "long" left: with the decode they take the whole budget.
-    assert second_step(long_prompt=20) == ["long"]
+
+def test_running_prefills_are_served_oldest_first():
+    sched, _ = make(budget=8, num_blocks=32)
+    old, new = seq("old", 20), seq("new", 20)
+    old.arrival, new.arrival = 1, 2
+    sched.add(old)
+    sched.add(new)
+    step(sched)  # old: 8
+    sched.running.reverse()  # as after a preemption: a recomputed sequence rejoins the running list at its end
+    out = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("old", 8)]
+
+
+def test_prefill_cap_limits_prompt_tokens_per_step_but_not_decodes():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerLimits(8, 64, 1000, max_num_prefill_tokens=10), bm, frozenset({EOS}))
+    sched.add(seq("a", 3))
+    step(sched)
+    sched.add(seq("b", 30))
+    sched.add(seq("c", 30))
+    out = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 10)]
+
+
+# ---- the vision encoder's budget and cache -----------------------------------------------------------------------
+
+def image_seq(rid: str, n: int, images: list[tuple[int, int]], max_tokens: int = 3) -> Sequence:
+    """A prompt of n tokens whose images' rows are [start, start + rows) for each (start, rows)."""
+    return Sequence(rid, list(range(1, n + 1)), n, SamplingParams(max_tokens=max_tokens), arrival=0,
+                    image_spans=[(start, rows, b"") for start, rows in images])
+
+
+def encodes(out) -> dict[str, list[tuple[str, int]]]:
+    return {"now": [e.key for e in out.encode_now], "ahead": [e.key for e in out.encode_ahead],
+            "drop": list(out.encoder_drop), "free": list(out.encoder_free)}
+
+
+def chunks(out) -> list[tuple[str, int, int]]:
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def encoder_scheduler(budget=64, encoder=None, cache=None, ahead=True, num_blocks=64):
+    bm = BlockManager(num_blocks, 4)
+    limits = SchedulerLimits(8, budget, 1000, max_num_encoder_tokens=encoder, encoder_cache_tokens=cache,
+                             encode_ahead=ahead)
+    return Scheduler(limits, bm, frozenset({EOS}))
+
+
+def test_an_image_is_encoded_in_the_step_its_first_rows_are_computed_and_freed_with_its_last():
+    sched = encoder_scheduler(budget=8, ahead=False)
+    sched.add(image_seq("a", 20, [(4, 8)]))  # image rows 4-11
+    first = sched.schedule()
+    assert chunks(first) == [("a", 0, 8)]
+    assert encodes(first) == {"now": [("a", 0)], "ahead": [], "drop": [], "free": []}
+    sched.update(first, {})
+    second = sched.schedule()  # rows 8-15: the image's last rows, from the cache
+    assert encodes(second) == {"now": [], "ahead": [], "drop": [], "free": [("a", 0)]}
+    assert len(sched.encoder_cache) == 0
+
+
+def test_a_chunk_stops_before_an_image_the_steps_encoder_budget_cannot_take():
+    sched = encoder_scheduler(budget=64, encoder=8, ahead=False)
+    sched.add(image_seq("a", 20, [(2, 8)]))
+    sched.add(image_seq("b", 20, [(5, 8)]))
+    out = sched.schedule()
+    # a's image takes the budget: b computes only the text before its image
+    assert chunks(out) == [("a", 0, 20), ("b", 0, 5)]
+    assert encodes(out)["now"] == [("a", 0)]
+    sched.update(out, {"a": 7})
+    out = sched.schedule()
+    assert chunks(out) == [("a", 20, 1), ("b", 5, 15)] and encodes(out)["now"] == [("b", 0)]
+
+
+def test_an_image_larger_than_the_encoder_budget_is_encoded_alone():
+    sched = encoder_scheduler(budget=64, encoder=8, cache=8, ahead=False)
+    sched.add(image_seq("big", 30, [(2, 20)]))
+    sched.add(image_seq("small", 10, [(2, 4)]))
+    out = sched.schedule()
+    assert chunks(out) == [("big", 0, 30), ("small", 0, 2)] and encodes(out)["now"] == [("big", 0)]
+
+
+def test_unused_encoder_budget_encodes_the_next_steps_images_ahead_in_scheduling_order():
+    sched = encoder_scheduler(budget=24, encoder=16)
+    for rid in ("a", "b", "c", "d"):
+        sched.add(image_seq(rid, 12, [(2, 6)]))
+    out = sched.schedule()  # a and b whole; c and d next step, whose images fit what is left of the budget: c's
+    assert chunks(out) == [("a", 0, 12), ("b", 0, 12)]
+    assert encodes(out) == {"now": [("a", 0), ("b", 0)], "ahead": [], "drop": [], "free": [("a", 0), ("b", 0)]}
+    sched = encoder_scheduler(budget=24, encoder=18)
+    for rid in ("a", "b", "c", "d"):
+        sched.add(image_seq(rid, 12, [(2, 6)]))
+    out = sched.schedule()
+    assert encodes(out)["ahead"] == [("c", 0)]  # 6 rows left: c's image, not d's
+    sched.update(out, {"a": 7, "b": 7})
+    out = sched.schedule()  # c from the cache, d encoded now
+    assert chunks(out)[2:] == [("c", 0, 12), ("d", 0, 10)]
+    assert encodes(out)["now"] == [("d", 0)]
+
+
+def test_an_image_needed_now_evicts_images_encoded_ahead_for_sequences_not_started_on_them():
+    sched = encoder_scheduler(budget=10, encoder=16, cache=12)
+    sched.add(image_seq("a", 10, [(2, 6)]))
+    sched.add(image_seq("b", 10, [(2, 6)]))
+    out = sched.schedule()  # a whole (its image now), b's image ahead: the cache holds b's 6 rows
+    assert encodes(out)["ahead"] == [("b", 0)] and sched.encoder_cache.keys() == [("b", 0)]
+    # a newcomer ahead of b in the queue (a recomputed, preempted sequence goes back to the front)
+    sched.update(out, {"a": 7})
+    front = image_seq("front", 14, [(1, 12)])
+    sched.waiting.appendleft(front)
+    out = sched.schedule()
+    assert ("b", 0) in out.encoder_drop and ("front", 0) in encodes(out)["now"]
+    assert sched.encoder_cache.used_tokens <= 12
+
+
+def test_preempting_a_sequence_drops_its_encoder_outputs():
+    sched = encoder_scheduler(budget=8, encoder=8, ahead=False, num_blocks=6)  # 24 tokens of KV
+    sched.add(image_seq("old", 12, [(0, 8)], max_tokens=20))
+    step(sched)
+    step(sched)  # old's prompt done, its first token sampled
+    sched.add(image_seq("young", 12, [(4, 8)], max_tokens=20))
+    out = step(sched)  # old's decode, young's rows 0-6 with its image: the pool is full
+    assert chunks(out) == [("old", 12, 1), ("young", 0, 7)] and encodes(out)["now"] == [("young", 0)]
+    out = sched.schedule()  # young's next rows need blocks only preempting young itself frees
+    assert out.preempted == ["young"]
+    assert out.encoder_drop == [("young", 0)] and ("young", 0) not in sched.encoder_cache
+
+
+def test_a_finished_or_failed_request_leaves_nothing_in_the_encoder_cache():
+    sched = encoder_scheduler(budget=12, encoder=16)
+    sched.add(image_seq("a", 12, [(2, 6)]))
+    sched.add(image_seq("b", 12, [(2, 6)]))
+    out = sched.schedule()
+    assert encodes(out)["ahead"] == [("b", 0)]
+    sched.fail(out, "boom")  # the step never ran: nothing it listed is held
+    assert len(sched.encoder_cache) == 0
+    sched.abort("b")
+    assert not sched.has_unfinished()
 
 
 def test_long_prompt_is_prefilled_over_several_steps_then_samples():

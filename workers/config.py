@@ -63,9 +63,22 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs (by default decode-only steps on CUDA replay graphs captured "
         "at bucketed batch sizes up to max_num_seqs)."
     )
+    max_num_prefill_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens per step, decodes aside (None: the whole max_num_batched_tokens). A "
+        "smaller cap keeps the steps that carry decodes short, at some cost in throughput."
+    )
+    max_num_encoder_tokens: int | None = Field(
+        None, ge=1, description="Image rows (<|image_pad|> tokens) the vision tower encodes per step, in the step and "
+        "ahead (None: max_num_batched_tokens). A chunk stops before an image the budget cannot take; an image larger "
+        "than the budget is encoded alone."
+    )
+    encoder_cache_tokens: int | None = Field(
+        None, ge=1, description="Image rows of encoded images held between steps (None: twice the encoder budget)."
+    )
     encode_ahead: bool = Field(
-        True, description="Encode the images of the prompts the next step will probably start behind this step's "
-        "sampling (off: each image is encoded in the step that first needs it)."
+        True, description="Spend a step's unused encoder budget on the images of the prompts the next step will "
+        "probably reach, encoded behind this step's sampling (off: each image is encoded in the step that first "
+        "needs it)."
     )
     warm_up: bool = Field(
         True, description="On CUDA, before the first request: one text step at each step size whose fused-MoE tile "

@@ -63,7 +63,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
+            SchedulerLimits.of(config),
             self.block_manager,
             self.generation_config.eos_token_ids,
         )
@@ -308,9 +308,7 @@ class LLMEngine:
         changed = list(out.rejected)
         if not out.is_empty:
             try:
-                ahead = self.config.encode_ahead and self.runner.vision is not None  # text-only: nothing to encode
-                upcoming = self.scheduler.next_prompts(out) if ahead else ()
-                sampled = self.runner.execute(out, upcoming)
+                sampled = self.runner.execute(out)
             except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
                 log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
                 changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")

@@ -12,7 +12,6 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Container, Iterable
 
 import numpy as np
 import torch
@@ -31,7 +30,8 @@ from workers.model.vision import VisionEncoder
 from workers.parallel import TensorParallel
 from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
-from workers.scheduler import ScheduledChunk, SchedulerOutput
+from workers.encoder_cache import ImageKey
+from workers.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
 from workers.weights import (
     ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
@@ -70,17 +70,6 @@ def build_text_model(
     return model.eval()
 
 
-def images_pending(seq: Sequence, computed: int | None, encoded: Container[str]) -> bool:
-    """Whether seq has image rows past its first `computed` tokens (default: those computed so far, or the
-    imported KV's) and no encoding of them waiting (its request id not in `encoded`): the rule by which the
-    runner encodes the images of the next step's prompts ahead."""
-    if seq.mm is None or seq.request_id in encoded or not len(seq.mm.image_rows):
-        return False
-    if computed is None:
-        computed = seq.kv_import.num_tokens if seq.kv_import is not None else seq.num_computed_tokens
-    return int(seq.mm.image_rows[-1]) >= computed
-
-
 class ModelRunner:
     """tp None: a single-process engine, or rank 0 of a multi-GPU instance (it starts the other ranks).
     tp given: rank tp.rank >= 1, driven by rank 0's messages (rank_group._rank_main)."""
@@ -115,7 +104,8 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.kv = self._new_kv_cache(num_blocks + 1)
         self.sampler = Sampler(self.device, config.seed)
-        self._encoded: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # Vision-tower outputs the scheduler listed, until it frees them: (embeds, DeepStack) per image.
+        self._encoded: dict[ImageKey, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.graphs: DecodeGraphs | None = None
         if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
             self.graphs = DecodeGraphs(
@@ -157,21 +147,22 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, upcoming: Iterable[Sequence] = ()) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples.
 
-        upcoming: sequences the next step will probably prefill (Scheduler.next_prompts). Their images not yet
-        encoded go through the vision tower behind this step's sampling, so the GPU has that work while the host
-        reads the tokens back and schedules the next step (on a second CUDA stream beside the text tower it was
-        slower: benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
+        The scheduler decides the vision tower's work: out.encode_now goes through it before the text tower,
+        out.encode_ahead behind the step's sampling, so the GPU has that work while the host reads the tokens back
+        and schedules the next step (on a second CUDA stream beside the text tower it was slower:
+        benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
+        for key in out.encoder_drop:
+            self._encoded.pop(key, None)
         imports = [(seq.block_table, self.kv.import_rows(seq.kv_import, self.device)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
+        self._encode(out.encode_now)
         inputs = StepInputs(batch, self._visual_rows(chunks, batch.query_starts), imports)
-        ahead = []
-        if self.vision is not None:
-            computed = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}  # once this step has run
-            ahead = [seq for seq in upcoming if images_pending(seq, computed.get(seq.request_id), self._encoded)]
+        for key in out.encoder_free:
+            self._encoded.pop(key, None)
         if self.ranks is not None:
             self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
@@ -180,7 +171,7 @@ class ModelRunner:
         tokens = HostCopy(self.sampler.sample(
             logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
         )) if sampling else None
-        self._encode(ahead)  # behind the sampled tokens: not waited for by their read-back
+        self._encode(out.encode_ahead)  # behind the sampled tokens: not waited for by their read-back
         return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
 
     @torch.inference_mode()
@@ -240,55 +231,58 @@ class ModelRunner:
         )
 
     def _visual_rows(self, chunks: list[ScheduledChunk], starts: list[int]) -> VisualRows | None:
-        """Visual embeddings for the <|image_pad|> rows of this step, encoding images on first need."""
-        parts = []
-        for i, chunk in enumerate(chunks):
-            mm: MultiModalInput | None = chunk.seq.mm
-            if mm is None:
-                continue
-            lo, hi = chunk.start, chunk.start + chunk.num_tokens
-            first = int(torch.searchsorted(mm.image_rows, lo))
-            last = int(torch.searchsorted(mm.image_rows, hi))
-            if first < last:
-                parts.append((i, chunk.seq, first, last))
-        if not parts:
-            return None
-        self._encode([seq for _, seq, _, _ in parts if seq.request_id not in self._encoded])
+        """Visual embeddings for the <|image_pad|> rows of this step, from the encoder outputs the scheduler had
+        made (now or in an earlier step)."""
         rows, embeds, deepstack = [], [], []
-        for i, seq, first, last in parts:
-            emb, ds = self._encoded[seq.request_id]
-            rows.append(seq.mm.image_rows[first:last] - chunks[i].start + starts[i])
-            embeds.append(emb[first:last])
-            deepstack.append([d[first:last] for d in ds])
-            if last == len(seq.mm.image_rows):  # every image token is now in the KV cache
-                del self._encoded[seq.request_id]
+        for i, chunk in enumerate(chunks):
+            lo, hi = chunk.start, chunk.start + chunk.num_tokens
+            for image in chunk.seq.images:
+                first, last = max(lo, image.start), min(hi, image.end)
+                if first >= last:
+                    continue
+                encoded = self._encoded.get((chunk.seq.request_id, image.index))
+                if encoded is None:
+                    raise RuntimeError(f"image {image.index} of request {chunk.seq.request_id} is not encoded: the "
+                                       f"step reads its rows {first}-{last - 1} but the scheduler never listed it")
+                emb, ds = encoded
+                rows.append(torch.arange(first, last) - lo + starts[i])
+                embeds.append(emb[first - image.start : last - image.start])
+                deepstack.append([d[first - image.start : last - image.start] for d in ds])
+        if not rows:
+            return None
         return VisualRows(
             rows=to_device(torch.cat(rows), self.device),
             embeds=torch.cat(embeds),
             deepstack=[torch.cat(layer) for layer in zip(*deepstack)],
         )
 
-    def _encode(self, seqs: list[Sequence]) -> None:
-        """One vision-tower pass over all images of the given sequences."""
-        if not seqs:
+    def _encode(self, encodes: list[ImageEncode]) -> None:
+        """One vision-tower pass over the listed images; their outputs wait under their keys until freed."""
+        if not encodes:
             return
-        # Each request's uint8 patches go to the device on their own (on CUDA from page-locked memory: one
+        if self.vision is None:
+            raise RuntimeError("the scheduler listed images to encode, but this model has no vision tower")
+        # Each image's uint8 patches go to the device on their own (on CUDA from page-locked memory: one
         # asynchronous DMA) and are normalised there: an eighth of the float32 rows' bytes cross the bus.
-        pixel_values = normalise_patches(torch.cat([to_device(s.mm.patches, self.device) for s in seqs]), self.vision.dtype)
-        grid_thw = torch.cat([s.mm.grid_thw for s in seqs])
-        embeds, deepstack = self.vision.encode(pixel_values, grid_thw)
-        sizes = [len(s.mm.image_rows) for s in seqs]
-        for n, seq in enumerate(seqs):
-            self._encoded[seq.request_id] = (
-                embeds.split(sizes)[n],
-                [d.split(sizes)[n] for d in deepstack],
-            )
+        patches, grids = [], []
+        for encode in encodes:
+            mm: MultiModalInput = encode.seq.mm
+            counts = mm.grid_thw.prod(-1).tolist()
+            first = sum(counts[: encode.image.index])
+            patches.append(to_device(mm.patches[first : first + counts[encode.image.index]], self.device))
+            grids.append(mm.grid_thw[encode.image.index : encode.image.index + 1])
+        pixel_values = normalise_patches(torch.cat(patches), self.vision.dtype)
+        embeds, deepstack = self.vision.encode(pixel_values, torch.cat(grids))
+        sizes = [encode.image.num_tokens for encode in encodes]
+        for n, (emb, *ds) in enumerate(zip(embeds.split(sizes), *(d.split(sizes) for d in deepstack))):
+            self._encoded[encodes[n].key] = (emb, list(ds))
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
     def release(self, request_id: str) -> None:
         """Forgets per-request state (encoder outputs, seeded generator) of a finished request."""
-        self._encoded.pop(request_id, None)
+        for key in [k for k in self._encoded if k[0] == request_id]:
+            del self._encoded[key]
         self.sampler.release(request_id)
 
     def export_kv(self, seq: Sequence, on_device: bool = False) -> KvExport:

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.encoder_cache import ImageSpan
 from workers.types import FinishReason, SamplingParams
 
 
@@ -54,6 +55,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_context_tokens = len(self.token_ids)
+        # The prompt's images as the scheduler budgets them (from image_spans).
+        self.images = [ImageSpan(i, start, n) for i, (start, n, _) in enumerate(self.image_spans)]
 
     @property
     def num_tokens(self) -> int:

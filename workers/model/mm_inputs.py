@@ -25,7 +25,6 @@ class MultiModalInput:
     positions: torch.Tensor  # [3, prompt_len] int64 MRoPE positions of the prompt
     patches: torch.Tensor  # [patches, 3, 256] uint8, normalised into the tower's rows on the device
     grid_thw: torch.Tensor | None  # [images, 3] int64
-    image_rows: torch.Tensor  # [visual tokens] int64 prompt indices of the <|image_pad|> tokens, in order
 
 
 @dataclass
@@ -112,10 +111,9 @@ def prepare_prompt(
     grids = [(int(h) // spatial_merge_size, int(w) // spatial_merge_size) for _, h, w in grid_thw.tolist()]
     spans = _image_spans(ids, image_token_id, [gh * gw for gh, gw in grids])
     positions, delta = mrope_positions(len(ids), spans, grids)
-    image_rows = torch.cat([torch.arange(start, start + length) for start, length in spans])
     digests = [hashlib.blake2b(data, digest_size=16).digest() for data in prompt.images]
     return PreparedPrompt(
-        mm=MultiModalInput(positions=positions, patches=patches, grid_thw=grid_thw, image_rows=image_rows),
+        mm=MultiModalInput(positions=positions, patches=patches, grid_thw=grid_thw),
         mrope_position_delta=delta,
         image_spans=[(s, n, d) for (s, n), d in zip(spans, digests)],
     )

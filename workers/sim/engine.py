@@ -42,7 +42,7 @@ class SimulatedEngine:
                                              // config.block_size, 1)
         self.block_manager = BlockManager(blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
+            SchedulerLimits.of(config),
             self.block_manager, EOS_TOKEN_IDS,
         )
         self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
@@ -78,8 +78,8 @@ class SimulatedEngine:
                 time.sleep(self.kv_transfer_s(kv_import.num_tokens) * self.sim.time_scale)
             token_ids.append(kv_import.first_token_id)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
-                        sampling=sampling, arrival=-1, prefill_only=prefill_only, mm=token_runs(prompt.token_ids),
-                        kv_import=kv_import)
+                        sampling=sampling, arrival=-1, prefill_only=prefill_only, kv_import=kv_import,
+                        image_spans=[(start, n, b"") for start, n in token_runs(prompt.token_ids)])
 
     def add_prepared(self, prepared: Sequence | RequestOutput) -> None:
         rid = prepared.request_id
@@ -185,7 +185,8 @@ class SimulatedEngine:
 
     @staticmethod
     def work(out: SchedulerOutput) -> StepWork:
-        """What the step model charges for a scheduled batch."""
+        """What the step model charges for a scheduled batch: its chunks, and the images the scheduler has the
+        vision tower encode in it (now and ahead), as the real engine's runner carries them out."""
         work = StepWork(num_seqs=len(out.chunks))
         for chunk in out.chunks:
             seq = chunk.seq
@@ -195,11 +196,9 @@ class SimulatedEngine:
                 work.decode_context_tokens += chunk.start
                 continue
             work.prefill_tokens += prefill
-            for start, length in seq.mm:
-                overlap = min(start + length, chunk.start + prefill) - max(start, chunk.start)
-                work.visual_prefill_tokens += max(overlap, 0)
-                if chunk.start <= start < chunk.start + prefill:  # the image's first tokens: encode it now
-                    work.vision_patches.append(length * 4)
+            for image in seq.images:
+                work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
+        work.vision_patches = [encode.image.num_tokens * 4 for encode in (*out.encode_now, *out.encode_ahead)]
         return work
 
     def _sample(self, out: SchedulerOutput) -> dict[str, int]:
