@@ -28,7 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
+from harness.loadgen_run import TRACE_FILE
 from harness.pipeline import RUNS_DIR, check_startable, interruptible, run_test_process, say
+from harness.plot import read_sample_latencies
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.system_config import (
     DATASET_FOR_SCENARIO,
@@ -39,6 +41,7 @@ from harness.system_config import (
     read_system_yaml,
     system_config_path,
 )
+from harness.tail_anatomy import sample_shapes, tail_anatomy
 from harness.user_conf import write_user_conf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +77,9 @@ class PeakSearch(BaseModel):
         None, description="the Offline rate when Offline is not measured in this search (bounds the brackets)")
     time_budget_s: PositiveFloat | None = Field(
         None, description="no point starts that would not end within this many seconds of the search's start")
+    tail_anatomy: bool = Field(
+        True, description="after the search, what each latency point's slowest 1% of queries were (harness."
+        "tail_anatomy: their image and prompt sizes, the large images in flight), from LoadGen's trace")
 
     @model_validator(mode="after")
     def _offline_rate_known(self) -> PeakSearch:
@@ -283,9 +289,25 @@ class PeakFinder:
                 )
                 self.report.data[f"{name}_max_valid_qps"] = best
                 self.report.write()
+        if self.search.tail_anatomy:
+            self._add_tail_anatomy()
         self.report.data["wall_s"] = round(time.monotonic() - self._started, 1)
         self.report.write()
         return self.report.data
+
+    def _add_tail_anatomy(self) -> None:
+        """Each latency point's tail, from its trace log and the scenario's prompts (built once per scenario)."""
+        shapes: dict[str, dict] = {}
+        for point in self.report.data["points"]:
+            trace = Path(point["log_dir"]) / TRACE_FILE
+            if point["scenario"] == "offline" or not trace.is_file():
+                continue
+            name = point["scenario"]
+            if name not in shapes:
+                say(f"reading the {name} prompts' sizes for the tail anatomy")
+                shapes[name] = sample_shapes(self.config, name, self.cache_dir)
+            point["tail"] = tail_anatomy(read_sample_latencies(trace), shapes[name])
+            self.report.write()
 
     def _skeleton(self) -> dict[str, Any]:
         config = self.config

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         default = fields[name].default
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                             help=f"{fields[name].description} (default {default})")
+    parser.add_argument("--no-tail-anatomy", dest="tail_anatomy", action="store_false", default=None,
+                        help="skip the tail anatomy after the search (the slowest 1%% of each latency point)")
     return parser
 
 

@@ -191,6 +191,22 @@ def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_c
     assert len(engine.scheduler.encoder_cache) == 0  # freed by the step that put its last rows in the KV cache
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_an_image_encoded_over_several_steps_a_few_tower_blocks_at_a_time_matches_transformers(checkpoint, reference,
+                                                                                               alone):
+    cases = {"img": reference([png(64, 64, seed=11)], [27, 28])}
+    if not alone:
+        cases["text"] = reference([], [29, 30, 31])
+    # an encoder budget below the image's cost: its pass is spread over steps, one tower block a step, while the
+    # text prompt goes on (alone: steps that run only the tower's next block); its rows wait for the last block
+    engine = make_engine(checkpoint, max_num_encoder_tokens=2)
+    depth = engine.scheduler.limits.vision.depth
+    encoded = record_encodes(engine)
+    got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
+    assert encoded == [(step, "img", f"blocks {step}-{step}") for step in range(depth)]
+    assert got == {rid: toks for rid, (_, toks) in cases.items()}
+
+
 def test_long_prompt_prefilled_in_chunks_matches_transformers(checkpoint, reference):
     cases = {
         "long-image": reference([png(160, 128, seed=7)], list(range(2000, 2030))),

@@ -7,6 +7,7 @@ import pydantic
 import pytest
 
 from workers.block_manager import BlockManager
+from workers.encoder_cache import VisionCost
 from workers.config import EngineConfig
 from workers.scheduler import Scheduler, SchedulerLimits
 from workers.sequence import Sequence
@@ -177,6 +178,24 @@ def test_preempting_a_sequence_drops_its_encoder_outputs():
     out = sched.schedule()  # young's next rows need blocks only preempting young itself frees
     assert out.preempted == ["young"]
     assert out.encoder_drop == [("young", 0)] and ("young", 0) not in sched.encoder_cache
+
+
+def test_an_image_costlier_than_a_steps_budget_is_encoded_over_steps_while_other_prompts_go_on():
+    bm = BlockManager(64, 4)
+    limits = SchedulerLimits(8, 16, 1000, max_num_encoder_tokens=8, vision=VisionCost(depth=4))
+    sched = Scheduler(limits, bm, frozenset({EOS}))
+    sched.add(image_seq("big", 30, [(2, 20)]))  # 20 rows: 5 a block, 8 a step
+    sched.add(seq("text", 12, max_tokens=5))
+    parts, big_chunks = [], []
+    for _ in range(5):
+        out = step(sched)
+        parts += [(e.first_block, e.num_blocks) for e in out.encode_now if e.seq.request_id == "big"]
+        big_chunks.append(next(((c.start, c.num_tokens) for c in out.chunks if c.seq.request_id == "big"), None))
+    assert parts == [(0, 1), (1, 1), (2, 1), (3, 1)]  # a block a step
+    # big computes its text before the image, then waits for the pass; its image rows come with the last block
+    # (beside text's decode)
+    assert big_chunks[:4] == [(0, 2), None, None, (2, 15)]
+    assert ("big", 0) not in sched.encoder_cache  # freed once its last rows are in the KV cache
 
 
 def test_a_finished_or_failed_request_leaves_nothing_in_the_encoder_cache():

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
 from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
+from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
 from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
 from workers.tiny_checkpoint import TINY_OVERRIDES
@@ -176,3 +177,13 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
     for name in ("server", "interactive"):
         valid = [p["target_qps"] for p in points if p["scenario"] == name and p["verdict"] == "VALID"]
         assert report[f"{name}_max_valid_qps"] == (max(valid) if valid else None)
+    for point in points:  # the tail anatomy: LoadGen's slowest queries with their prompts' sizes
+        if point["scenario"] == "offline":
+            assert "tail" not in point
+            continue
+        tail = point["tail"]
+        slowest = max(read_sample_latencies(Path(point["log_dir"]) / "mlperf_log_trace.json"), key=lambda s: s.latency_s)
+        assert tail["queries"] == point["queries"] and tail["tail_queries"] >= 1
+        assert (tail["slowest"][0]["sample_index"], tail["slowest"][0]["latency_s"]) == (
+            slowest.sample_index, round(slowest.latency_s, 3))
+        assert tail["slowest"][0]["prompt_tokens"] > 0

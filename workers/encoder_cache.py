@@ -9,6 +9,7 @@ https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/encoder_cache_manage
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ImageKey = tuple[str, int]  # (request id, index of the image in its prompt)
@@ -27,11 +28,36 @@ class ImageSpan:
         return self.start + self.num_tokens
 
 
+@dataclass(frozen=True)
+class VisionCost:
+    """The vision tower's work per image as the scheduler budgets it, in image rows: a block's linear layers cost
+    in proportion to the image's rows, its attention (within the image) to their square, and the two are equal at
+    `attention_rows`. depth: the tower's blocks, the steps a large image's pass can be split into at most."""
+
+    depth: int = 1
+    attention_rows: int | None = None  # None: the cost is the rows alone
+
+    @classmethod
+    def of_tower(cls, depth: int, hidden_size: int, intermediate_size: int, spatial_merge_size: int) -> VisionCost:
+        """Per patch and block, the linear layers take 2 x (4 h^2 + 2 h i) FLOPs (qkv, proj, fc1, fc2) and attention
+        4 x N x h over an image of N patches: equal at N = 2h + i patches, (2h + i) / merge^2 rows."""
+        return cls(depth, max(1, (2 * hidden_size + intermediate_size) // spatial_merge_size**2))
+
+    def cost(self, rows: int) -> int:
+        if self.attention_rows is None:
+            return rows
+        return math.ceil(rows * (1 + rows / self.attention_rows))
+
+    def block_cost(self, rows: int) -> float:
+        return self.cost(rows) / self.depth
+
+
 class EncoderCache:
     """Images encoded and not yet wholly in the KV cache, with the rows they take out of `capacity_tokens`.
 
-    An entry is `consumed` once a step has read any of its rows: until then it may be evicted (its sequence has
-    not started on it) to make room for an image a step needs now."""
+    An entry is started once a step has read any of its rows: until then it may be evicted (its sequence has not
+    started on it) to make room for an image a step needs now. An entry added not ready is a pass spread over
+    several steps (a large image): it counts against the capacity from its first part, and is ready after its last."""
 
     def __init__(self, capacity_tokens: int):
         if capacity_tokens < 1:
@@ -39,6 +65,7 @@ class EncoderCache:
         self.capacity_tokens = capacity_tokens
         self._entries: dict[ImageKey, int] = {}
         self._started: set[ImageKey] = set()
+        self._in_progress: set[ImageKey] = set()
         self.used_tokens = 0
 
     def __contains__(self, key: ImageKey) -> bool:
@@ -59,24 +86,33 @@ class EncoderCache:
         would otherwise never be served)."""
         return not self._entries or self.used_tokens + num_tokens <= self.capacity_tokens
 
-    def add(self, key: ImageKey, num_tokens: int) -> None:
+    def add(self, key: ImageKey, num_tokens: int, ready: bool = True) -> None:
         if key in self._entries:
             raise ValueError(f"image {key} is already in the encoder cache")
         self._entries[key] = num_tokens
         self.used_tokens += num_tokens
+        if not ready:
+            self._in_progress.add(key)
+
+    def is_ready(self, key: ImageKey) -> bool:
+        return key in self._entries and key not in self._in_progress
+
+    def mark_ready(self, key: ImageKey) -> None:
+        self._in_progress.discard(key)
 
     def mark_started(self, key: ImageKey) -> None:
         self._started.add(key)
 
     def evictable(self) -> list[ImageKey]:
         """Entries no step has read yet, newest first (encoded ahead for a sequence that has not reached them)."""
-        return [k for k in reversed(self._entries) if k not in self._started]
+        return [k for k in reversed(self._entries) if k not in self._started and k not in self._in_progress]
 
     def free(self, key: ImageKey) -> bool:
         tokens = self._entries.pop(key, None)
         if tokens is None:
             return False
         self._started.discard(key)
+        self._in_progress.discard(key)
         self.used_tokens -= tokens
         return True
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
 from workers.model_runner import ModelRunner
@@ -63,7 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerLimits.of(config),
+            SchedulerLimits.of(config, self._vision_cost()),
             self.block_manager,
             self.generation_config.eos_token_ids,
         )
@@ -73,6 +74,13 @@ class LLMEngine:
         self.warm_up_report: dict | None = None
         if config.is_cuda and config.warm_up:
             self.warm_up_report = {**(self.runner.warm_up_report or {}), **self.warm_up()}
+
+    def _vision_cost(self) -> VisionCost:
+        """How the scheduler costs this model's vision tower (nothing to cost without one)."""
+        if self.runner.vision is None:
+            return VisionCost()
+        vc = self.model_config.hf_config.vision_config
+        return VisionCost.of_tower(vc.depth, vc.hidden_size, vc.intermediate_size, self.model_config.spatial_merge_size)
 
     def warm_up(self) -> dict:
         """The real step loop, once, on throw-away requests: one per config.warm_up_image_sizes (a blank image of

@@ -26,7 +26,7 @@ from workers.model import fused_moe
 from workers.model.mm_inputs import MultiModalInput
 from workers.model.moe import SparseMoeBlock
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
-from workers.model.vision import VisionEncoder
+from workers.model.vision import TowerState, VisionEncoder
 from workers.parallel import TensorParallel
 from workers.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
@@ -106,6 +106,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         # Vision-tower outputs the scheduler listed, until it frees them: (embeds, DeepStack) per image.
         self._encoded: dict[ImageKey, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._passes: dict[ImageKey, TowerState] = {}  # vision passes spread over steps, between their blocks
         self.graphs: DecodeGraphs | None = None
         if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
             self.graphs = DecodeGraphs(
@@ -155,7 +156,11 @@ class ModelRunner:
         and schedules the next step (on a second CUDA stream beside the text tower it was slower:
         benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
         for key in out.encoder_drop:
-            self._encoded.pop(key, None)
+            self._drop_image(key)
+        if not out.chunks:  # vision-tower work alone (the blocks of a pass every prompt waits for)
+            self._encode(out.encode_now)
+            self._encode(out.encode_ahead)
+            return {}
         imports = [(seq.block_table, self.kv.import_rows(seq.kv_import, self.device)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks)
@@ -257,32 +262,55 @@ class ModelRunner:
         )
 
     def _encode(self, encodes: list[ImageEncode]) -> None:
-        """One vision-tower pass over the listed images; their outputs wait under their keys until freed."""
+        """The listed vision-tower work: whole images in one pass together, then the blocks of passes spread over
+        steps (kept between steps as the tower's state). Outputs wait under their keys until freed."""
         if not encodes:
             return
         if self.vision is None:
             raise RuntimeError("the scheduler listed images to encode, but this model has no vision tower")
-        # Each image's uint8 patches go to the device on their own (on CUDA from page-locked memory: one
-        # asynchronous DMA) and are normalised there: an eighth of the float32 rows' bytes cross the bus.
-        patches, grids = [], []
-        for encode in encodes:
-            mm: MultiModalInput = encode.seq.mm
-            counts = mm.grid_thw.prod(-1).tolist()
-            first = sum(counts[: encode.image.index])
-            patches.append(to_device(mm.patches[first : first + counts[encode.image.index]], self.device))
-            grids.append(mm.grid_thw[encode.image.index : encode.image.index + 1])
-        pixel_values = normalise_patches(torch.cat(patches), self.vision.dtype)
-        embeds, deepstack = self.vision.encode(pixel_values, torch.cat(grids))
-        sizes = [encode.image.num_tokens for encode in encodes]
-        for n, (emb, *ds) in enumerate(zip(embeds.split(sizes), *(d.split(sizes) for d in deepstack))):
-            self._encoded[encodes[n].key] = (emb, list(ds))
+        whole = [e for e in encodes if not e.num_blocks]
+        if whole:
+            patches, grids = zip(*(self._image_patches(e) for e in whole))
+            embeds, deepstack = self.vision.encode(normalise_patches(torch.cat(patches), self.vision.dtype),
+                                                   torch.cat(grids))
+            sizes = [e.image.num_tokens for e in whole]
+            for n, (emb, *ds) in enumerate(zip(embeds.split(sizes), *(d.split(sizes) for d in deepstack))):
+                self._encoded[whole[n].key] = (emb, list(ds))
+        for e in encodes:
+            if not e.num_blocks:
+                continue
+            if e.first_block == 0:
+                patches, grid = self._image_patches(e)
+                self._passes[e.key] = self.vision.begin(normalise_patches(patches, self.vision.dtype), grid)
+            state = self._passes.get(e.key)
+            if state is None or state.next_block != e.first_block:
+                raise RuntimeError(f"image {e.image.index} of request {e.seq.request_id}: the scheduler listed blocks "
+                                   f"from {e.first_block}, the pass is at {None if state is None else state.next_block}")
+            self.vision.run_blocks(state, e.num_blocks)
+            if state.next_block == self.vision.depth:
+                del self._passes[e.key]
+                emb, ds = self.vision.finish(state)
+                self._encoded[e.key] = (emb, list(ds))
+
+    def _image_patches(self, encode: ImageEncode) -> tuple[torch.Tensor, torch.Tensor]:
+        """One image's uint8 patches on the device (on CUDA from page-locked memory: one asynchronous DMA, an
+        eighth of the float32 rows' bytes; normalised there) and its grid row."""
+        mm: MultiModalInput = encode.seq.mm
+        index = encode.image.index
+        counts = mm.grid_thw.prod(-1).tolist()
+        first = sum(counts[:index])
+        return to_device(mm.patches[first : first + counts[index]], self.device), mm.grid_thw[index : index + 1]
+
+    def _drop_image(self, key: ImageKey) -> None:
+        self._encoded.pop(key, None)
+        self._passes.pop(key, None)
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
     def release(self, request_id: str) -> None:
         """Forgets per-request state (encoder outputs, seeded generator) of a finished request."""
-        for key in [k for k in self._encoded if k[0] == request_id]:
-            del self._encoded[key]
+        for key in [k for k in (*self._encoded, *self._passes) if k[0] == request_id]:
+            self._drop_image(key)
         self.sampler.release(request_id)
 
     def export_kv(self, seq: Sequence, on_device: bool = False) -> KvExport:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from workers.block_manager import BlockManager, block_hash, cdiv
-from workers.encoder_cache import EncoderCache, ImageKey, ImageSpan
+from workers.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
 from workers.sequence import Sequence, SequenceStatus
 from workers.types import FinishReason
 
@@ -46,10 +46,14 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class ImageEncode:
-    """One image of seq through the vision tower."""
+    """One image of seq through the vision tower: the whole tower (num_blocks 0), or blocks [first_block,
+    first_block + num_blocks) of a pass spread over several steps (an image too large for one step's budget),
+    whose output is usable once its last block has run."""
 
     seq: Sequence
     image: ImageSpan
+    first_block: int = 0
+    num_blocks: int = 0
 
     @property
     def key(self) -> ImageKey:
@@ -80,13 +84,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
-    def num_encoder_tokens(self) -> int:
-        """Prompt rows of the images this step encodes (now and ahead)."""
-        return sum(e.image.num_tokens for e in (*self.encode_now, *self.encode_ahead))
-
-    @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing for the runner to do: no chunks, and no vision-tower work or encoder state to drop (a step may
+        run only the next blocks of a large image's pass while every prompt waits for it)."""
+        return not (self.chunks or self.encode_now or self.encode_ahead or self.encoder_drop or self.encoder_free)
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,15 @@ class SchedulerLimits:
     max_num_encoder_tokens: int | None = None
     encoder_cache_tokens: int | None = None
     encode_ahead: bool = True
+    vision: VisionCost = VisionCost()
 
     @classmethod
-    def of(cls, config: EngineConfig) -> SchedulerLimits:
-        """The limits an engine's settings give (the real and the simulated engine schedule alike)."""
+    def of(cls, config: EngineConfig, vision: VisionCost = VisionCost()) -> SchedulerLimits:
+        """The limits an engine's settings and its vision tower give (the real and the simulated engine schedule
+        alike)."""
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                    config.max_num_prefill_tokens, config.max_num_encoder_tokens, config.encoder_cache_tokens,
-                   config.encode_ahead)
+                   config.encode_ahead, vision)
 
     @property
     def prefill_tokens(self) -> int:
@@ -125,17 +128,18 @@ class SchedulerLimits:
 
 
 class _EncoderBudget:
-    """The image rows one step may still encode; the first image of a step is taken whatever its size."""
+    """The vision-tower work (VisionCost units) one step may still do."""
 
-    def __init__(self, tokens: int):
-        self.left = tokens
+    def __init__(self, cost: int):
+        self.total = cost
+        self.left: float = cost
         self.used = False
 
-    def fits(self, num_tokens: int) -> bool:
-        return not self.used or num_tokens <= self.left
+    def fits(self, cost: float) -> bool:
+        return cost <= self.left
 
-    def take(self, num_tokens: int) -> None:
-        self.left -= num_tokens
+    def take(self, cost: float) -> None:
+        self.left -= cost
         self.used = True
 
 
@@ -150,6 +154,9 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start: each one recomputes a sequence's KV
         self.encoder_cache = EncoderCache(limits.cache_tokens)
+        # Passes spread over steps, oldest first: the next block of each.
+        self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
+        self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
 
     # ---- admission and removal ----------------------------------------------------------------
 
@@ -193,7 +200,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        self.encoder_cache.free_request(seq.request_id)  # the runner drops its outputs on release
+        self._forget_images(seq.request_id)  # the runner drops its outputs on release
         if seq.prefill_only and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.held[seq.request_id] = seq
         else:
@@ -207,6 +214,8 @@ class Scheduler:
         budget, prefill_left = limits.max_num_batched_tokens, limits.prefill_tokens
         encoder = _EncoderBudget(limits.encoder_tokens)
         scheduled: set[str] = set()
+        out.encoder_drop, self._drop_next = self._drop_next, []
+        self._continue_passes(encoder, out)
 
         # Decodes first (a step's decodes are cheap and each waits for the whole step), then the prefill chunks of
         # running sequences oldest first, so that a request admitted earlier is not starved behind newer prompts.
@@ -217,7 +226,8 @@ class Scheduler:
                 continue
             prefill = seq.num_uncomputed_tokens > 1
             start = seq.num_computed_tokens
-            need, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            need, split, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            self._start_passes(seq, split, encoder, out)
             if n == 0:
                 continue
             while not bm.can_allocate(seq, start + n):
@@ -249,7 +259,8 @@ class Scheduler:
                 seq.num_computed_tokens = len(seq.block_table) * bm.block_size
             prefill = seq.num_uncomputed_tokens > 1
             start = seq.num_computed_tokens
-            need, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            need, split, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            self._start_passes(seq, split, encoder, out)
             if n == 0 or not bm.can_allocate(seq, start + n):
                 bm.free(seq)
                 seq.num_computed_tokens = 0
@@ -278,28 +289,77 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
-    def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget) -> tuple[list[ImageSpan], int]:
-        """The images the chunk [start, start + n) of seq must have encoded in this step, and the chunk's length:
-        n, or cut before the first image for which the step's encoder budget or the cache (after evicting what
-        other sequences have not started on) has no room."""
-        cache, rid = self.encoder_cache, seq.request_id
+    def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
+                     ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
+        """What the chunk [start, start + n) of seq needs from the vision tower in this step: images to encode
+        whole, passes to start over the next steps (an image costing more than a whole step's budget: its first
+        blocks), and the chunk's length: n, or cut before the first image not usable in this step (no room in
+        the budget or in the cache, after evicting what other sequences have not started on, or a pass still
+        running)."""
+        cache, rid, vision = self.encoder_cache, seq.request_id, self.limits.vision
         evictable = [k for k in cache.evictable() if k[0] != rid]
         room = cache.capacity_tokens - cache.used_tokens + sum(cache.size(k) for k in evictable)
         empty_after_evicting = len(cache) == len(evictable)
-        need: list[ImageSpan] = []
-        tokens = 0
+        whole: list[ImageSpan] = []
+        split: list[tuple[ImageSpan, int]] = []
+        cost = rows = 0.0
         for image in seq.images:
-            if image.end <= start or image.start >= start + n or (rid, image.index) in cache:
+            key = (rid, image.index)
+            if image.end <= start or image.start >= start + n or cache.is_ready(key):
                 continue
-            total = tokens + image.num_tokens
-            alone = not need and not encoder.used  # the step's first image, whatever its size
-            fits_budget = total <= encoder.left or alone
-            fits_cache = total <= room or (not need and empty_after_evicting)
-            if not (fits_budget and fits_cache):
-                return need, max(image.start - start, 0)
-            need.append(image)
-            tokens = total
-        return need, n
+            cut = max(image.start - start, 0)
+            if key in cache:  # its pass is still running
+                return whole, split, cut
+            first = not whole and not split
+            if not (rows + image.num_tokens <= room or (first and empty_after_evicting)):
+                return whole, split, cut
+            image_cost = vision.cost(image.num_tokens)
+            if image_cost + cost <= encoder.left or (first and not encoder.used and vision.depth == 1):
+                whole.append(image)  # (a one-block cost model cannot split: a large image goes alone)
+                cost, rows = cost + image_cost, rows + image.num_tokens
+                continue
+            if image_cost > encoder.total and vision.depth > 1:  # never fits one step: its first blocks now
+                blocks = min(vision.depth - 1, int((encoder.left - cost) // vision.block_cost(image.num_tokens)))
+                if blocks == 0 and first and not encoder.used:
+                    blocks = 1
+                if blocks > 0:
+                    split.append((image, blocks))
+            return whole, split, cut
+        return whole, split, n
+
+    def _start_passes(self, seq: Sequence, split: list[tuple[ImageSpan, int]], encoder: _EncoderBudget,
+                      out: SchedulerOutput) -> None:
+        vision = self.limits.vision
+        for image, blocks in split:
+            key = (seq.request_id, image.index)
+            self.encoder_cache.add(key, image.num_tokens, ready=False)
+            self._passes[key] = (seq, image, blocks)
+            out.encode_now.append(ImageEncode(seq, image, 0, blocks))
+            encoder.take(blocks * vision.block_cost(image.num_tokens))
+
+    def _continue_passes(self, encoder: _EncoderBudget, out: SchedulerOutput) -> None:
+        """The next blocks of the passes spread over steps, oldest first; at least one block a step for the oldest,
+        and at most half the step's budget while other work may want the rest."""
+        vision = self.limits.vision
+        for key, (seq, image, done) in list(self._passes.items()):
+            per_block = vision.block_cost(image.num_tokens)
+            blocks = min(vision.depth - done, int((encoder.left - encoder.total / 2) // per_block))
+            if blocks <= 0 and not encoder.used:
+                blocks = 1
+            if blocks <= 0:
+                break
+            out.encode_now.append(ImageEncode(seq, image, done, blocks))
+            encoder.take(blocks * per_block)
+            if done + blocks == vision.depth:
+                del self._passes[key]
+                self.encoder_cache.mark_ready(key)  # its last blocks run before this step's chunks read it
+            else:
+                self._passes[key] = (seq, image, done + blocks)
+
+    def _forget_images(self, request_id: str) -> list[ImageKey]:
+        for key in [k for k in self._passes if k[0] == request_id]:
+            del self._passes[key]
+        return self.encoder_cache.free_request(request_id)
 
     def _commit(self, chunk: ScheduledChunk, need: list[ImageSpan], encoder: _EncoderBudget,
                 out: SchedulerOutput) -> None:
@@ -315,8 +375,7 @@ class Scheduler:
         for image in need:
             cache.add((seq.request_id, image.index), image.num_tokens)
             out.encode_now.append(ImageEncode(seq, image))
-        if need:
-            encoder.take(tokens)
+            encoder.take(self.limits.vision.cost(image.num_tokens))
         end = chunk.start + chunk.num_tokens
         for image in seq.images:
             if image.end > chunk.start and image.start < end:
@@ -359,10 +418,11 @@ class Scheduler:
                 key = (seq.request_id, image.index)
                 if image.end <= start or image.start >= start + take or key in cache:
                     continue
-                if not (encoder.fits(image.num_tokens) and cache.fits(image.num_tokens)):
+                cost = self.limits.vision.cost(image.num_tokens)
+                if not (encoder.fits(cost) and cache.fits(image.num_tokens)):
                     return
                 cache.add(key, image.num_tokens)
-                encoder.take(image.num_tokens)
+                encoder.take(cost)
                 out.encode_ahead.append(ImageEncode(seq, image))
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
@@ -392,6 +452,11 @@ class Scheduler:
         failed = [c.seq for c in out.chunks if not c.seq.is_finished]
         for encode in out.encode_ahead:  # never run
             self.encoder_cache.free(encode.key)
+        for encode in out.encode_now:  # a pass spread over steps is in an unknown state: it starts again
+            if encode.num_blocks and encode.key in self.encoder_cache:
+                self._passes.pop(encode.key, None)
+                self.encoder_cache.free(encode.key)
+                self._drop_next.append(encode.key)
         for seq in failed:
             self.finish(seq, FinishReason.ERROR, error)
         return failed
@@ -409,7 +474,7 @@ class Scheduler:
         log.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
         self.block_manager.free(seq)
-        out.encoder_drop.extend(self.encoder_cache.free_request(seq.request_id))
+        out.encoder_drop.extend(self._forget_images(seq.request_id))
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

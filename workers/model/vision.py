@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -111,6 +112,20 @@ class GridTables:
         return pos.repeat(t, 1), freqs.cos().repeat(t, 1), freqs.sin().repeat(t, 1)
 
 
+@dataclass
+class TowerState:
+    """A tower pass between blocks, so that a large image's encoding can be spread over several engine steps: the
+    residual stream, the update the next LayerNorm adds first, DeepStack features so far, the next block."""
+
+    runs: list[tuple[int, int]]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    residual: torch.Tensor
+    pending: torch.Tensor | None
+    features: list[torch.Tensor] = field(default_factory=list)
+    next_block: int = 0
+
+
 class VisionTower:
     """Our forward over a transformers Qwen3-VL vision module's parameters (the module itself is not run).
     gelu_epilogue: on CUDA, the blocks' fc1 + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (one rounding
@@ -128,33 +143,55 @@ class VisionTower:
         self.deepstack = dict(zip(config.deepstack_visual_indexes, module.deepstack_merger_list))
         self.tables = GridTables(module.pos_embed, module.rotary_pos_emb.inv_freq, config.spatial_merge_size)
 
+    @property
+    def depth(self) -> int:
+        return len(self.module.blocks)
+
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P] (activation dtype, device), grid_thw [n, 3] -> (embeds [patches / 4, out],
         DeepStack features [[patches / 4, out], ...]) as transformers' module returns them."""
+        state = self.begin(pixel_values, grid_thw)
+        self.run_blocks(state, self.depth)
+        return self.finish(state)
+
+    def begin(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> TowerState:
+        """The patch embedding and the position tables: the state before the first block."""
         grids = [tuple(g) for g in grid_thw.tolist()]
-        runs = frame_runs(grid_thw)
         pos, cos, sin = self.tables(grids)
         residual = self.patch(pixel_values)
         if residual.shape[0] != pos.shape[0]:
             raise ValueError(f"pixel_values has {residual.shape[0]} patches, grid_thw {grids} says {pos.shape[0]}")
-        pending = pos  # each LayerNorm first adds the last pending update (here the position embeddings)
-        features = []
-        for index, block in enumerate(self.module.blocks):
-            normed, residual = add_layer_norm(residual, pending, block.norm1.weight, block.norm1.bias, block.norm1.eps)
-            pending = self._attention(block.attn, normed, cos, sin, runs)
-            normed, residual = add_layer_norm(residual, pending, block.norm2.weight, block.norm2.bias, block.norm2.eps)
-            pending = self._mlp(block.mlp, normed)
+        # each LayerNorm first adds the last pending update (here the position embeddings)
+        return TowerState(frame_runs(grid_thw), cos, sin, residual, pos)
+
+    def run_blocks(self, state: TowerState, count: int) -> None:
+        """Runs the next `count` blocks (fewer when the tower ends first)."""
+        for index in range(state.next_block, min(state.next_block + count, self.depth)):
+            block = self.module.blocks[index]
+            normed, state.residual = add_layer_norm(state.residual, state.pending, block.norm1.weight,
+                                                    block.norm1.bias, block.norm1.eps)
+            state.pending = self._attention(block.attn, normed, state.cos, state.sin, state.runs)
+            normed, state.residual = add_layer_norm(state.residual, state.pending, block.norm2.weight,
+                                                    block.norm2.bias, block.norm2.eps)
+            state.pending = self._mlp(block.mlp, normed)
             merger = self.deepstack.get(index)
             if merger is not None:  # post-shuffle norm: over merge blocks, rows of merge_unit x hidden
                 width = merger.norm.weight.shape[0]
                 normed, residual = add_layer_norm(
-                    residual.view(-1, width), pending.view(-1, width), merger.norm.weight, merger.norm.bias, merger.norm.eps
+                    state.residual.view(-1, width), state.pending.view(-1, width), merger.norm.weight,
+                    merger.norm.bias, merger.norm.eps,
                 )
-                residual, pending = residual.view(pending.shape), None
-                features.append(self._merger_mlp(merger, normed))
+                state.residual, state.pending = residual.view(state.pending.shape), None
+                state.features.append(self._merger_mlp(merger, normed))
+            state.next_block = index + 1
+
+    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final merger over the last block's output (every block must have run)."""
+        if state.next_block != self.depth:
+            raise RuntimeError(f"vision tower state at block {state.next_block} of {self.depth}: not finished")
         merger = self.module.merger
-        normed, _ = add_layer_norm(residual, pending, merger.norm.weight, merger.norm.bias, merger.norm.eps)
-        return self._merger_mlp(merger, normed.view(-1, normed.shape[1] * self.merge_unit)), features
+        normed, _ = add_layer_norm(state.residual, state.pending, merger.norm.weight, merger.norm.bias, merger.norm.eps)
+        return self._merger_mlp(merger, normed.view(-1, normed.shape[1] * self.merge_unit)), state.features
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -224,7 +261,24 @@ class VisionEncoder:
         self.dtype = dtype
         self.spatial_merge_unit = model_config.spatial_merge_size**2
 
+    @property
+    def depth(self) -> int:
+        return self.tower.depth
+
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P], grid_thw [n, 3] -> (embeds [tokens, H], DeepStack [[tokens, H], ...])."""
         return self.tower(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw)
+
+    @torch.inference_mode()
+    def begin(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> TowerState:
+        """A pass to run block by block (run_blocks), then finish(): encode()'s result, in several parts."""
+        return self.tower.begin(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw)
+
+    @torch.inference_mode()
+    def run_blocks(self, state: TowerState, count: int) -> None:
+        self.tower.run_blocks(state, count)
+
+    @torch.inference_mode()
+    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.tower.finish(state)

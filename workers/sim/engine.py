@@ -14,6 +14,7 @@ import torch
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.sequence import Sequence
@@ -24,6 +25,9 @@ from workers.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
 from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 
 VOCAB = 150_000  # generated ids stay below Qwen's special ids
+# Qwen3-VL's vision tower (the same in the 30B-A3B and the 235B-A22B: depth 27, hidden 1152, MLP 4304, merge 2),
+# costed as the real engine's scheduler costs it.
+QWEN3_VL_VISION = VisionCost.of_tower(27, 1152, 4304, 2)
 
 
 def next_token(context_len: int, salt: int) -> int:
@@ -33,7 +37,8 @@ def next_token(context_len: int, salt: int) -> int:
 class SimulatedEngine:
     """One simulated engine instance. `realtime=False` never sleeps: a driver reads `last_step_s`."""
 
-    def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool = True):
+    def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool = True,
+                 vision: VisionCost = QWEN3_VL_VISION):
         self.config = config
         self.sim = sim
         self.step_model = step_model
@@ -42,7 +47,7 @@ class SimulatedEngine:
                                              // config.block_size, 1)
         self.block_manager = BlockManager(blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(
-            SchedulerLimits.of(config),
+            SchedulerLimits.of(config, vision),
             self.block_manager, EOS_TOKEN_IDS,
         )
         self.generation_defaults = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)
@@ -183,11 +188,10 @@ class SimulatedEngine:
         """The pre-merge patches of each image of a prompt (the sizes encoded_sizes holds)."""
         return {length * 4 for _, length in token_runs(token_ids)}
 
-    @staticmethod
-    def work(out: SchedulerOutput) -> StepWork:
+    def work(self, out: SchedulerOutput) -> StepWork:
         """What the step model charges for a scheduled batch: its chunks, and the images the scheduler has the
         vision tower encode in it (now and ahead), as the real engine's runner carries them out."""
-        work = StepWork(num_seqs=len(out.chunks))
+        work, depth = StepWork(num_seqs=len(out.chunks)), self.scheduler.limits.vision.depth
         for chunk in out.chunks:
             seq = chunk.seq
             prompt_end = seq.num_context_tokens - (seq.kv_import is not None)
@@ -198,7 +202,9 @@ class SimulatedEngine:
             work.prefill_tokens += prefill
             for image in seq.images:
                 work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
-        work.vision_patches = [encode.image.num_tokens * 4 for encode in (*out.encode_now, *out.encode_ahead)]
+        encodes = (*out.encode_now, *out.encode_ahead)
+        work.vision_patches = [encode.image.num_tokens * 4 for encode in encodes]
+        work.vision_shares = [encode.num_blocks / depth if encode.num_blocks else 1.0 for encode in encodes]
         return work
 
     def _sample(self, out: SchedulerOutput) -> dict[str, int]:

@@ -233,6 +233,7 @@ class StepWork:
     visual_prefill_tokens: int = 0     # of which image tokens
     decode_context_tokens: int = 0     # context read by the step's decoding sequences
     vision_patches: list[int] = field(default_factory=list)  # pre-merge patches of images encoded this step
+    vision_shares: list[float] = field(default_factory=list)  # of each, the share of the tower's blocks run (1.0)
     vision_plans: int = 0              # of their image sizes, those the engine has not encoded before
 
 
@@ -304,7 +305,8 @@ class StepModel:
                 ms += (c.base_ms(tokens, share) - c.base_ms(knee, share)) * self.compute_scale
         ms += c.attention_ms_per_context_token * work.decode_context_tokens * self.attention_scale
         ms += c.visual_token_extra_ms * work.visual_prefill_tokens * self.compute_scale
-        ms += sum(self.vision_ms(p) for p in work.vision_patches)
+        shares = work.vision_shares or [1.0] * len(work.vision_patches)
+        ms += sum(self.vision_ms(p) * share for p, share in zip(work.vision_patches, shares))
         ms += c.vision_plan_ms * work.vision_plans  # plan building, assumed host-bound: not scaled with the hardware
         return ms
 

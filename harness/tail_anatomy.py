@@ -1,0 +1,103 @@
+"""What the slowest queries of a performance run were: LoadGen's trace log (each sample's issue time and latency,
+harness/plot.py reads it) joined with each sample's prompt (its image rows and its length in tokens).
+
+The report answers "is the tail the requests' own size, or queueing behind others?": for the slowest 1% of queries
+(the ones above LoadGen's p99), their own image and prompt sizes against the run's, and how many had a large image
+(at or above the run's 99th percentile of image rows, and at least LARGE_OVER_MEDIAN times its median) in flight
+when they were issued.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.plot import SampleLatency
+from workers.stats import percentile
+from workers.tokenizer import IMAGE_PAD_ID
+
+SLOWEST_LISTED = 10
+LARGE_OVER_MEDIAN = 4  # so that a run of like images has no "large" ones
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """One sample's prompt as the engine sees it."""
+
+    prompt_tokens: int  # with every image's <|image_pad|> rows
+    image_tokens: int  # <|image_pad|> rows (the vision tower's output tokens)
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int]) -> SampleShape:
+        return cls(len(token_ids), sum(1 for t in token_ids if t == IMAGE_PAD_ID))
+
+
+def sample_shapes(config, scenario: str, cache_dir: Path) -> dict[int, SampleShape]:
+    """Every sample of the scenario's dataset, as the harness's prompt builder makes it (a sample whose prompt
+    cannot be built is left out)."""
+    from harness.assets import resolve_dataset
+    from harness.dataset import load_catalogue
+    from harness.prompt import PromptBuilder
+    from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits
+    from workers.tokenizer import load_tokenizer
+
+    config = config.for_scenario(scenario)
+    dataset, kind = config.dataset(scenario), DATASET_FOR_SCENARIO[scenario]
+    catalogue = load_catalogue(resolve_dataset(dataset, kind, cache_dir), kind)
+    builder = PromptBuilder(load_tokenizer(), dataset.prompt_variant, *image_pixel_limits(config))
+    shapes = {}
+    for index, prompt in enumerate(builder.build_batch(list(catalogue))):
+        if not isinstance(prompt, ValueError):
+            shapes[index] = SampleShape.of(prompt.token_ids)
+    return shapes
+
+
+def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleShape], fraction: float = 0.01) -> dict:
+    """The slowest `fraction` of the run's queries (at least one), their sizes against the run's, and the large
+    images in flight when each was issued."""
+    if not samples:
+        raise ValueError("no samples: the trace log holds no completed queries")
+    ordered = sorted(samples, key=lambda s: s.latency_s)
+    tail = ordered[-max(1, math.ceil(fraction * len(ordered))):]
+    image_rows = [shapes[s.sample_index].image_tokens for s in samples if s.sample_index in shapes]
+    big = max(percentile(image_rows, 0.99, empty=math.inf), LARGE_OVER_MEDIAN * (_median(image_rows) or 0))
+    big_queries = [s for s in samples if s.sample_index in shapes and shapes[s.sample_index].image_tokens >= big]
+
+    def in_flight_big(query: SampleLatency) -> int:
+        """Other queries with a large image issued before this one and not yet answered when it was issued."""
+        return sum(1 for b in big_queries
+                   if b is not query and b.issued_s <= query.issued_s < b.completed_s)
+
+    def describe(query: SampleLatency) -> dict:
+        shape = shapes.get(query.sample_index)
+        return {
+            "sample_index": query.sample_index,
+            "latency_s": round(query.latency_s, 3),
+            "issued_s": round(query.issued_s, 3),
+            "image_tokens": shape.image_tokens if shape else None,
+            "prompt_tokens": shape.prompt_tokens if shape else None,
+            "large_images_in_flight": in_flight_big(query),
+        }
+
+    known = [s for s in tail if s.sample_index in shapes]
+    return {
+        "queries": len(samples),
+        "tail_queries": len(tail),
+        "tail_from_latency_s": round(tail[0].latency_s, 3),
+        "large_image_tokens": big,
+        "image_tokens_median": {"all": _median(image_rows),
+                                "tail": _median([shapes[s.sample_index].image_tokens for s in known])},
+        "prompt_tokens_median": {"all": _median([shapes[s.sample_index].prompt_tokens for s in samples
+                                                 if s.sample_index in shapes]),
+                                 "tail": _median([shapes[s.sample_index].prompt_tokens for s in known])},
+        "tail_with_own_large_image": sum(1 for s in known if shapes[s.sample_index].image_tokens >= big),
+        "tail_with_large_image_in_flight": sum(1 for s in tail if in_flight_big(s)),
+        "slowest": [describe(s) for s in reversed(tail[-SLOWEST_LISTED:])],
+    }
+
+
+def _median(values: Sequence[int]) -> float | None:
+    return statistics.median(values) if values else None
