@@ -353,6 +353,7 @@ class Scheduler:
             if done + blocks == vision.depth:
                 del self._passes[key]
                 self.encoder_cache.mark_ready(key)  # its last blocks run before this step's chunks read it
+                self.encoder_cache.mark_started(key)  # never evicted: a pass's work is not thrown away
             else:
                 self._passes[key] = (seq, image, done + blocks)
 
@@ -475,6 +476,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         out.encoder_drop.extend(self._forget_images(seq.request_id))
+        # its pass's blocks listed earlier in this step (they would run on a dropped state): not run at all
+        out.encode_now = [e for e in out.encode_now if e.seq is not seq]
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
