@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import ray
 
+from contract.wire import pb
 from harness.ray_network import temp_dirs_of
 from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, _node_address, init_ray
 from harness.system_config import PoolSection, RaySection
 from router.client import RouterClient
 from router.config import RouterConfig
-from router.instant_engine import InstantEngine
 from router.server import RouterServer
-from router.wire import pb
 from scripts.fault_soak import descendants
+from workers.sim.instant_engine import InstantEngine
 from tests.net_fixtures import listening_sockets
 
 

@@ -11,9 +11,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from contract.types import FinishReason
 from workers.block_manager import BlockManager, block_hash, cdiv
 from workers.sequence import Sequence, SequenceStatus
-from workers.types import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.types import FinishReason, SamplingParams
+from contract.types import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
