@@ -10,11 +10,11 @@ import json
 import pytest
 from PIL import Image
 
+from contract import chat
+from contract import prompt as mp
 from contract.dataset import CatalogueSample
 from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, load_tokenizer
 from contract.vision_geometry import image_geometry
-from harness import prompt as mp
-from workers import chat
 
 # reference/mlperf-q3vl.md §1.3, as the reference renders ProductMetadata.model_json_schema().
 REFERENCE_SCHEMA = json.loads(r"""
