@@ -1,5 +1,5 @@
-"""Workers as Ray actors (with the router's model-free InstantEngine): they register with the router, serve
-through it, and an actor that dies is restarted by Ray and registers again at its new address."""
+"""Workers as Ray actors (with the model-free InstantEngine, workers/sim/instant_engine.py): they register with
+the router, serve through it, and an actor that dies is restarted by Ray and registers again at its new address."""
 
 from __future__ import annotations
 
