@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from rapidfuzz import fuzz
 from sklearn.metrics import f1_score
 
-from harness.dataset import DATASETS, GroundTruth, load_catalogue
-from harness.prompt import ProductMetadata
+from contract.dataset import DATASETS, GroundTruth, load_catalogue
+from contract.prompt import ProductMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def evaluate(entries: Sequence[LogEntry], ground_truth: Sequence[GroundTruth], s
 
 
 def evaluate_accuracy_log(log_path: str | Path, catalogue, seed: int = RANDOM_SEED) -> AccuracyResult:
-    """Scores LoadGen's accuracy log against a catalogue (harness.dataset.Catalogue or its ground_truth())."""
+    """Scores LoadGen's accuracy log against a catalogue (contract.dataset.Catalogue or its ground_truth())."""
     ground_truth = catalogue.ground_truth() if hasattr(catalogue, "ground_truth") else catalogue
     return evaluate(read_accuracy_log(log_path), ground_truth, seed=seed)
 

@@ -19,6 +19,11 @@ import ray
 import yaml
 from PIL import Image
 
+from contract.chat import encode_chat
+from contract.tokenizer import load_tokenizer
+from contract.transport import call_metadata, open_channel
+from contract.types import PromptInput
+from contract.wire import pb, pb_grpc
 from harness.ray_workers import (
     RaySession,
     ServedEngine,
@@ -38,12 +43,7 @@ from harness.system_config import (
 )
 from router.client import RouterClient, wait_for_workers
 from router.shards import ShardedRouterClient, connect_router
-from router.transport import call_metadata, open_channel
-from router.wire import pb, pb_grpc
-from workers.chat import encode_chat
 from workers.config import EngineConfig, KvLinkConfig
-from workers.tokenizer import load_tokenizer
-from workers.types import PromptInput
 
 logger = logging.getLogger(__name__)
 

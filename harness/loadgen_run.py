@@ -10,17 +10,17 @@ from pathlib import Path
 import mlperf_loadgen as lg
 
 from audit.rules.rounds import FAILED_SAMPLES_FILE
+from contract.dataset import load_catalogue
+from contract.prompt import PromptBuilder
+from contract.tokenizer import load_tokenizer
 from harness.assets import resolve_dataset
-from harness.dataset import load_catalogue
 from harness.progress import Progress
-from harness.prompt import PromptBuilder
 from harness.qsl import StoreQSL
 from harness.sample_store import SampleStore
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
 from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config
 from harness.user_conf import expected_sample_count, load_test_settings
-from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

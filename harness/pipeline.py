@@ -172,7 +172,7 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
             dataset_dir: Path, kind: str, checkpoint: Path) -> int:
     from audit.accuracy import evaluate_accuracy_log
     from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
-    from harness.dataset import load_catalogue
+    from contract.dataset import load_catalogue
 
     scenario = options.scenario.result_dir_name
     accuracy = None

@@ -54,7 +54,7 @@ class ServedEngine:
     """An engine with the AsyncEngine interface and the sampling defaults of its checkpoint."""
 
     async_engine: Any
-    generation_defaults: Any  # workers.types.SamplingParams from generation_config.json
+    generation_defaults: Any  # contract.types.SamplingParams from generation_config.json
 
 
 def build_engine(engine_config) -> ServedEngine:

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from harness.dataset import CatalogueSample
-from workers.tokenizer import IMAGE_PAD_ID
-from workers.types import PromptInput
+from contract.dataset import CatalogueSample
+from contract.tokenizer import IMAGE_PAD_ID
+from contract.types import PromptInput
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class SampleStore:
     """load(indices) reads and prepares samples; get(index) is a dict lookup (cheap on the issue path).
 
     prompt_builder turns one sample into a PromptInput; if it also has
-    `build_batch(samples) -> list[PromptInput | Exception]` (harness.prompt.PromptBuilder does), samples
+    `build_batch(samples) -> list[PromptInput | Exception]` (contract.prompt.PromptBuilder does), samples
     are tokenized in batches.
     """
 

@@ -21,11 +21,11 @@ from typing import Protocol
 import grpc.aio
 import mlperf_loadgen as lg
 
+from contract.types import PromptInput
+from contract.wire import pb
 from harness.progress import Progress
 from router.client import RouterClient
 from router.shards import ShardedRouterClient, connect_router
-from router.wire import pb
-from workers.types import PromptInput
 
 logger = logging.getLogger(__name__)
 

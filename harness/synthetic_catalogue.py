@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
-from harness.dataset import COLUMNS, DATASETS, DatasetKind
+from contract.dataset import COLUMNS, DATASETS, DatasetKind
 
 logger = logging.getLogger(__name__)
 

@@ -388,7 +388,7 @@ class SystemConfig(_Strict):
 
     def dataset_size(self, scenario: ScenarioName) -> int:
         """Samples in the scenario's catalogue: N for synthetic:N, else the published dataset's size."""
-        from harness.dataset import DATASETS
+        from contract.dataset import DATASETS
 
         count = self.dataset(scenario).synthetic_count
         return count if count is not None else DATASETS[DATASET_FOR_SCENARIO[scenario]].size

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.plot import SampleLatency
 from workers.stats import percentile
-from workers.tokenizer import IMAGE_PAD_ID
+from contract.tokenizer import IMAGE_PAD_ID
 
 SLOWEST_LISTED = 10
 LARGE_OVER_MEDIAN = 4  # so that a run of like images has no "large" ones
@@ -39,10 +39,10 @@ def sample_shapes(config, scenario: str, cache_dir: Path) -> dict[int, SampleSha
     """Every sample of the scenario's dataset, as the harness's prompt builder makes it (a sample whose prompt
     cannot be built is left out)."""
     from harness.assets import resolve_dataset
-    from harness.dataset import load_catalogue
-    from harness.prompt import PromptBuilder
+    from contract.dataset import load_catalogue
+    from contract.prompt import PromptBuilder
     from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits
-    from workers.tokenizer import load_tokenizer
+    from contract.tokenizer import load_tokenizer
 
     config = config.for_scenario(scenario)
     dataset, kind = config.dataset(scenario), DATASET_FOR_SCENARIO[scenario]

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import grpc.aio
 
-from router.config import MIB
-from router.transport import call_metadata, open_channel
-from router.wire import pb, pb_grpc
+from contract.network import MIB
+from contract.transport import call_metadata, open_channel
+from contract.wire import pb, pb_grpc
 
 
 class RouterClient:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from contract.tokenizer import QwenTokenizer
 from router.detokenize import IncrementalDetokenizer
-from workers.tokenizer import QwenTokenizer
 
 
 class CompletionText:

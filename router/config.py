@@ -5,25 +5,17 @@ A bad file fails before anything starts, with the dotted key that is wrong in th
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-MIB = 1024 * 1024
+from contract.network import MIB, TlsConfig, is_loopback
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class TlsConfig(_Section):
-    """Serve TLS on the client-facing listeners with this certificate chain and private key (PEM)."""
-
-    cert: Path
-    key: Path
 
 
 class PolicyConfig(_Section):
@@ -91,24 +83,6 @@ class RouterConfig(_Section):
             if address is not None and not is_loopback(address) and not self.token:
                 raise ValueError(f"{key}={address!r} is not a loopback address: set 'token' (shared secret)")
         return self
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(address: str) -> bool:
-    host, _ = split_host_port(address)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a DNS name or a wildcard: treat as reachable from outside
 
 
 def load_router_config(path: Path | str, **overrides: object) -> RouterConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.tokenizer import QwenTokenizer
+from contract.tokenizer import QwenTokenizer
 
 _INCOMPLETE = "\ufffd"
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
+from contract.transport import call_metadata
+from contract.wire import pb
 from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, Selector, block_hashes
 from router.registry import SERVING_ROLES, Booking, Registry, WorkerEntry
-from router.transport import call_metadata
-from router.wire import pb
 
 log = logging.getLogger(__name__)
 

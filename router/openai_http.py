@@ -18,15 +18,16 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from contract.chat import encode_chat
+from contract.network import split_host_port
+from contract.tokenizer import QwenTokenizer, load_tokenizer
+from contract.transport import bearer_ok
+from contract.wire import pb
 from router.completion_text import CompletionText
-from router.config import RouterConfig, split_host_port
+from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
 from router.openai_params import BadRequest, ChatRequest, parse_chat_request
 from router.registry import SERVING_ROLES, Registry
-from router.transport import bearer_ok
-from router.wire import pb
-from workers.chat import encode_chat
-from workers.tokenizer import QwenTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from router.wire import pb
-from workers.grammar import ANY_JSON_OBJECT, json_schema_grammar
+from contract.json_schema import ANY_JSON_OBJECT, json_schema_grammar
+from contract.wire import pb
 
 _UINT64 = 2**64
 _INT32 = 2**31

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import grpc.aio
 
+from contract.wire import pb, pb_grpc
 from router.config import HealthConfig
 from router.policies import WorkerSnapshot
-from router.wire import pb, pb_grpc
 
 log = logging.getLogger(__name__)
 

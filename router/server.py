@@ -13,11 +13,12 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router.config import RouterConfig, split_host_port
+from contract.network import split_host_port
+from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
+from contract.wire import pb, pb_grpc
+from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
 from router.registry import SERVING_ROLES, Registry
-from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
-from router.wire import pb, pb_grpc
 
 log = logging.getLogger(__name__)
 

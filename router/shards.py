@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 
+from contract.wire import pb
 from router.client import RouterClient
-from router.wire import pb
 
 
 def split_addresses(addresses: str) -> list[str]:

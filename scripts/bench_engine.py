@@ -262,8 +262,8 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
     what overlapping costs the engine's steps); engine_wall_s is then from the first step. prep_threads: the size of
     the preparation pool (default: the engine's preprocess_threads, as the worker)."""
+    from contract.types import SamplingParams
     from scripts.catalogue_workload import describe
-    from workers.types import SamplingParams
 
     allocator_before = allocator_counts()
     kernels_before = triton_cache_kernels()
@@ -326,9 +326,9 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
 def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     import torch
 
+    from contract.types import PromptInput, SamplingParams
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from workers.types import PromptInput, SamplingParams
 
     from scripts.catalogue_workload import longest_request
 
@@ -478,8 +478,8 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
         processor = proc_cls(**proc_kwargs)
     result["image_processor"] = proc_cls.__name__
+    from contract.tokenizer import IMAGE_PAD_ID
     from scripts.catalogue_workload import fixed_catalogue
-    from workers.tokenizer import IMAGE_PAD_ID
 
     prompts = [(r.prompt.token_ids, r.prompt.images[0])
                for r in fixed_catalogue(w.baseline_batch, w.image_size, w.text_tokens, w.output_tokens)]

@@ -78,13 +78,13 @@ def sync_all() -> None:
 
 
 def greedy(n: int):
-    from workers.types import SamplingParams
+    from contract.types import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
 def warm_up(engine) -> None:
-    from workers.types import PromptInput
+    from contract.types import PromptInput
 
     for i in range(2):
         engine.add_request(f"warm{i}", PromptInput(list(range(1000, 1064))), greedy(4))
@@ -200,7 +200,7 @@ def summarize_levels(levels: list[dict]) -> dict:
 
 def decode_steps(engine, batch: int, context: int, steps: int) -> float:
     """Median ms of a decode step at `batch` sequences of ~context tokens."""
-    from workers.types import PromptInput
+    from contract.types import PromptInput
 
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", PromptInput([1000 + (i + j) % 5000 for j in range(context)]), greedy(steps + 2))
@@ -218,7 +218,7 @@ def decode_steps(engine, batch: int, context: int, steps: int) -> float:
 
 
 def prefill_rate(engine, requests: int, length: int) -> float:
-    from workers.types import PromptInput
+    from contract.types import PromptInput
 
     for i in range(requests):
         engine.add_request(f"p{i}", PromptInput([1000 + (i * 7 + j) % 9000 for j in range(length)]), greedy(1))
@@ -300,8 +300,8 @@ def part_dp2(args, checkpoint: Path, w: Workload) -> dict:
 def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     """GPU 0: prefill_only requests; each finished one's KV goes to GPU 1 over NCCL, its handle down the pipe as
     ("kv", rid, prompt index, tokens, first token, hint, extra). Then the Poisson levels, driven from here."""
-    from workers.engine import LLMEngine
     from workers.config import KvLinkConfig
+    from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink
 
     requests = catalogue_requests(args, w)
@@ -384,8 +384,8 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
 
 def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe) -> None:
     """GPU 1: receives each request's KV from GPU 0 and decodes it: the offline run, then each Poisson level."""
-    from workers.engine import LLMEngine
     from workers.config import KvLinkConfig
+    from workers.engine import LLMEngine
     from workers.kv_transfer import KvLink
     requests = catalogue_requests(args, w)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))

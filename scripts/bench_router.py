@@ -40,8 +40,8 @@ def free_port() -> int:
 
 async def serve_grpc_workers(router: str, count: int) -> None:
     """Instant-engine WorkerServers registered with `router`; the first's address goes to stdout."""
-    from router.instant_engine import InstantEngine
     from workers.server import WorkerServer
+    from workers.sim.instant_engine import InstantEngine
 
     servers = [WorkerServer(InstantEngine(), f"instant{i}", "aggregated", router) for i in range(count)]
     for server in servers:
@@ -140,7 +140,7 @@ async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, sec
 
 
 def grpc_request():
-    from router.wire import pb
+    from contract.wire import pb
 
     return pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[(i * 7) % 5000 for i in range(PROMPT_TOKENS)],
                               sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
@@ -166,9 +166,9 @@ def http_sender(session, url: str, headers: dict | None = None) -> Callable[[], 
 async def bench_our_router(policy: str, args, procs: Procs) -> dict:
     import aiohttp
 
+    from contract.transport import open_channel
+    from contract.wire import pb_grpc
     from router.client import RouterClient
-    from router.transport import open_channel
-    from router.wire import pb_grpc
 
     grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                         "--policy", policy], lines=2)

@@ -2,8 +2,8 @@
 output length) and a synthetic catalogue drawn from the real dataset's statistics, built by the product's own path.
 
 The realistic one: `harness.synthetic_catalogue` profile `realistic` (all JPEG; image sides and description lengths
-from reference/mlperf-q3vl.md §1.2b), loaded with `harness.dataset`, turned into the exact MLPerf prompt by
-`harness.prompt.PromptBuilder` with the real Qwen vocabulary. Output lengths follow the v6.1 run's statistics (mean
+from reference/mlperf-q3vl.md §1.2b), loaded with `contract.dataset`, turned into the exact MLPerf prompt by
+`contract.prompt.PromptBuilder` with the real Qwen vocabulary. Output lengths follow the v6.1 run's statistics (mean
 42.9, median 42, p99 62, cap 150) as a normal of mean 42.9 and sd 8.6 rounded and clipped to [1, 150]; the
 benchmark runs every request to exactly that many tokens (no EOS), so both sides do the same work.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from contract.types import PromptInput
 from workers.stats import percentile
-from workers.types import PromptInput
 
 USER, ASSISTANT, NEWLINE = 872, 77091, 198  # "user", "assistant", "\n" in Qwen's vocabulary
 OUTPUT_MEAN, OUTPUT_SD, OUTPUT_CAP = 42.9, 8.6, 150
@@ -47,7 +47,7 @@ def jpeg(size: int, seed: int) -> bytes:
 def fixed_catalogue(samples: int, image_size: int, text_tokens: int, output_tokens: int, seed: int = 0) -> list[CatalogueRequest]:
     """The issue's catalogue-like workload: every sample one image_size^2 JPEG (8 distinct images in turn) plus
     text_tokens random text ids in the chat layout, output_tokens out."""
-    from workers.vision_geometry import image_geometry
+    from contract.vision_geometry import image_geometry
 
     rng = np.random.default_rng(seed)
     images = [jpeg(image_size, seed + i) for i in range(min(8, samples))]
@@ -69,10 +69,10 @@ def output_lengths(samples: int, seed: int) -> list[int]:
 
 def realistic_catalogue(samples: int, seed: int = 0) -> list[CatalogueRequest]:
     """`samples` prompts of the synthetic catalogue with the real dataset's image sizes and text lengths."""
-    from harness.dataset import load_catalogue
-    from harness.prompt import PromptBuilder
+    from contract.dataset import load_catalogue
+    from contract.prompt import PromptBuilder
+    from contract.tokenizer import load_tokenizer
     from harness.synthetic_catalogue import write_synthetic_catalogue
-    from workers.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_catalogue(tmp, samples, seed=seed, profile="realistic")

@@ -14,7 +14,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.dataset import DATASETS  # noqa: E402
+from contract.dataset import DATASETS  # noqa: E402
 from harness.synthetic_catalogue import PROFILES, write_synthetic_catalogue  # noqa: E402
 
 

@@ -23,6 +23,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from contract.tokenizer import IMAGE_PAD_ID  # noqa: E402
+from contract.types import SamplingParams  # noqa: E402
 from scripts.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue  # noqa: E402
 from scripts.sim_sweep import BOUND_MS, KEPT_UP_MIN, simulated_system  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -32,8 +34,6 @@ from workers.sim.latency import kept_up  # noqa: E402
 from workers.sim.step_model import Calibration, StepModel  # noqa: E402
 from workers.sim.virtual import VirtualCluster, Workload  # noqa: E402
 from workers.stats import percentile, poisson_arrivals  # noqa: E402
-from workers.tokenizer import IMAGE_PAD_ID  # noqa: E402
-from workers.types import SamplingParams  # noqa: E402
 
 SPLITS = {"aggregated": None, "pd-1:3": (1, 3), "pd-1:1": (1, 1)}
 

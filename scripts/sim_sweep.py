@@ -143,8 +143,8 @@ async def router_ceiling(shards: int, workers_per_shard: int, hardware: str, sim
     requests ask for chunks of `stream_interval` tokens (0: every engine step's tokens)."""
     import uuid
 
+    from contract.wire import pb
     from router.shards import ShardedRouterClient
-    from router.wire import pb
     from scripts.bench_router import Procs, closed_loop, drain
     from workers.sim.virtual import Workload
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from contract.types import SamplingParams  # noqa: E402
 from workers.block_manager import BlockManager  # noqa: E402
 from workers.scheduler import Scheduler, SchedulerLimits  # noqa: E402
 from workers.sequence import Sequence  # noqa: E402
-from workers.types import SamplingParams  # noqa: E402
 
 PROMPT, IMAGE_FIRST, IMAGE_ROWS, OUTPUT, BLOCK = 1734, 4, 1024, 45, 16
 

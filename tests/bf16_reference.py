@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from image_fixtures import png
-from workers.types import PromptInput, SamplingParams
+from contract.types import PromptInput, SamplingParams
 
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64

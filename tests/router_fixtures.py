@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from contract.wire import pb
 from router.client import RouterClient
 from router.config import parse_router_config
-from router.instant_engine import InstantEngine
 from router.server import RouterServer
-from router.wire import pb
 from workers.server import WorkerServer
+from workers.sim.instant_engine import InstantEngine
 
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.
 FAST_HEALTH = {"heartbeat_interval_s": 0.1, "down_after_s": 2.0}

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from audit import accuracy as acc
-from harness.dataset import GroundTruth, load_catalogue
+from contract.dataset import GroundTruth, load_catalogue
 from harness.synthetic_catalogue import write_synthetic_catalogue
 
 ACC_PATTERN = r'\{.*"f1":\s*([\d\.]+).*\}'  # the submission checker's F1_HIERARCHICAL pattern

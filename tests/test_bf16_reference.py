@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bf16_reference import Case, compare, judge_divergence
-from workers.types import PromptInput
+from contract.types import PromptInput
 
 ENGINE, REFERENCE, FAR = 2, 5, 7
 

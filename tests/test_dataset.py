@@ -12,16 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from harness import synthetic_catalogue as syn
-from harness.dataset import (
+from contract.dataset import (
     DatasetFormatError,
     DatasetNotFoundError,
     detect_image_format,
     load_catalogue,
 )
-from harness.prompt import PromptBuilder
+from contract.prompt import PromptBuilder
+from contract.tokenizer import load_tokenizer
+from harness import synthetic_catalogue as syn
 from harness.sample_store import SampleStore
-from workers.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

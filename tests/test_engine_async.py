@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 
 @pytest.fixture(scope="module")

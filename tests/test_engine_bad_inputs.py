@@ -8,9 +8,9 @@ import io
 import pytest
 from PIL import Image
 
+from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 IMAGE_PAD = 151655
 MAX_MODEL_LEN = 64

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from image_fixtures import png
+from contract.types import FinishReason, PromptInput, SamplingParams
 from scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # small images keep the tests fast

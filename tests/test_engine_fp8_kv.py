@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from image_fixtures import png
+from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import FP8_DTYPE
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 IMAGE_PAD = 151655
 REL_L2_BOUND = 0.5

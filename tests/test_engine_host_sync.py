@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
+from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.host_copy import HostCopy
-from workers.types import PromptInput, SamplingParams
 
 pytestmark = pytest.mark.gpu
 

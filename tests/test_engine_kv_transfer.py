@@ -10,11 +10,11 @@ import torch
 import pytest
 from PIL import Image
 
+from contract.types import FinishReason, PromptInput, SamplingParams
 from scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 IMAGE_PAD = 151655
 GREEDY = SamplingParams(max_tokens=10)

@@ -13,12 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
+from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink
 from workers.rank_group import RankStartupError
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8)
 

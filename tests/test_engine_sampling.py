@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sampler import Sampler
-from workers.types import PromptInput, SamplingParams
 
 
 def test_top_k_and_top_p_restrict_the_candidates():
@@ -28,8 +28,8 @@ def test_greedy_picks_the_argmax():
 
 
 def test_a_grammar_masks_only_its_own_row_and_advances_with_the_sampled_token():
+    from contract.tokenizer import EOS_TOKEN_IDS, load_tokenizer
     from workers.grammar import GrammarState
-    from workers.tokenizer import EOS_TOKEN_IDS, load_tokenizer
 
     tok = load_tokenizer()
     grammar = GrammarState('{"enum": ["red"]}', EOS_TOKEN_IDS)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from contract.types import FinishReason, SamplingParams
 from workers.block_manager import BlockManager
 from workers.encoder_cache import VisionCost
 from workers.config import EngineConfig
 from workers.scheduler import Scheduler, SchedulerLimits
 from workers.sequence import Sequence
-from workers.types import FinishReason, SamplingParams
 
 EOS = 99
 

@@ -11,6 +11,11 @@ import pytest
 import torch
 import yaml
 
+from contract.chat import encode_chat
+from contract.tokenizer import load_tokenizer
+from contract.transport import call_metadata, open_channel
+from contract.types import PromptInput
+from contract.wire import pb, pb_grpc
 from harness.cluster import Cluster, warmup_prompt
 from harness.system_config import (
     CONFIG_DIR,
@@ -20,11 +25,6 @@ from harness.system_config import (
     parse_system_config,
 )
 from router.client import RouterClient
-from router.transport import call_metadata, open_channel
-from router.wire import pb, pb_grpc
-from workers.chat import encode_chat
-from workers.tokenizer import load_tokenizer
-from workers.types import PromptInput
 
 MAX_TOKENS = 8
 

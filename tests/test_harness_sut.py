@@ -16,11 +16,11 @@ import mlperf_loadgen as lg
 import pytest
 
 from audit.rules.rounds import FAILED_SAMPLES_FILE
+from contract.types import PromptInput
+from contract.wire import pb, pb_grpc
 from harness.progress import Progress
 from harness.qsl import StoreQSL
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
-from router.wire import pb, pb_grpc
-from workers.types import PromptInput
 
 ANSWER = '{"category": "A > B", "brand": "x", "is_secondhand": false}'
 # What the double does with a request is chosen by the prompt's first token.

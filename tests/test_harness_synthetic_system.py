@@ -9,8 +9,8 @@ import typing
 import pytest
 import yaml
 
+from contract.dataset import load_catalogue
 from harness.assets import generated_checkpoint, resolve_checkpoint, resolve_dataset
-from harness.dataset import load_catalogue
 from harness.synthetic_catalogue import PROFILES
 from harness.system_config import (
     CONFIG_DIR,

@@ -1,4 +1,4 @@
-"""Chat template rendering (workers/chat.py) and the MLPerf prompt text in both variants (harness/prompt.py)."""
+"""Chat template rendering (contract/chat.py) and the MLPerf prompt text in both variants (contract/prompt.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import json
 import pytest
 from PIL import Image
 
-from harness import prompt as mp
-from harness.dataset import CatalogueSample
-from workers import chat
-from workers.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, load_tokenizer
-from workers.vision_geometry import image_geometry
+from contract import chat
+from contract import prompt as mp
+from contract.dataset import CatalogueSample
+from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, load_tokenizer
+from contract.vision_geometry import image_geometry
 
 # reference/mlperf-q3vl.md §1.3, as the reference renders ProductMetadata.model_json_schema().
 REFERENCE_SCHEMA = json.loads(r"""
@@ -74,7 +74,7 @@ def sample() -> CatalogueSample:
         gt_brand="giorgio armani", gt_is_secondhand=False, gt_category="Apparel > Shirts > Polo Shirts")
 
 
-# ---- harness/prompt.py ------------------------------------------------------------------------------------------
+# ---- contract/prompt.py ------------------------------------------------------------------------------------------
 
 def test_reference_schema_text_is_pydantic_output_and_the_documented_schema():
     text = mp.schema_text("v6.0")
@@ -171,7 +171,7 @@ def test_unknown_variant_is_refused(tok):
         mp.PromptBuilder(tok, "v6.2")
 
 
-# ---- workers/chat.py --------------------------------------------------------------------------------------------
+# ---- contract/chat.py --------------------------------------------------------------------------------------------
 
 def test_user_turn_renders_parts_in_order_with_expanded_image_pads(tok):
     png, jpeg = _png(), _jpeg()

@@ -28,13 +28,13 @@ import pytest
 import yaml
 from PIL import Image
 
+from contract.transport import call_metadata
+from contract.wire import pb
 from harness.ray_network import RayUnreachable, probe_address, temp_dirs_of
 from harness.system_config import CONFIG_DIR
 from router.client import RouterClient
-from router.instant_engine import InstantEngine
-from router.transport import call_metadata
-from router.wire import pb
 from scripts.fault_soak import HarnessRun, descendants, free_port, soak_system
+from workers.sim.instant_engine import InstantEngine
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.server import WorkerServer

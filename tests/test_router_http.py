@@ -14,11 +14,11 @@ import openai
 import pytest
 from PIL import Image
 
-from router.instant_engine import InstantEngine
-from router.wire import pb
+from contract.wire import pb
+from workers.sim.instant_engine import InstantEngine
 from tests.router_fixtures import Cluster, collect, run
-from workers.chat import encode_chat
-from workers.tokenizer import load_tokenizer
+from contract.chat import encode_chat
+from contract.tokenizer import load_tokenizer
 
 HTTP = {"http_listen": "127.0.0.1:0"}
 

@@ -16,12 +16,12 @@ import openai
 import pytest
 from PIL import Image
 
+from contract.transport import open_channel
+from contract.wire import pb, pb_grpc
 from router.client import RouterClient
-from router.transport import open_channel
-from router.wire import pb, pb_grpc
 from tests.router_fixtures import collect, run
-from workers.chat import encode_chat
-from workers.tokenizer import load_tokenizer
+from contract.chat import encode_chat
+from contract.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

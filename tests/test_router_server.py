@@ -10,10 +10,10 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
-from router.instant_engine import next_token
-from router.wire import pb
+from workers.sim.instant_engine import next_token
 from tests.router_fixtures import Cluster, collect, request, run
 
 

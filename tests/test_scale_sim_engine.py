@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
+from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import Calibration, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import poisson_arrivals
-from workers.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
-from workers.types import FinishReason, PromptInput, SamplingParams
 
 PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)
 RUN9 = Path(__file__).resolve().parent.parent / "benchmarks" / "2026-11-30-run9-30b-a3b.json"

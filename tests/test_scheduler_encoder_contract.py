@@ -13,7 +13,7 @@ from workers.block_manager import BlockManager
 from workers.encoder_cache import VisionCost
 from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.sequence import Sequence
-from workers.types import SamplingParams
+from contract.types import SamplingParams
 
 
 class RunnerBookkeeping:

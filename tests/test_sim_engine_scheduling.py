@@ -15,9 +15,9 @@ from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import StepModel
-from workers.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
-from workers.types import FinishReason, PromptInput, SamplingParams
-from workers.vision_geometry import image_geometry
+from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from contract.types import FinishReason, PromptInput, SamplingParams
+from contract.vision_geometry import image_geometry
 
 MIN_PIXELS, MAX_PIXELS = 4096, 65536
 LIMITS = dict(num_kv_blocks=48, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24,

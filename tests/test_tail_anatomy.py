@@ -7,7 +7,7 @@ import pytest
 
 from harness.plot import SampleLatency
 from harness.tail_anatomy import SampleShape, tail_anatomy
-from workers.tokenizer import IMAGE_PAD_ID
+from contract.tokenizer import IMAGE_PAD_ID
 
 
 def test_a_sample_shape_counts_the_prompt_and_its_image_rows():

@@ -6,7 +6,7 @@ import unicodedata
 
 import pytest
 
-from workers import tokenizer as qt
+from contract import tokenizer as qt
 
 TEXTS = [
     "Hello, world!",

@@ -10,9 +10,9 @@ import grpc.aio
 import pytest
 import torch
 
-from router.instant_engine import InstantEngine
-from router.transport import open_channel
-from router.wire import pb, pb_grpc
+from contract.transport import open_channel
+from contract.wire import pb, pb_grpc
+from workers.sim.instant_engine import InstantEngine
 from tests.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
 from workers.server import WorkerServer, kv_from_chunks, kv_to_chunks

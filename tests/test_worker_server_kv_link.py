@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from router.instant_engine import InstantEngine
-from router.transport import open_channel
-from router.wire import pb, pb_grpc
+from contract.transport import open_channel
+from contract.wire import pb, pb_grpc
+from workers.sim.instant_engine import InstantEngine
 from tests.router_fixtures import collect, run
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig, KvLinkConfig

@@ -14,10 +14,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
-from workers.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.vision_geometry import MAX_PIXELS, MIN_PIXELS
+from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS
 
 CPU_DEFAULT_KV_BLOCKS = 1024
 PIL_DEFAULT_MAX_IMAGE_PIXELS = 89_478_485

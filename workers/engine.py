@@ -13,6 +13,9 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from contract.tokenizer import VISION_END_ID
+from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
+from contract.vision_geometry import image_geometry
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.encoder_cache import VisionCost
@@ -21,9 +24,6 @@ from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
 from workers.model_runner import ModelRunner
 from workers.scheduler import Scheduler, SchedulerLimits
 from workers.sequence import Sequence
-from workers.tokenizer import VISION_END_ID
-from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
-from workers.vision_geometry import image_geometry
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)

@@ -4,41 +4,25 @@ the grammar allows next. Only requests that carry a schema build any of this; th
 Why llguidance (https://github.com/guidance-ai/llguidance, one of vLLM's structured-output backends): it
 installs as one self-contained wheel with no dependencies (xgrammar 0.2.9 pulls in triton and a TVM FFI package,
 which this CPU venv does not otherwise carry), it builds its vocabulary straight from the `tokenizers` JSON of the
-real Qwen tokenizer (workers/tokenizer.py), and it computes a mask on the CPU in about a millisecond.
-Whitespace between JSON tokens is not free: separators are ", " and ": " as json.dumps writes them (vLLM's
-`disable-any-whitespace` option), so a model cannot spend its whole budget on blank space inside an object.
+real Qwen tokenizer (contract/tokenizer.py), and it computes a mask on the CPU in about a millisecond.
+Which schemas compile, and the JSON separators they allow, is the shared contract/json_schema.py.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Iterable, Sequence
 
 import llguidance
 import torch
 
-from workers.tokenizer import load_tokenizer
+from contract.json_schema import json_schema_grammar
+from contract.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-# llguidance's JSON compile options (JsonCompileOptions in its _lib.pyi).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_JSON_OBJECT = json.dumps({"type": "object"})  # response_format {"type": "json_object"}
 _BITS = torch.arange(32, dtype=torch.int32)
-
-
-def json_schema_grammar(json_schema: str) -> str:
-    """The llguidance grammar for a JSON Schema (JSON text); ValueError saying what llguidance cannot compile."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
-    except ValueError as exc:
-        raise ValueError(f"not a JSON Schema: {exc}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error)
-    return grammar
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from workers.vision_geometry import (MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, describe_image_error,
+from contract.vision_geometry import (MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, describe_image_error,
                                      smart_resize)
 
 log = logging.getLogger(__name__)

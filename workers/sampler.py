@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.types import SamplingParams
+from contract.types import SamplingParams
 
 if TYPE_CHECKING:
     from workers.grammar import GrammarState

@@ -17,10 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from contract.types import FinishReason
 from workers.block_manager import BlockManager, block_hash, cdiv
 from workers.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
 from workers.sequence import Sequence, SequenceStatus
-from workers.types import FinishReason
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig

@@ -9,8 +9,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from contract.types import FinishReason, SamplingParams
 from workers.encoder_cache import ImageSpan
-from workers.types import FinishReason, SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from router.config import MIB, is_loopback, split_host_port
-from router.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
-from router.wire import pb, pb_grpc
+from contract.network import MIB, is_loopback, split_host_port
+from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
+from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
+from contract.wire import pb, pb_grpc
 from workers.kv_cache import FP8_DTYPE, KvExport
 from workers.kv_transfer import KvLink, KvLinkError
-from workers.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from workers.tokenizer import ENDOFTEXT_ID, IM_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
+from contract.tokenizer import ENDOFTEXT_ID, IM_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.tokenizer import token_runs
+from contract.types import PromptInput
+from contract.vision_geometry import ImageGeometryError
 from workers.image_processing import ImageDecodeError, decode_image, patch_pixels
-from workers.tokenizer import token_runs
-from workers.types import PromptInput
-from workers.vision_geometry import ImageGeometryError
 
 
 class PromptError(ValueError):

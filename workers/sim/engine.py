@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence as Seq
 import torch
 
+from contract.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
+from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.encoder_cache import VisionCost
@@ -21,8 +23,6 @@ from workers.sequence import Sequence
 from workers.sim.config import SimulationConfig
 from workers.sim.step_model import StepModel, StepWork
 from workers.sim.trace import RequestTrace
-from workers.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
-from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 
 VOCAB = 150_000  # generated ids stay below Qwen's special ids
 # Qwen3-VL's vision tower (the same in the 30B-A3B and the 235B-A22B: depth 27, hidden 1152, MLP 4304, merge 2),

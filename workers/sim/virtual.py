@@ -8,13 +8,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
+from contract.tokenizer import IMAGE_PAD_ID
+from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import StepModel
 from workers.stats import percentile
-from workers.tokenizer import IMAGE_PAD_ID
-from workers.types import PromptInput, SamplingParams
 
 Policy = Literal["round_robin", "least_loaded"]
 

@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.tokenizer import IMAGE_PAD_ID, QwenTokenizer
-from workers.types import PromptInput
-from workers.vision_geometry import MAX_PIXELS, MIN_PIXELS, ImageGeometryError, image_geometry
+from contract.tokenizer import IMAGE_PAD_ID, QwenTokenizer
+from contract.types import PromptInput
+from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, ImageGeometryError, image_geometry
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 GENERATION_PROMPT = "<|im_start|>assistant\n"

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
+from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 from workers.kv_cache import KvExport
-from workers.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 
 VOCAB = 150_000
 

@@ -1,7 +1,7 @@
-"""The generated protobuf/gRPC modules for router/proto/q3vl.proto, built at first import.
+"""The generated protobuf/gRPC modules for contract/proto/q3vl.proto, built at first import.
 
 Everything that speaks the wire contract imports `pb` (messages) and `pb_grpc` (stubs, servicers)
-from here; generated code lives in router/_generated/ (git-ignored) and is rebuilt when the .proto
+from here; generated code lives in contract/_generated/ (git-ignored) and is rebuilt when the .proto
 changes.
 """
 

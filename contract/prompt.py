@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.dataset import CatalogueSample
-from workers.chat import RenderedChat, render_chat, tokenize_rendered
-from workers.tokenizer import QwenTokenizer
-from workers.types import PromptInput
-from workers.vision_geometry import MAX_PIXELS, MIN_PIXELS
+from contract.chat import RenderedChat, render_chat, tokenize_rendered
+from contract.dataset import CatalogueSample
+from contract.tokenizer import QwenTokenizer
+from contract.types import PromptInput
+from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS
 
 Variant = Literal["v6.0", "v6.1"]
 

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from router.config import MIB, TlsConfig
+from contract.network import MIB, TlsConfig
 
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 

@@ -1,0 +1,99 @@
+"""The package-level import graph (issue 21): contract/ at the bottom, router/ and workers/ side by side, audit/
+on contract/ alone, no cycle between packages.
+
+Every import statement of every module is read with `ast` (top-level and inside functions alike, plus
+`importlib.import_module("...")` with a literal name), so a lazy import counts as an edge too.
+Run it as a script to print the edges: `.venv/bin/python tests/test_import_graph.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("contract", "harness", "router", "workers", "audit", "scripts")
+
+
+def imported_names(tree: ast.AST, package: str) -> list[tuple[str, int]]:
+    """(dotted module name, line) of every import in a module; relative imports resolve into its own package."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((package if node.level else node.module or "", node.lineno))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            found.append((node.args[0].value, node.lineno))
+    return found
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the 'path:line' sites of that edge, for packages that differ."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            for name, line in imported_names(tree, package):
+                target = name.split(".")[0]
+                if target in PACKAGES and target != package:
+                    edges[(package, target)].append(f"{path.relative_to(REPO)}:{line}")
+    return dict(edges)
+
+
+EDGES = package_edges()
+
+
+def sites(source: str, target: str) -> list[str]:
+    return EDGES.get((source, target), [])
+
+
+def test_the_graph_is_read():
+    assert ("harness", "contract") in EDGES  # the walk finds imports at all
+
+
+def test_contract_imports_none_of_the_other_packages():
+    assert {t: s for (p, t), s in EDGES.items() if p == "contract"} == {}
+
+
+def test_router_and_workers_do_not_import_each_other():
+    assert sites("router", "workers") == []
+    assert sites("workers", "router") == []
+
+
+def test_audit_imports_only_contract():
+    assert {t: s for (p, t), s in EDGES.items() if p == "audit" and t != "contract"} == {}
+
+
+def test_no_cycle_between_packages():
+    graph = defaultdict(set)
+    for source, target in EDGES:
+        graph[source].add(target)
+    done: set[str] = set()
+
+    def cycle_from(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph[node]):
+            found = cycle_from(nxt, path + [node])
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    for package in PACKAGES:
+        cycle = cycle_from(package, [])
+        assert cycle is None, " -> ".join(cycle) + f": {sites(cycle[0], cycle[1])}"
+
+
+if __name__ == "__main__":
+    for (source, target), where in sorted(EDGES.items()):
+        print(f"{source} -> {target}  ({len(where)} imports, e.g. {where[0]})")
+    sys.exit(0)
