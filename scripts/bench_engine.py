@@ -238,7 +238,7 @@ CATALOGUE_KEYS = {"fixed": "catalogue", "realistic": "catalogue_realistic"}
 
 def catalogues(args, w: Workload) -> dict[str, list]:
     """The workloads named by --workloads, built before the engine (the realistic one tokenizes real prompts)."""
-    from scripts.catalogue_workload import build_workload
+    from harness.catalogue_workload import build_workload
 
     return {kind: build_workload(kind, w.samples, w.image_size, w.text_tokens, w.output_tokens)
             for kind in args.workloads.split(",")}
@@ -262,7 +262,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
     what overlapping costs the engine's steps); engine_wall_s is then from the first step. prep_threads: the size of
     the preparation pool (default: the engine's preprocess_threads, as the worker)."""
-    from scripts.catalogue_workload import describe
+    from harness.catalogue_workload import describe
     from workers.types import SamplingParams
 
     allocator_before = allocator_counts()
@@ -330,7 +330,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from workers.engine import LLMEngine
     from workers.types import PromptInput, SamplingParams
 
-    from scripts.catalogue_workload import longest_request
+    from harness.catalogue_workload import longest_request
 
     sync = Sync(args.device)
     if args.prefill_pointer_loads:
@@ -478,7 +478,7 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
         processor = proc_cls(**proc_kwargs)
     result["image_processor"] = proc_cls.__name__
-    from scripts.catalogue_workload import fixed_catalogue
+    from harness.catalogue_workload import fixed_catalogue
     from workers.tokenizer import IMAGE_PAD_ID
 
     prompts = [(r.prompt.token_ids, r.prompt.images[0])
@@ -577,7 +577,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cpu" if args.shape == "tiny" else "cuda"
     if args.workloads is None:
         args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
-    from scripts.catalogue_workload import WORKLOADS
+    from harness.catalogue_workload import WORKLOADS
 
     if set(args.precisions.split(",")) - set(PRECISIONS):
         p.error(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {args.precisions!r}")

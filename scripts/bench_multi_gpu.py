@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.bench_engine import Workload, run_catalogue, write_config  # noqa: E402
-from scripts.catalogue_workload import WORKLOADS, build_workload, describe, longest_request  # noqa: E402
+from harness.catalogue_workload import WORKLOADS, build_workload, describe, longest_request  # noqa: E402
 from workers.stats import percentile, poisson_arrivals  # noqa: E402
 
 log = logging.getLogger("bench_multi_gpu")

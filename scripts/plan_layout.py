@@ -23,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue  # noqa: E402
+from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue  # noqa: E402
 from scripts.sim_sweep import BOUND_MS, KEPT_UP_MIN, simulated_system  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.sim.config import SimulationConfig  # noqa: E402
@@ -328,7 +328,7 @@ def _prepare_s_per_visual_token() -> float:
 
 
 def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest]) -> list[dict]:
-    """The realistic catalogue (scripts/catalogue_workload.realistic_catalogue, per-request images and output
+    """The realistic catalogue (harness/catalogue_workload.realistic_catalogue, per-request images and output
     lengths): run21 on one H200 (its 256 requests), run15 on two (the first 128: DP2 halves, TP2, DP2 Poisson)."""
     run21 = _bench(RUN21)
     cat, w = run21["ours"]["catalogue_realistic"], run21["workload"]

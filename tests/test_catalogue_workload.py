@@ -4,7 +4,7 @@ whose prompts come from the product's own prompt path with the real Qwen vocabul
 from __future__ import annotations
 
 from harness.prompt import system_prompt
-from scripts.catalogue_workload import (
+from harness.catalogue_workload import (
     OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths, realistic_catalogue,
 )
 from workers.tokenizer import IMAGE_PAD_ID, load_tokenizer
