@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.instant_engine import InstantEngine
 from router.server import RouterServer
 from router.wire import pb
-from scripts.fault_soak import descendants
+from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 
 

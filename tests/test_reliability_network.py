@@ -34,7 +34,8 @@ from router.client import RouterClient
 from router.instant_engine import InstantEngine
 from router.transport import call_metadata
 from router.wire import pb
-from scripts.fault_soak import HarnessRun, descendants, free_port, soak_system
+from harness.fault_soak import HarnessRun, free_port, soak_system
+from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.server import WorkerServer
