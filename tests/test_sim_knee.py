@@ -6,10 +6,11 @@ import io
 import json
 from pathlib import Path
 
-from scripts.sim_sweep import kept_up, latency_drift, latency_split, loadgen_latencies, main, search_knee
+from harness.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
+from workers.sim.latency import kept_up
 from workers.sim.step_model import StepModel
 from workers.sim.trace import TracedRequest, read_traces
 from workers.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
