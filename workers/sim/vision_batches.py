@@ -17,17 +17,13 @@ import argparse
 import collections
 import json
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from workers.block_manager import BlockManager  # noqa: E402
-from workers.model_runner import images_pending  # noqa: E402
-from workers.scheduler import Scheduler, SchedulerLimits  # noqa: E402
-from workers.sequence import Sequence  # noqa: E402
-from workers.types import SamplingParams  # noqa: E402
+from workers.block_manager import BlockManager
+from workers.model_runner import images_pending
+from workers.scheduler import Scheduler, SchedulerLimits
+from workers.sequence import Sequence
+from workers.types import SamplingParams
 
 PROMPT, IMAGE_FIRST, IMAGE_ROWS, OUTPUT, BLOCK = 1734, 4, 1024, 45, 16
 
@@ -76,6 +72,7 @@ def simulate(samples: int, max_num_seqs: int, kv_blocks: int, budget: int, encod
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """The command line of scripts/sim_vision_batches.py: one JSON line per --max-num-seqs value."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--max-num-seqs", default="256,384,512")
@@ -89,6 +86,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(r), flush=True)
     return results
 
-
-if __name__ == "__main__":
-    main()
