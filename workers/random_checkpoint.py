@@ -1,12 +1,11 @@
 """Writes a random-weight Qwen3-VL checkpoint of the real shapes (30B-A3B, 235B-A22B) for performance runs.
 
 Tensors are streamed to safetensors shard by shard and never held in memory; names and shapes come from a
-meta-device instance of the transformers class. Usage: python -m scripts.make_random_checkpoint --help
+meta-device instance of the transformers class. The command line: scripts/make_random_checkpoint.py --help
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -20,8 +19,6 @@ from typing import Any, Literal
 import numpy as np
 
 from workers.tiny_checkpoint import (
-    ARCHITECTURES,
-    RELEASED_CONFIGS,
     released_config,
     transformers_config,
     write_side_configs,
@@ -244,48 +241,3 @@ def make_random_checkpoint(out_dir: Path, spec: RandomCheckpointSpec) -> Path:
         (staging / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     os.rename(staging, out_dir)
     return out_dir
-
-
-def _override(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"override {text!r} is not KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"override {key}: value {value!r} is not JSON") from exc
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    moe_presets = sorted(p for p, c in RELEASED_CONFIGS.items() if c["architectures"][0] == ARCHITECTURES["moe"])
-    parser.add_argument("--preset", choices=moe_presets, default="qwen3-vl-30b-a3b")
-    parser.add_argument("--num-layers", type=int, help="text decoder layers (fewer than the real count)")
-    parser.add_argument("--num-experts", type=int, help="experts per MoE layer")
-    parser.add_argument(
-        "--override", type=_override, action="append", default=[], metavar="KEY=JSON",
-        help="config.json field by dotted path, e.g. vision_config.depth=2 (repeatable)",
-    )
-    parser.add_argument("--expert-layout", choices=["release", "transformers"], default="release")
-    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                        help="fp8: Qwen's released FP8 layout (e4m3 weights, 128x128 block scales, per-expert experts)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec = RandomCheckpointSpec(
-        preset=args.preset,
-        num_layers=args.num_layers,
-        num_experts=args.num_experts,
-        overrides=dict(args.override),
-        expert_layout=args.expert_layout,
-        precision=args.precision,
-        max_shard_bytes=int(args.max_shard_gb * 10**9),
-        seed=args.seed,
-    )
-    print(make_random_checkpoint(args.out, spec))
-
-
-if __name__ == "__main__":
-    main()
