@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
 from workers.bench.gpu_timing import median_us  # noqa: E402
 from workers.bench.paged_attention_step import paged_step  # noqa: E402
 from workers.model import paged_decode, paged_prefill  # noqa: E402
-from workers.model.attention import sdpa_attention, write_kv  # noqa: E402
+from workers.model.attention import sdpa_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 LAYERS = 48
