@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.gpu_timing import median_us  # noqa: E402
+from workers.bench.gpu_timing import median_us  # noqa: E402
+from workers.bench.paged_attention_step import paged_step  # noqa: E402
 from workers.model import paged_decode, paged_prefill  # noqa: E402
-from workers.model.attention import AttentionMetadata, sdpa_attention, write_kv  # noqa: E402
+from workers.model.attention import sdpa_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 LAYERS = 48
@@ -40,39 +41,6 @@ TILE_SWEEP = [
     paged_prefill.TileConfig(128, 64, 8, 3),
     paged_prefill.TileConfig(64, 64, 4, 3),
 ]
-
-
-def paged_step(chunks, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
-    """A step over chunks [(rows, context)] (single-row chunks first) whose earlier context is already cached,
-    blocks scattered over the pool: (q, this step's k, v, k_cache, v_cache, metadata)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-ctx // block_size) for _, ctx in chunks]
-    order = torch.randperm(sum(blocks) + 3, generator=gen)
-    tables = torch.zeros(len(chunks), max(blocks) + 2, dtype=torch.int32)  # padded wider than needed
-    slots, starts, used = [], [0], 0
-    for i, ((rows, ctx), count) in enumerate(zip(chunks, blocks)):
-        tables[i, :count] = order[used : used + count].int()
-        used += count
-        slots += [int(tables[i, j // block_size]) * block_size + j % block_size for j in range(ctx - rows, ctx)]
-        starts.append(starts[-1] + rows)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-
-    k_cache, v_cache = randn(len(order), block_size, kv_heads, head_dim), randn(len(order), block_size, kv_heads, head_dim)
-    q, k, v = randn(starts[-1], heads, head_dim), randn(starts[-1], kv_heads, head_dim), randn(starts[-1], kv_heads, head_dim)
-    contexts = [ctx for _, ctx in chunks]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        block_tables=tables.to(device),
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
-        block_size=block_size,
-        num_decodes=sum(rows == 1 for rows, _ in chunks),
-        query_starts=starts,
-        context_lens_host=contexts,
-    )
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return q, k, v, k_cache, v_cache, meta
 
 
 def causal_flops(chunks, heads: int, head_dim: int) -> float:

@@ -13,15 +13,15 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from harness.load_test import Procs, closed_loop, drain  # noqa: E402
 
 PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly
 OUTPUT_TOKENS = 45     # NVL72's reported average output length
@@ -85,58 +85,7 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-class Procs:
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], lines: int = 1) -> list[str]:
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-        self.procs.append(proc)
-        return [proc.stdout.readline().strip() for _ in range(lines)]
-
-    def start_binary(self, args: list[str]) -> None:
-        self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.procs.clear()
-
-
 # -- load ----------------------------------------------------------------------------------------
-
-
-async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict:
-    """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles."""
-    from workers.stats import percentile
-
-    latencies: list[float] = []
-    errors = 0
-    end = time.monotonic() + seconds
-
-    async def client() -> None:
-        nonlocal errors
-        while time.monotonic() < end:
-            t = time.monotonic()
-            try:
-                await send()
-            except Exception:  # noqa: BLE001 - counted, the run goes on
-                errors += 1
-                continue
-            latencies.append(time.monotonic() - t)
-
-    start = time.monotonic()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    elapsed = time.monotonic() - start
-    pct = lambda q: round(1000 * percentile(latencies, q), 3) if latencies else None
-    return {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
-            "completed": len(latencies), "errors": errors}
 
 
 def grpc_request():
@@ -144,11 +93,6 @@ def grpc_request():
 
     return pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[(i * 7) % 5000 for i in range(PROMPT_TOKENS)],
                               sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
-
-
-async def drain(stream) -> None:
-    async for _ in stream:
-        pass
 
 
 def http_sender(session, url: str, headers: dict | None = None) -> Callable[[], Awaitable[None]]:

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from scripts.make_random_checkpoint import RandomCheckpointSpec, make_random_checkpoint, tensor_shapes
 from workers.image_processing import preprocess
+from workers.random_checkpoint import RandomCheckpointSpec, make_random_checkpoint, tensor_shapes
 from workers.tiny_checkpoint import make_tiny_checkpoint, released_config
 
 transformers = pytest.importorskip("transformers")

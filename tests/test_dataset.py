@@ -116,7 +116,7 @@ def test_realistic_profile_is_all_jpeg_at_real_dataset_sizes():
 
 
 def test_cli_writes_a_catalogue(tmp_path):
-    from scripts.make_synthetic_catalogue import main
+    from harness.synthetic_catalogue import main
 
     assert main(["--out", str(tmp_path / "c"), "--samples", "3", "--seed", "1", "--dataset", "catalogue-8k"]) == 0
     assert len(load_catalogue(tmp_path / "c", "catalogue-8k")) == 3

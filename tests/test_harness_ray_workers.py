@@ -1,5 +1,5 @@
-"""Workers as Ray actors (with the model-free InstantEngine, workers/sim/instant_engine.py): they register with
-the router, serve through it, and an actor that dies is restarted by Ray and registers again at its new address."""
+"""Workers as Ray actors (with the router's model-free InstantEngine): they register with the router, serve
+through it, and an actor that dies is restarted by Ray and registers again at its new address."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import ray
 
-from contract.wire import pb
 from harness.ray_network import temp_dirs_of
 from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, _node_address, init_ray
 from harness.system_config import PoolSection, RaySection
 from router.client import RouterClient
 from router.config import RouterConfig
-from router.server import RouterServer
-from scripts.fault_soak import descendants
 from workers.sim.instant_engine import InstantEngine
+from router.server import RouterServer
+from contract.wire import pb
+from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from scripts.sim_sweep import run_point, simulated_system
+from harness.simulated_system import run_point, simulated_system
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.synthetic_catalogue import write_synthetic_catalogue
-from scripts.fault_soak import HarnessRun, soak_system
+from harness.fault_soak import HarnessRun, soak_system
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 SAMPLES = 24

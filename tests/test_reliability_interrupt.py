@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.fault_soak import HarnessRun, descendants, soak_system
+from harness.fault_soak import HarnessRun, soak_system
+from harness.process_tree import descendants
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 

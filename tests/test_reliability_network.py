@@ -28,13 +28,14 @@ import pytest
 import yaml
 from PIL import Image
 
-from contract.transport import call_metadata
-from contract.wire import pb
 from harness.ray_network import RayUnreachable, probe_address, temp_dirs_of
 from harness.system_config import CONFIG_DIR
 from router.client import RouterClient
-from scripts.fault_soak import HarnessRun, descendants, free_port, soak_system
 from workers.sim.instant_engine import InstantEngine
+from contract.transport import call_metadata
+from contract.wire import pb
+from harness.fault_soak import HarnessRun, free_port, soak_system
+from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.server import WorkerServer

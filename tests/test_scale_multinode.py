@@ -12,8 +12,8 @@ import os
 import pytest
 
 from harness.ray_network import make_temp_dir, remove_temp_dir
-from scripts.fault_soak import descendants
-from scripts.sim_sweep import run_point, simulated_system
+from harness.process_tree import descendants
+from harness.simulated_system import run_point, simulated_system
 from tests.net_fixtures import listening_sockets
 
 LOOPBACK = "127.0.0.1"

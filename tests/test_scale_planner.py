@@ -2,8 +2,8 @@
 
 import pytest
 
+from harness.layout_plan import main
 from harness.system_config import load_system_config
-from scripts.plan_layout import main
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_planner_can_write_a_real_checkpoint_config(tmp_path):
 def test_a_growing_backlog_is_rejected_even_when_its_p99_and_drain_fit_the_bound(monkeypatch):
     from pathlib import Path
 
-    from scripts import plan_layout
+    from workers.sim import planner as plan_layout
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.step_model import StepModel

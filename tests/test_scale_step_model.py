@@ -121,7 +121,7 @@ def test_unknown_hardware_is_named():
 
 
 def test_prediction_of_the_1x_and_2x_h200_runs_is_within_15_percent():
-    from scripts.plan_layout import RUN21, _h200, _session1_rows, _session2_rows, _session4_fixed_rows
+    from harness.planner_validation import RUN21, _h200, _session1_rows, _session2_rows, _session4_fixed_rows
 
     rows = {row["run"]: row for row in _session1_rows() + _session2_rows() + _session4_fixed_rows(_h200(RUN21))}
     for run in ("run2 1xH200 (session 1 code)", "run1 1xH200 (session 1 code)",
@@ -140,7 +140,7 @@ def test_prediction_of_the_1x_and_2x_h200_runs_is_within_15_percent():
 
 @pytest.mark.slow
 def test_the_realistic_catalogue_is_replayed_request_by_request():
-    from scripts.plan_layout import validate
+    from harness.planner_validation import validate
 
     rows = {row["run"]: row for row in validate()["rows"]}
     one_gpu = rows["run21 1xH200 realistic catalogue (session 4 code)"]

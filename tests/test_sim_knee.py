@@ -6,14 +6,15 @@ import io
 import json
 from pathlib import Path
 
-from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
-from contract.types import PromptInput, SamplingParams
-from scripts.sim_sweep import kept_up, latency_drift, latency_split, loadgen_latencies, main, search_knee
+from harness.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
+from workers.sim.latency import kept_up
 from workers.sim.step_model import StepModel
 from workers.sim.trace import TracedRequest, read_traces
+from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
+from contract.types import PromptInput, SamplingParams
 
 PROMPT = PromptInput([1] * 40 + [IMAGE_PAD_ID] * 16 + [2] * 8)
 

@@ -1,4 +1,4 @@
-"""GPU timing for the benchmark scripts: microseconds per call, eager (events around a loop or around each call)
+"""GPU timing for the benchmarks: microseconds per call, eager (events around a loop or around each call)
 or replayed from one CUDA graph (no launch gaps, as the engine's decode graphs run)."""
 
 from __future__ import annotations

@@ -1,0 +1,179 @@
+"""Engine speed on random weights of a real Qwen3-VL shape (no checkpoint on disk), with the transformers
+baseline on the same workload; prints one JSON object (and writes it to --out).
+
+Our engine and the baseline each hold a full copy of the weights, so on CUDA each runs in its own
+subprocess, one after the other. `--shape tiny` is a CPU smoke mode with tiny dims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+from harness.engine_bench_baseline import bench_baseline
+from harness.engine_bench_ours import bench_ours
+from harness.engine_bench_setup import PRECISIONS, PRESETS, Workload, write_config
+
+REPO = Path(__file__).resolve().parents[1]
+COMMAND_LINE = REPO / "scripts" / "bench_engine.py"  # each CUDA part runs as this command line with --part
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", choices=sorted(PRESETS), default="30b-a3b")
+    p.add_argument("--num-layers", type=int, default=None, help="fewer text layers for quick runs")
+    p.add_argument("--samples", type=int, default=None, help="catalogue samples (default 256; tiny 4)")
+    p.add_argument("--workloads", default=None, help="catalogue workloads, comma-separated: fixed (the issue's "
+                   "one-image-size workload), realistic (synthetic catalogue with the real dataset's statistics); "
+                   "default both, tiny: fixed")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
+                   "the prefill figure then runs steps of this many tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 512, as h200x1.yaml)")
+    p.add_argument("--catalogue-only", action="store_true", help="only the catalogue workloads, each once (no vision, "
+                   "MoE, prefill and decode figures, no prepared-first rerun)")
+    p.add_argument("--no-encode-ahead", action="store_true", help="images encoded in the step that first needs "
+                   "them, not behind the previous step's sampling (EngineConfig.encode_ahead)")
+    p.add_argument("--no-warm-up", action="store_true", help="no engine warm-up before the first request "
+                   "(EngineConfig.warm_up: kernels compile and cuDNN plans are built inside the first catalogue run)")
+    p.add_argument("--repeat-fixed", type=int, default=1, help="run the fixed catalogue this many times on the same "
+                   "engine (catalogue_run2, ...): a warm engine's figures beside the first run's")
+    p.add_argument("--prefill-pointer-loads", action="store_true", help="the prefill attention kernel gathers every "
+                   "chunk's K/V from the paged cache (paged_prefill.POINTER_TILES), also where the device has TMA")
+    p.add_argument("--precisions", default="bf16", help="comma-separated, each ours run in the same call: bf16, fp8 "
+                   "(FP8 weights in 128x128 blocks, W8A8 GEMMs; with --fp8-kv-cache also an FP8 KV cache), "
+                   "fp8-dequantized (the FP8 checkpoint dequantized to bf16 at load: engine.fp8_compute dequantize)")
+    p.add_argument("--fp8-kv-cache", action="store_true", help="the fp8 precision's run also stores the KV cache in FP8")
+    p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--fp8-compute", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
+                   "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
+    p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared), 20-21 (host ops) and 40-41")
+    p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
+    p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cpu" if args.shape == "tiny" else "cuda"
+    if args.workloads is None:
+        args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
+    from harness.catalogue_workload import WORKLOADS
+
+    if set(args.precisions.split(",")) - set(PRECISIONS):
+        p.error(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {args.precisions!r}")
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}")
+    return args
+
+
+def workload(args) -> Workload:
+    w = Workload.tiny(args.samples or 4) if args.shape == "tiny" else Workload(samples=args.samples or 256)
+    if args.max_num_batched_tokens:
+        w.max_num_batched_tokens = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        w.max_num_seqs = args.max_num_seqs
+    return w
+
+
+def _subprocess(argv: list[str], part: str, config_dir: Path, timeout_s: float) -> dict:
+    """Runs one part in a fresh process (so each holds the GPU alone) and returns its JSON."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    cmd = [sys.executable, str(COMMAND_LINE), *argv, "--part", part, "--config-dir", str(config_dir), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr or ""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"timed out after {timeout_s} s", "stderr_tail": tail[-3000:]}
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def main(argv=None) -> dict:
+    """The command line of scripts/bench_engine.py: every part (or the one --part names); the result."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.part != "all" else logging.WARNING, stream=sys.stderr)
+    w = workload(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_dir = args.config_dir or Path(tmp)
+        if args.config_dir is None:
+            write_config(args.shape, args.num_layers, config_dir)
+        if args.part == "ours":
+            result = bench_ours(args, w, config_dir)
+        elif args.part == "baseline":
+            result = bench_baseline(args, w, config_dir)
+        else:
+            result = {
+                "shape": args.shape, "num_layers": args.num_layers or json.loads((config_dir / "config.json").read_text())
+                ["text_config"]["num_hidden_layers"], "device": _device_name(args.device),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": asdict(w),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                         if k not in ("out", "part", "config_dir")},
+            }
+            for precision in args.precisions.split(","):
+                key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
+                weights, compute = PRECISIONS[precision]
+                part_dir = config_dir / precision
+                part_dir.mkdir(exist_ok=True)
+                write_config(args.shape, args.num_layers, part_dir, weights)
+                kv = "fp8" if weights == "fp8" and args.fp8_kv_cache else "auto"
+                if args.device.startswith("cuda"):
+                    part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute]
+                    result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
+                    if args.out is not None:  # keep ours even if the baseline never finishes
+                        args.out.write_text(json.dumps(result, indent=1) + "\n")
+                else:
+                    args.kv_cache_dtype = kv
+                    result[key] = bench_ours(args, w, part_dir)
+            if not args.skip_baseline:
+                if args.device.startswith("cuda"):
+                    result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir / "bf16", args.part_timeout)
+                else:
+                    result["baseline"] = bench_baseline(args, w, config_dir / "bf16")
+    text = json.dumps(result, indent=None if args.part != "all" else 1)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    if args.part == "all":
+        print(text)
+    return result
+
+
+def argv_without_out(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        if a.startswith("--out="):
+            continue
+        out.append(a)
+    return out
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"

@@ -1,0 +1,107 @@
+"""The planner's command line (scripts/plan_layout.py): the best layout of workers/sim/planner.py written as a
+system YAML the harness accepts, its prediction in the comments; `--validate` prints the step model beside the
+measured H200 runs (harness/planner_validation.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from harness.simulated_system import simulated_system
+from workers.sim.planner import SPLITS, Plan, PlanRequest, search
+
+CLI_DESCRIPTION = """Searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a hardware profile and a
+scenario with the step model (virtual clock, no sleeping) and writes the system YAML it recommends, the
+predicted figures in its comments. `--validate` prints the model against the measured 1x and 2xH200 bench runs.
+
+    python scripts/plan_layout.py --hardware vera-rubin --gpus 72 --scenario server --out plan.yaml
+"""
+
+
+def plan_config(best: Plan, request: PlanRequest, checkpoint: str | None = None) -> dict:
+    """The system config of `best` (simulated workers; with `checkpoint`, the real model on CUDA), its target
+    QPS 95% of the prediction."""
+    split = SPLITS[best.layout]
+    layout = "aggregated" if split is None else "disaggregated"
+    config = simulated_system(f"plan-{request.hardware}-{request.scenario}", request.hardware,
+                              workers=best.instances, layout=layout, policy=best.policy, tp=best.tp,
+                              prefill_fraction=0 if split is None else split[0] / sum(split),
+                              qps={request.scenario: round(best.qps * 0.95, 1)}, duration_ms=600000, samples=48289,
+                              simulation={"model": request.model, "weights": request.weights,
+                                          "kv_dtype": request.kv_dtype},
+                              engine={"max_num_seqs": request.max_num_seqs,
+                                      "max_num_batched_tokens": request.max_num_batched_tokens})
+    if checkpoint:
+        config["model"]["checkpoint"] = checkpoint
+        config["engine"]["device"] = "cuda"
+        config.pop("simulation")
+    return config
+
+
+def plan_text(plans: list[Plan], request: PlanRequest, checkpoint: str | None = None) -> str:
+    """The YAML of the best of `plans` behind a comment header: the request, the prediction, the ranking."""
+    best = plans[0]
+    r = request
+    header = [f"# plan_layout.py: {r.hardware} x {r.gpus} GPUs, scenario {r.scenario}, model {r.model} "
+              f"({r.weights} weights, {r.kv_dtype} KV), workload {r.prompt_tokens} prompt tokens "
+              f"({r.image_tokens} visual) + {r.output_tokens} output tokens.",
+              f"# Predicted (step model, virtual clock): {best.qps:.1f} {'samples/s' if r.scenario == 'offline' else 'QPS'}"
+              f" with p99 {best.p99_s:.2f} s; target_qps set to 95% of it.",
+              "# Layouts ranked (qps, tp, layout, policy):"]
+    header += [f"#   {p.qps:9.1f}  tp{p.tp}  {p.layout:10s} {p.policy}" for p in plans[:10]]
+    return "\n".join(header) + "\n" + yaml.safe_dump(plan_config(best, request, checkpoint), sort_keys=False)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """scripts/plan_layout.py's arguments (defaults: PlanRequest's)."""
+    d = PlanRequest()
+    parser = argparse.ArgumentParser(description=CLI_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hardware", default=d.hardware)
+    parser.add_argument("--gpus", type=int, default=d.gpus)
+    parser.add_argument("--scenario", default=d.scenario, choices=["offline", "server", "interactive"])
+    parser.add_argument("--model", default=d.model)
+    parser.add_argument("--weights", default=d.weights, choices=["bf16", "fp8", "fp4"])
+    parser.add_argument("--kv-dtype", default=d.kv_dtype, choices=["bf16", "fp8"])
+    parser.add_argument("--policies", default=",".join(d.policies))
+    parser.add_argument("--tp", default=",".join(map(str, d.tp)), help="TP widths to try")
+    parser.add_argument("--layouts", default=",".join(d.layouts), help="layouts to try")
+    parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    parser.add_argument("--image-tokens", type=int, default=d.image_tokens)
+    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--requests", type=int, default=d.requests, help="simulated requests per point")
+    parser.add_argument("--checkpoint", default=None, help="write a real-hardware config for this checkpoint")
+    parser.add_argument("--out", default="plan.yaml")
+    parser.add_argument("--validate", action="store_true")
+    return parser.parse_args(argv)
+
+
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    """The PlanRequest of parsed arguments (comma-separated lists split)."""
+    return PlanRequest(hardware=args.hardware, gpus=args.gpus, scenario=args.scenario, model=args.model,
+                       weights=args.weights, kv_dtype=args.kv_dtype, policies=tuple(args.policies.split(",")),
+                       tp=tuple(int(t) for t in args.tp.split(",")), layouts=tuple(args.layouts.split(",")),
+                       prompt_tokens=args.prompt_tokens, image_tokens=args.image_tokens,
+                       output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, requests=args.requests)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Plans (or with --validate, validates) and prints one JSON object."""
+    args = parse_args(argv)
+    if args.validate:
+        from harness.planner_validation import validate
+
+        print(json.dumps(validate(), indent=1))
+        return
+    request = plan_request(args)
+    plans = search(request)
+    if not plans:
+        sys.exit(f"no layout of {args.model} fits {args.gpus} x {args.hardware}")
+    Path(args.out).write_text(plan_text(plans, request, args.checkpoint))
+    print(json.dumps({"out": args.out, "best": plans[0].row(), "ranked": [p.row() for p in plans]}, indent=1))

@@ -1,0 +1,75 @@
+"""Closed-loop load through a router for its benchmarks (scripts/bench_router.py, the router ceiling of
+scripts/sim_sweep.py): the helper processes they start and `concurrency` clients sending back to back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from workers.stats import percentile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Procs:
+    """Helper processes of a load test (`python ARGS...` from the repository root, one thread for BLAS), each
+    answering on stdout once it serves; stop() terminates them all."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], lines: int = 1) -> list[str]:
+        """Starts `python *args`; its first `lines` lines of stdout (addresses, "ready")."""
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        self.procs.append(proc)
+        return [proc.stdout.readline().strip() for _ in range(lines)]
+
+    def start_binary(self, args: list[str]) -> None:
+        self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+
+async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict:
+    """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles."""
+    latencies: list[float] = []
+    errors = 0
+    end = time.monotonic() + seconds
+
+    async def client() -> None:
+        nonlocal errors
+        while time.monotonic() < end:
+            t = time.monotonic()
+            try:
+                await send()
+            except Exception:  # noqa: BLE001 - counted, the run goes on
+                errors += 1
+                continue
+            latencies.append(time.monotonic() - t)
+
+    start = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed = time.monotonic() - start
+    pct = lambda q: round(1000 * percentile(latencies, q), 3) if latencies else None
+    return {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "completed": len(latencies), "errors": errors}
+
+
+async def drain(stream) -> None:
+    """Reads a response stream to its end."""
+    async for _ in stream:
+        pass

@@ -1,0 +1,385 @@
+"""The step model beside every measured H200 run it can express (`scripts/plan_layout.py --validate`): the
+runs, their bench files and calibrations are data (benchmarks/planner-validation-runs.json); this module replays
+each on the virtual clock as its bench ran it and returns one JSON-ready object of measured and predicted figures.
+It lives in the harness because the realistic catalogue's prompts come from the harness's prompt path."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
+from workers.config import EngineConfig
+from workers.sim.config import SimulationConfig
+from workers.sim.engine import SimulatedEngine
+from workers.sim.step_model import Calibration, StepModel
+from workers.sim.virtual import VirtualCluster, Workload
+from workers.stats import percentile, poisson_arrivals
+from contract.tokenizer import IMAGE_PAD_ID
+from contract.types import SamplingParams
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+RUNS_FILE = BENCH / "planner-validation-runs.json"
+POISSON_SEED = 1000  # bench_multi_gpu's qps_search: level i draws its arrivals with seed 1000 + i
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Data):
+    """The engine every replay runs: the model and its configured limits."""
+
+    model: str
+    output_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class OfflineRun(_Data):
+    """A one-GPU catalogue run, calibrated on its own bench; `visual_fit`: the bench whose vision times the
+    calibration fits (None: its own, False: micro-benchmarks only)."""
+
+    run: str
+    bench: str
+    visual_fit: str | bool | None = None
+
+
+class Dp2Run(_Data):
+    """Two data-parallel instances (a bench_multi_gpu JSON's dp2), calibrated on another bench."""
+
+    run: str
+    bench: str
+    calibration: str
+
+
+class PoissonLevels(_Data):
+    """bench_multi_gpu's --qps-requests and --qps-level-s of a run (they give its request counts per level)."""
+
+    requests: int
+    level_s: float
+
+
+class Session1(_Data):
+    code: str
+    offline: list[OfflineRun]
+    dp2: Dp2Run
+
+
+class Session2(_Data):
+    """Preprocessing before the engine's steps: one-GPU bench, the multi-GPU bench of the same code."""
+
+    code: str
+    run: str
+    bench: str
+    multi_gpu: str
+    preprocess_threads: int  # bench_engine/bench_multi_gpu prepared a catalogue run on min(16, cores) threads
+    poisson: PoissonLevels
+
+
+class Session4(_Data):
+    """Preparation overlapped with the steps (EngineConfig.preprocess_threads), the default calibration."""
+
+    code: str
+    run: str
+    bench: str
+    prepare_threads: int
+
+
+class Run15(_Data):
+    """run15 (2xH200, realistic catalogue): session 4 code but 16 preparation threads (run21 has 4)."""
+
+    code: str
+    run: str
+    bench: str
+    poisson: PoissonLevels
+
+
+class ValidationRuns(_Data):
+    """benchmarks/planner-validation-runs.json."""
+
+    about: str
+    engine: EngineSettings
+    session1: Session1
+    session2: Session2
+    session4: Session4
+    run15: Run15
+
+
+RUNS = ValidationRuns.model_validate_json(RUNS_FILE.read_text())
+RUN21 = BENCH / RUNS.session4.bench
+RUN15 = BENCH / RUNS.run15.bench
+VALIDATION_SIM = SimulationConfig(model=RUNS.engine.model, output_tokens=RUNS.engine.output_tokens)
+VALIDATION_ENGINE = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=RUNS.engine.max_num_seqs,
+                                 max_num_batched_tokens=RUNS.engine.max_num_batched_tokens)
+REPLAY_SIM = VALIDATION_SIM.model_copy(update={"output_tokens": OUTPUT_CAP})  # each request's max_tokens ends it
+
+
+def _h200(bench: Path, visual_fit: Path | None | bool = None) -> StepModel:
+    """The 1xH200 30B-A3B step model calibrated on one bench_engine.py JSON."""
+    calibration = Calibration.from_bench(bench, visual_fit)
+    base = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    return StepModel(calibration, base.hardware, base.model, calibration_hardware=base.calibration_hardware)
+
+
+@functools.cache
+def _bench(path: Path) -> dict:
+    """A bench JSON, read and parsed once per validation (several rows draw on the same run)."""
+    return json.loads(path.read_text())
+
+
+def _offline_row(run: str, model: StepModel, counts: dict[str, int], samples: int, preprocess_s: float,
+                 measured_engine_s: float, measured: float) -> dict:
+    """All `samples` at t=0 on `counts` engines; samples/s = samples / (engine makespan + preprocessing)."""
+    cluster = VirtualCluster(VALIDATION_ENGINE, VALIDATION_SIM, {role: model for role in counts}, counts)
+    result = cluster.run([0.0] * samples, Workload())
+    predicted = samples / (result.makespan_s + preprocess_s)
+    return {"run": run, "calibration": model.calibration.source, "samples": samples,
+            "engine_s": {"measured": measured_engine_s, "predicted": round(result.makespan_s, 2)},
+            "samples_per_s": {"measured": measured, "predicted": round(predicted, 2),
+                              "error_pct": round(100 * (predicted / measured - 1), 1)}}
+
+
+def _poisson_rows(model: StepModel, dp2: dict, preprocess_s: float) -> list[dict]:
+    """bench_multi_gpu's dp2 Poisson levels replayed: each instance its own stream at half the rate (the same seed,
+    the same cap on arrival time), latency = arrival to last token + one request's preprocessing."""
+    session = RUNS.session2
+    share = len(dp2["instances"])
+    rows = []
+    for i, level in enumerate(dp2["poisson"]["levels"]):
+        qps = level["qps"] / share
+        per_instance = math.ceil(session.poisson.requests / share)
+        cap_s = min(session.poisson.level_s, per_instance / qps)
+        arrivals = [t for t in poisson_arrivals(qps, per_instance, POISSON_SEED + i) if t <= cap_s]
+        result = VirtualCluster(VALIDATION_ENGINE, VALIDATION_SIM, {"aggregated": model}, {"aggregated": 1}).run(arrivals, Workload())
+        latencies = sorted(x + preprocess_s for x in result.latencies_s * share)
+        p99 = percentile(latencies, 0.99)
+        rows.append({"run": f"{session.run} dp2 Poisson {level['qps']} QPS ({session.code})", "calibration": model.calibration.source,
+                     "requests": {"measured": level["requests"], "predicted": len(latencies)},
+                     "p50_s": {"measured": level["p50_s"], "predicted": round(latencies[len(latencies) // 2], 3)},
+                     "p99_s": {"measured": level["p99_s"], "predicted": round(p99, 3),
+                               "error_pct": round(100 * (p99 / level["p99_s"] - 1), 1)}})
+    return rows
+
+
+def _session1_rows() -> list[dict]:
+    """Session-1 runs, each calibrated on session-1 JSON."""
+    session = RUNS.session1
+    rows = []
+    for run in session.offline:
+        file = BENCH / run.bench
+        fit = BENCH / run.visual_fit if isinstance(run.visual_fit, str) else run.visual_fit
+        measured = _bench(file)["ours"]["catalogue"]
+        rows.append(_offline_row(f"{run.run} 1xH200 ({session.code})", _h200(file, fit), {"aggregated": 1},
+                                 measured["samples"], measured["preprocess_s"], measured["engine_s"],
+                                 measured["samples_per_s"]))
+    dp2 = _bench(BENCH / session.dp2.bench)["dp2"]
+    rows.append(_dp2_row(f"{session.dp2.run} dp2 2xH200 ({session.code})", _h200(BENCH / session.dp2.calibration),
+                         dp2))
+    return rows
+
+
+def _session2_rows() -> list[dict]:
+    """Session-2 runs (preprocessing before the engine's steps), calibrated on run9, the one-GPU bench of that code."""
+    session = RUNS.session2
+    model = _h200(BENCH / session.bench)
+    one = _bench(BENCH / session.bench)["ours"]["catalogue"]
+    rows = [_offline_row(f"{session.run} 1xH200 ({session.code})", model, {"aggregated": 1}, one["samples"],
+                         one["preprocess_s"], one["engine_s"], one["samples_per_s"])]
+    multi = _bench(BENCH / session.multi_gpu)
+    rows.append(_dp2_row(f"{session.run} dp2 2xH200 ({session.code})", model, multi["dp2"]))
+    pd = multi["pd"]
+    rows.append(_offline_row(f"{session.run} pd 1 prefill + 1 decode 2xH200 ({session.code})", model,
+                             {"prefill": 1, "decode": 1}, pd["samples"], pd["preprocess_s"], pd["decode_wall_s"],
+                             pd["samples_per_s"]))
+    return rows + _poisson_rows(model, multi["dp2"], _run9_prepare_s())
+
+
+def _run9_prepare_s() -> float:
+    """One request's preprocessing in session 2: run9's catalogue preprocess_s x its threads / samples."""
+    session = RUNS.session2
+    one = _bench(BENCH / session.bench)["ours"]["catalogue"]
+    return one["preprocess_s"] * session.preprocess_threads / one["samples"]
+
+
+def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
+            encoded: Iterable[int] = ()) -> list[float]:
+    """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
+    (VirtualCluster serves one request shape); each request's finishing time. `encoded`: image sizes (patches) the
+    measured engine had encoded before (their cuDNN plans built)."""
+    engine = SimulatedEngine(VALIDATION_ENGINE, REPLAY_SIM, model, realtime=False)
+    engine.encoded_sizes.update(encoded)
+    order = sorted(range(len(requests)), key=joins.__getitem__)
+    finish, clock, nxt = [math.nan] * len(requests), 0.0, 0
+    while nxt < len(order) or engine.has_unfinished():
+        if not engine.has_unfinished():
+            clock = max(clock, joins[order[nxt]])
+        while nxt < len(order) and joins[order[nxt]] <= clock:
+            i = order[nxt]
+            engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens))
+            nxt += 1
+        outputs = engine.step()
+        if engine.last_step_s == 0.0 and not outputs:
+            raise RuntimeError(f"replay of {len(requests)} requests stalled: the KV pool cannot hold the next one")
+        clock += engine.last_step_s
+        for out in outputs:
+            if out.finished:
+                finish[int(out.request_id)] = clock
+    return finish
+
+
+def _overlapped_wall_s(model: StepModel, requests: list[CatalogueRequest], preprocess_done_s: float,
+                       encoded: Iterable[int] = ()) -> float:
+    """An offline catalogue run as bench_engine times it since session 3: requests join as their preparation ends
+    (evenly over the run's measured preparation span), from the first preparation to the last token."""
+    n = len(requests)
+    return max(_replay(model, requests, [preprocess_done_s * (i + 1) / n for i in range(n)], encoded))
+
+
+def _image_sizes(requests: list[CatalogueRequest]) -> set[int]:
+    """Every image size (patches) of `requests`: what an engine that served them has cuDNN plans for."""
+    return set().union(*(SimulatedEngine.image_sizes(r.prompt.token_ids) for r in requests))
+
+
+def _run21_sizes_before_catalogues() -> set[int]:
+    """Image sizes run21's engine encoded before its catalogues: bench_engine's vision micro-benchmark."""
+    return {_bench(RUN21)["ours"]["vision_patches_per_image"]}
+
+
+def _rate_row(run: str, model: StepModel, samples: int, measured: float, predicted_wall_s: float,
+              **times: tuple[float, float]) -> dict:
+    """A row of samples/s (samples / predicted_wall_s) beside the times it comes from, name=(measured, predicted)."""
+    predicted = samples / predicted_wall_s
+    return {"run": run, "calibration": model.calibration.source, "samples": samples,
+            **{name: {"measured": m, "predicted": round(p, 2)} for name, (m, p) in times.items()},
+            "samples_per_s": {"measured": measured, "predicted": round(predicted, 2),
+                              "error_pct": round(100 * (predicted / measured - 1), 1)}}
+
+
+def _session4_fixed_rows(model: StepModel) -> list[dict]:
+    """run21's fixed catalogue (one H200, 4 preparation threads): overlapped with the steps, and prepared first."""
+    data = _bench(RUN21)
+    w, ours = data["workload"], data["ours"]
+    requests = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])
+    cat, first = ours["catalogue"], ours["catalogue_prepared_first"]
+    before = _run21_sizes_before_catalogues()
+    wall = _overlapped_wall_s(model, requests, cat["preprocess_done_s"], before)
+    engine_s = max(_replay(model, requests, [0.0] * len(requests), before | _image_sizes(requests)))  # run after it
+    name, code = RUNS.session4.run, RUNS.session4.code
+    return [_rate_row(f"{name} 1xH200 fixed catalogue ({code})", model, cat["samples"], cat["samples_per_s"],
+                      wall, wall_s=(cat["wall_s"], wall)),
+            _rate_row(f"{name} 1xH200 fixed catalogue, prepared first ({code})", model, first["samples"],
+                      first["samples_per_s"], first["preprocess_done_s"] + engine_s,
+                      engine_wall_s=(first["engine_wall_s"], engine_s))]
+
+
+def _prepare_s_per_visual_token() -> float:
+    """Preparation of one request alone: run21's prepared-first catalogue time x its threads, per visual token."""
+    ours = _bench(RUN21)["ours"]["catalogue_prepared_first"]
+    return ours["preprocess_done_s"] * RUNS.session4.prepare_threads / (ours["samples"] * ours["visual_tokens"]["mean"])
+
+
+def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest]) -> list[dict]:
+    """The realistic catalogue (harness.catalogue_workload.realistic_catalogue, per-request images and output
+    lengths): run21 on one H200 (its 256 requests), run15 on two (the first 128: DP2 halves, TP2, DP2 Poisson)."""
+    run21 = _bench(RUN21)
+    cat, w = run21["ours"]["catalogue_realistic"], run21["workload"]
+    ours = requests[:cat["samples"]]
+    fixed = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])  # served before it
+    before = _run21_sizes_before_catalogues() | _image_sizes(fixed)
+    wall = _overlapped_wall_s(model, ours, cat["preprocess_done_s"], before)
+    rows = [_rate_row(f"{RUNS.session4.run} 1xH200 realistic catalogue ({RUNS.session4.code})", model,
+                      cat["samples"], cat["samples_per_s"], wall, wall_s=(cat["wall_s"], wall))]
+    run15 = _bench(RUN15)
+    ours = requests[:run15["workload"]["samples"]]
+    dp2 = run15["dp2"]
+    shards = [ours[k::len(dp2["instances"])] for k in range(len(dp2["instances"]))]
+    walls = [_overlapped_wall_s(model, shard, inst["preprocess_done_s"]) for shard, inst in zip(shards, dp2["instances"])]
+    name, code = RUNS.run15.run, RUNS.run15.code
+    rows.append(_rate_row(f"{name} dp2 2xH200 realistic ({code})", model, len(ours), dp2["samples_per_s"],
+                          max(walls), wall_s=(max(i["wall_s"] for i in dp2["instances"]), max(walls))))
+    tp2, measured = dataclasses.replace(model, tp=2), run15["tp2"]["catalogue"]
+    wall = _overlapped_wall_s(tp2, ours, measured["preprocess_done_s"])
+    rows.append(_rate_row(f"{name} tp2 2xH200 realistic, TP at the assumed {tp2.tp_efficiency} efficiency "
+                          f"({code})", tp2, len(ours), measured["samples_per_s"], wall,
+                          wall_s=(measured["wall_s"], wall)))
+    return rows + _realistic_poisson_rows(model, shards, dp2)
+
+
+def _realistic_poisson_rows(model: StepModel, shards: list[list[CatalogueRequest]], dp2: dict) -> list[dict]:
+    """run15's dp2 Poisson levels replayed as bench_multi_gpu ran them: each instance its own stream at the level's
+    fraction of its own offline rate (seed 1000 + level, arrivals capped as the bench caps them), the n-th arrival
+    is its shard's request n; a request joins the engine after its preparation, latency is from its arrival."""
+    per_token = _prepare_s_per_visual_token()
+    run15 = RUNS.run15
+    rows = []
+    for i, level in enumerate(dp2["poisson"]["levels"]):
+        latencies = []
+        for shard, inst in zip(shards, dp2["instances"]):
+            qps = level["fraction"] * inst["samples_per_s"]
+            count = math.ceil(run15.poisson.requests / len(shards))
+            arrivals = [t for t in poisson_arrivals(qps, count, POISSON_SEED + i)
+                        if t <= min(run15.poisson.level_s, count / qps)]
+            requests = [shard[n % len(shard)] for n in range(len(arrivals))]
+            joins = [t + per_token * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, requests)]
+            # the same engine served its shard offline before the Poisson levels: every image size encoded
+            latencies += [f - t for f, t in zip(_replay(model, requests, joins, _image_sizes(shard)), arrivals)]
+        rows.append(_latency_row(f"{run15.run} dp2 Poisson {level['qps']} QPS realistic ({run15.code})", model,
+                                 level, latencies))
+    return rows
+
+
+def _latency_row(run: str, model: StepModel, level: dict, latencies: list[float]) -> dict:
+    """p50 (median) and p99 as bench_multi_gpu computes them."""
+    ordered = sorted(latencies)
+    p99 = percentile(ordered, 0.99)
+    return {"run": run, "calibration": model.calibration.source,
+            "requests": {"measured": level["requests"], "predicted": len(ordered)},
+            "p50_s": {"measured": level["p50_s"], "predicted": round(statistics.median(ordered), 3)},
+            "p99_s": {"measured": level["p99_s"], "predicted": round(p99, 3),
+                      "error_pct": round(100 * (p99 / level["p99_s"] - 1), 1)}}
+
+
+def validate() -> dict:
+    """The model beside every measured H200 run it can express, one JSON object: session-1 and session-2 runs
+    (each calibrated on the one-GPU bench of its code) and session-4 runs (calibrated on run21, the default)."""
+    model = _h200(RUN21)
+    rows = _session1_rows() + _session2_rows() + _session4_fixed_rows(model)
+    rows += _session4_realistic_rows(model, realistic_catalogue(_bench(RUN21)["ours"]
+                                                                ["catalogue_realistic"]["samples"]))
+    return {"device": "H200, Qwen3-VL-30B-A3B bf16; fixed catalogue (1,734 prompt / 45 output tokens) and realistic "
+                      "catalogue (per-request images: prompt mean 2,252 / p99 9,502 tokens, output mean 43)",
+            "notes": {"offline (session 1-2)": "samples/s = samples / (simulated engine makespan + the run's measured "
+                                               "preprocessing)",
+                      "offline (session 4)": "requests join evenly over the run's measured preprocess_done_s; "
+                                             "samples/s = samples / simulated wall (first preparation to last token)",
+                      "poisson (session 2)": f"latency + {_run9_prepare_s():.3f} s of preprocessing per request "
+                                             f"(run9's catalogue preprocess_s x {RUNS.session2.preprocess_threads} threads / samples)",
+                      "poisson (session 4)": f"a request joins {_prepare_s_per_visual_token() * 1e6:.1f} us per "
+                                             f"visual token after its arrival (run21's prepared-first catalogue: "
+                                             f"preprocess_done_s x {RUNS.session4.prepare_threads} threads / visual tokens)",
+                      "pd": "measured engine_s is decode_wall_s (preprocessing included); run15's pd (realistic) is "
+                            "not replayed: the prefill/decode cluster serves one request shape",
+                      "tp2": "the step model divides times by tp x tp_efficiency (0.85, assumed, not measured)"},
+            "rows": rows}
+
+
+def _dp2_row(run: str, model: StepModel, dp2: dict) -> dict:
+    """Two data-parallel instances, each with its half of the samples at t=0 (the slower one sets the time)."""
+    instances = dp2["instances"]
+    row = _offline_row(run, model, {"aggregated": 1}, instances[0]["samples"],
+                       max(i["preprocess_s"] for i in instances), max(i["engine_s"] for i in instances),
+                       dp2["samples_per_s"])
+    samples = sum(i["samples"] for i in instances)
+    row["samples"] = samples
+    predicted = round(row["samples_per_s"]["predicted"] * samples / instances[0]["samples"], 2)
+    row["samples_per_s"].update(predicted=predicted,
+                                error_pct=round(100 * (predicted / dp2["samples_per_s"] - 1), 1))
+    return row

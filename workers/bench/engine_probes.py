@@ -1,0 +1,161 @@
+"""Probes around an engine run for its benchmarks: CUDA events splitting GPU time into vision / prefill /
+decode, torch.profiler windows, the CUDA allocator's and Triton's compile counters, one MoE layer's time."""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from pathlib import Path
+
+
+
+class Sync:
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+
+    def __call__(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+class GpuTimeSplit:
+    """CUDA events around the vision tower and every step: GPU-side time of vision / prefill / decode."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.torch = torch
+        self.cuda = engine.config.is_cuda
+        self.steps: list[tuple[str, object, object]] = []
+        self.vision: list[tuple[object, object]] = []
+        self.images_per_encode: list[int] = []  # the vision tower's batch sizes (images per call)
+        runner = engine.runner
+        execute, encode = runner.execute, runner.vision.encode
+
+        def timed_execute(out, *upcoming):
+            kind = "decode" if all(c.num_tokens == 1 for c in out.chunks) else "prefill"
+            start, end = self._event(), self._event()
+            result = execute(out, *upcoming)
+            end.record() if self.cuda else None
+            self.steps.append((kind, start, end))
+            return result
+
+        def timed_encode(pixel_values, grid_thw):
+            self.images_per_encode.append(int(grid_thw.shape[0]))
+            start, end = self._event(), self._event()
+            result = encode(pixel_values, grid_thw)
+            end.record() if self.cuda else None
+            self.vision.append((start, end))
+            return result
+
+        runner.execute, runner.vision.encode = timed_execute, timed_encode
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = self.torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self.vision.clear()
+        self.images_per_encode.clear()
+
+    def encodes(self) -> dict[str, float]:
+        """How the images went through the tower: calls, images in all, images per call (mean and max)."""
+        n = self.images_per_encode
+        return {"calls": len(n), "images": sum(n), "images_per_call_mean": round(sum(n) / max(1, len(n)), 2),
+                "images_per_call_max": max(n, default=0)}
+
+    def split(self, wall_s: float) -> dict[str, float]:
+        if not self.cuda:
+            return {}
+        self.torch.cuda.synchronize()
+        ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        vision = sum(ms(a, b) for a, b in self.vision) / 1e3
+        prefill = sum(ms(a, b) for k, a, b in self.steps if k == "prefill") / 1e3 - vision
+        decode = sum(ms(a, b) for k, a, b in self.steps if k == "decode") / 1e3
+        return {
+            "vision_s": round(vision, 3), "prefill_s": round(prefill, 3), "decode_s": round(decode, 3),
+            "idle_s": round(wall_s - vision - prefill - decode, 3), "wall_s": round(wall_s, 3),
+        }
+
+
+def moe_layer_times(model) -> dict[str, float]:
+    """Microseconds of one MoE layer (router + experts) replayed in a CUDA graph, per token count, for the
+    fused Triton kernels and for the torch._grouped_mm path."""
+    import torch
+
+    from workers.bench.gpu_timing import graph_us
+    from workers.model import moe
+
+    mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
+    hidden = mlp.gate.weight.shape[1]
+    paths = {"fused": mlp.experts.forward, "grouped_mm": mlp.experts.grouped}
+    times = {}
+    for tokens in (1, 2, 64, 256, 8192):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
+        for path, experts in paths.items():
+            times[f"{path}_T{tokens}"] = graph_us(lambda: experts(x, *mlp.gate(x)), calls=1, replays=20)
+    return times
+
+
+def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> tuple[int, dict]:
+    """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
+    kernel_ms, busy}): kernel time over wall is how busy the GPU was across those steps (one stream, so kernels do
+    not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    generated = 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    averages = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e3
+    with out.open("a") as f:
+        f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms\n")
+        sort_by = "self_cpu_time_total" if host else "self_cuda_time_total"
+        f.write(averages.table(sort_by=sort_by, row_limit=40 if host else 30, max_name_column_width=70) + "\n")
+    return generated, {"steps": n, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
+                       "busy": round(kernel_ms / wall_ms, 3)}
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's cudaMalloc / cudaFree calls and out-of-memory retries so far (each cudaFree and
+    retry synchronises the device); {} without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def run_until_done(engine, sync) -> tuple[float, list[float]]:
+    step_times = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        s = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - s)
+    sync()
+    return time.perf_counter() - t0, step_times
+
+
+def triton_cache_kernels() -> collections.Counter:
+    """Kernels in Triton's on-disk cache by name (one .cubin per compiled specialisation): the difference over a run
+    names what compiled inside it."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return collections.Counter(p.stem for p in root.glob("*/*.cubin")) if root.is_dir() else collections.Counter()
