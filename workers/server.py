@@ -24,6 +24,7 @@ from contract.network import MIB, is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
+from workers.engine_api import ServingEngine
 from workers.kv_cache import FP8_DTYPE, KvExport
 from workers.kv_transfer import KvLink, KvLinkError
 
@@ -147,11 +148,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
 
 class WorkerServer:
-    """Serves `engine` (AsyncEngine interface) as WorkerService; registers with `router_address` if given."""
+    """Serves an engine (workers/engine_api.ServingEngine) as WorkerService; registers with `router_address` if
+    given."""
 
     def __init__(
         self,
-        async_engine,
+        async_engine: ServingEngine,
         worker_id: str,
         role: int | str = pb.AGGREGATED,
         router_address: str | None = None,
