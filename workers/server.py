@@ -416,9 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
 
-    from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig, KvLinkConfig
-    from workers.engine import LLMEngine
+    from workers.worker_build import WorkerSettings, build_worker, serve_llm_engine
 
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype)
@@ -429,16 +428,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--kv-link joins a prefill and a decode worker; --role aggregated has no peer")
         host, port = split_host_port(args.kv_link)
         link_config = KvLinkConfig(host, port, args.role, args.device)
+    settings = WorkerSettings(args.worker_id, args.role, args.router, args.listen, args.token, str(config.checkpoint),
+                              config.block_size, config.max_model_len, kv_link=link_config)
 
     async def serve() -> None:
-        llm = LLMEngine(config)
-        engine = AsyncEngine(llm)
-        link = None if link_config is None else await asyncio.get_running_loop().run_in_executor(None, KvLink, link_config)
-        server = WorkerServer(
-            engine, args.worker_id, args.role, args.router, args.listen, args.token,
-            kv_block_size=config.block_size, max_model_len=config.max_model_len,
-            model_name=str(config.checkpoint), generation_defaults=llm.generation_defaults, kv_link=link,
-        )
+        served = serve_llm_engine(config)
+        # a KV link waits for its peer: off the event loop
+        server = await asyncio.get_running_loop().run_in_executor(None, build_worker, served, settings)
         await server.start()
         print(f"worker {args.worker_id} listening on {server.address}", flush=True)
         stop = asyncio.Event()
@@ -446,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         await server.stop()
-        engine.shutdown()
+        served.async_engine.shutdown()
 
     asyncio.run(serve())
 
