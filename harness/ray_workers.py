@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.config import KvLinkConfig
-from workers.worker_build import ServedEngine, WorkerSettings, build_worker, serve_llm_engine
+from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class ModelWorker:
     `colocated` specs are served by the same process on their own ports (simulated workers: many per process)."""
 
     def __init__(self, spec: WorkerSpec, *colocated: WorkerSpec) -> None:
+        from workers.server import build_worker
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-server", daemon=True)

@@ -26,8 +26,9 @@ from contract.types import FinishReason, PromptInput, RequestOutput, SamplingPar
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
 from workers.kv_cache import KvExport
-from workers.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.kv_transfer import KvLink, KvLinkError
+from workers.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,18 @@ class WorkerServer:
                 await asyncio.sleep(interval)
 
 
+def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
+    """The WorkerServer for `served` (not started). With a KV link this waits for the peer to connect."""
+    link = None if settings.kv_link is None else KvLink(settings.kv_link)
+    return WorkerServer(
+        served.async_engine, settings.worker_id, settings.role, router_address=settings.router_address,
+        listen=settings.listen, token=settings.token, model_name=settings.model_name,
+        kv_block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
+        heartbeat_interval_s=settings.heartbeat_interval_s, generation_defaults=served.generation_defaults,
+        kv_link=link,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m workers.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
     parser = argparse.ArgumentParser(prog="python -m workers.server", description=main.__doc__)
@@ -382,7 +395,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level)
 
     from workers.config import EngineConfig, KvLinkConfig
-    from workers.worker_build import WorkerSettings, build_worker, serve_llm_engine
 
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype)

@@ -1,18 +1,14 @@
-"""One way to build a served worker, for both of its entry points: the command line (`python -m workers.server`)
-and the Ray actor (harness/ray_workers.ModelWorker). An engine with its checkpoint's sampling defaults, served by a
-WorkerServer with the worker's settings (and, for a prefill/decode pair, its GPU-to-GPU KV link)."""
+"""What one served worker is made of, for both of its entry points, the command line (`python -m workers.server`)
+and the Ray actor (harness/ray_workers.ModelWorker): an engine with its checkpoint's sampling defaults
+(ServedEngine, serve_llm_engine for the product engine) and the worker's settings (WorkerSettings);
+workers.server.build_worker puts them together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from contract.types import SamplingParams
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine_api import ServingEngine
-
-if TYPE_CHECKING:
-    from workers.server import WorkerServer
 
 
 @dataclass(frozen=True)
@@ -46,18 +42,3 @@ def serve_llm_engine(config: EngineConfig) -> ServedEngine:
 
     engine = LLMEngine(config)
     return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
-
-
-def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
-    """The WorkerServer for `served` (not started). With a KV link this waits for the peer to connect."""
-    from workers.kv_transfer import KvLink
-    from workers.server import WorkerServer
-
-    link = None if settings.kv_link is None else KvLink(settings.kv_link)
-    return WorkerServer(
-        served.async_engine, settings.worker_id, settings.role, router_address=settings.router_address,
-        listen=settings.listen, token=settings.token, model_name=settings.model_name,
-        kv_block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
-        heartbeat_interval_s=settings.heartbeat_interval_s, generation_defaults=served.generation_defaults,
-        kv_link=link,
-    )
