@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.config import KvLinkConfig
+from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +50,9 @@ class WorkerSpec:
     kv_link: KvLinkConfig | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class ServedEngine:
-    """An engine with the AsyncEngine interface and the sampling defaults of its checkpoint."""
-
-    async_engine: Any
-    generation_defaults: Any  # contract.types.SamplingParams from generation_config.json
-
-
 def build_engine(engine_config) -> ServedEngine:
-    """The product engine: LLMEngine in its AsyncEngine step-loop wrapper."""
-    from workers.async_engine import AsyncEngine
-    from workers.engine import LLMEngine
-
-    engine = LLMEngine(engine_config)
-    return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
+    """The product engine (workers.worker_build.serve_llm_engine)."""
+    return serve_llm_engine(engine_config)
 
 
 class ModelWorker:
@@ -72,8 +61,7 @@ class ModelWorker:
     `colocated` specs are served by the same process on their own ports (simulated workers: many per process)."""
 
     def __init__(self, spec: WorkerSpec, *colocated: WorkerSpec) -> None:
-        from workers.kv_transfer import KvLink
-        from workers.server import WorkerServer
+        from workers.server import build_worker
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._loop = asyncio.new_event_loop()
@@ -84,21 +72,10 @@ class ModelWorker:
         for one in (spec, *colocated):
             served = one.engine_factory()
             self._engines.append(served.async_engine)
-            link = None if one.kv_link is None else KvLink(one.kv_link)  # waits for the peer to connect
-            server = WorkerServer(
-                served.async_engine,
-                one.worker_id,
-                one.role,
-                router_address=one.router_address,
-                listen=f"{one.listen_host}:0",
-                token=one.router_token,
-                model_name=one.model_name,
-                kv_block_size=one.kv_block_size,
-                max_model_len=one.max_model_len,
-                heartbeat_interval_s=one.heartbeat_interval_s,
-                generation_defaults=served.generation_defaults,
-                kv_link=link,
-            )
+            server = build_worker(served, WorkerSettings(
+                one.worker_id, one.role, one.router_address, f"{one.listen_host}:0", one.router_token,
+                one.model_name, one.kv_block_size, one.max_model_len, one.heartbeat_interval_s, one.kv_link,
+            ))
             asyncio.run_coroutine_threadsafe(server.start(), self._loop).result()
             self._servers[one.worker_id] = server
             logger.info("worker %s (%s) serving on %s", one.worker_id, one.role, server.address)

@@ -23,8 +23,6 @@ class PolicyConfig(_Section):
 
     name: Literal["round_robin", "least_loaded", "kv_aware"] = "least_loaded"
     prefill_load_scale: float = Field(1.0, ge=0)
-    # Dynamo defaults to 1.0; MLPerf forbids cross-query prefix caching so there is nothing to credit.
-    overlap_credit: float = Field(0.0, ge=0, le=1)
     temperature: float = Field(0.0, ge=0)  # 0: lowest cost wins; > 0: softmax sampling over costs
     block_size: int = Field(16, gt=0)      # tokens per KV block, for converting tokens to blocks
     seed: int | None = None                # fixes the tie-breaking / sampling rng (tests, benchmarks)

@@ -20,7 +20,7 @@ from contract.wire import pb
 from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policies import RouteRequest, Selector, block_hashes
+from router.policies import RouteRequest, Selector
 from router.registry import SERVING_ROLES, Booking, Registry, WorkerEntry
 
 log = logging.getLogger(__name__)
@@ -215,11 +215,7 @@ class Dispatcher:
     # -- the two ways to serve an attempt -------------------------------------------------------
 
     def _route_request(self, request: pb.GenerateRequest, prefill_tokens: int) -> RouteRequest:
-        policy = self.config.policy
-        hashes = ()
-        if policy.name == "kv_aware" and policy.overlap_credit and prefill_tokens:
-            hashes = block_hashes(request.prompt_token_ids, policy.block_size)
-        return RouteRequest(prompt_tokens=prefill_tokens, block_hashes=hashes)
+        return RouteRequest(prompt_tokens=prefill_tokens)
 
     def _pick(self, roles: tuple[int, ...], route: RouteRequest, stage: str) -> WorkerEntry:
         per_worker = self.config.limits.max_inflight_per_worker

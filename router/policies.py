@@ -2,33 +2,28 @@
 
 No network and no clocks here; the router builds the snapshots (router.registry) and books the load.
 
-kv_aware is Dynamo's cost (reference/router.md §1.4), in KV blocks of `block_size` tokens:
+kv_aware is Dynamo's KV-load cost (https://github.com/ai-dynamo/dynamo, docs/router: the KV router's cost) without
+its prefix-overlap credit, in KV blocks of `block_size` tokens:
 
     prefill_blocks = (active_prefill_tokens + prompt_tokens) / block_size
-    cost = prefill_load_scale * max(prefill_blocks - overlap_credit * cached_blocks, 0) + active_decode_blocks
+    cost = prefill_load_scale * prefill_blocks + active_decode_blocks
 
-where cached_blocks is how many leading blocks of the prompt the worker reports holding (chained block
-hashes, `block_hashes`). The blocks of the request itself would add the same amount to every worker's
-decode term, so they are left out: the choice is unchanged, with or without temperature.
+The lowest cost wins (random among ties); with temperature T > 0 the pick is sampled with
+p_i ~ exp(-(c_i - c_min) / ((c_max - c_min) * T)) instead (uniform if all are equal). The blocks of the request
+itself would add the same amount to every worker's decode term, so they are left out.
 
-Worked example (Dynamo's): a prompt of 8 blocks, overlap_credit 1, prefill_load_scale 1, no active prefill:
-
-    worker   cached  prefill blocks  decode blocks  cost
-    A        0       8               10             18
-    B        3       5               5              10   <- chosen
-    C        6       2               9              11
-
-C holds the most of the prompt, but B's lighter decode load makes it cheaper. With temperature T > 0 the
-pick is sampled with p_i ~ exp(-(c_i - c_min) / ((c_max - c_min) * T)) instead (uniform if all are equal).
+Dynamo also credits the prompt blocks a worker already caches. That term is not here: MLPerf forbids cross-query
+prefix caching (the engine's is off by default), so no worker of a submission has blocks to credit, and crediting
+them for the OpenAI endpoint's other clients would need the workers to publish their block hashes and the router
+to hash images as the block manager does (README, Router).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.config import PolicyConfig
 
@@ -41,50 +36,17 @@ class WorkerSnapshot:
     active_prefill_tokens: int = 0  # prompt tokens dispatched to it and not yet prefilled
     active_decode_blocks: int = 0   # KV blocks its running requests hold (or will hold)
     inflight: int = 0               # requests it is serving for this router
-    cached_block_hashes: frozenset[int] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """The request as the policies see it: its prefill size and (kv_aware) its prompt's block hashes."""
+    """The request as the policies see it: its prefill size."""
 
     prompt_tokens: int
-    block_hashes: tuple[int, ...] = ()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chained 64-bit hashes of the prompt's full blocks: block i's hash covers blocks 0..i.
-
-    Workers that report cached blocks (LoadReport.cached_block_hashes) must hash the same way.
-    """
-    out: list[int] = []
-    previous = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids[start : start + block_size])
-        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
-        out.append(int.from_bytes(previous, "little"))
-    return tuple(out)
-
-
-def cached_prefix_blocks(request_hashes: Sequence[int], cached: frozenset[int]) -> int:
-    """How many leading blocks of the prompt the worker holds (chained hashes: a hit implies its prefix)."""
-    count = 0
-    for h in request_hashes:
-        if h not in cached:
-            break
-        count += 1
-    return count
 
 
 def kv_aware_cost(request: RouteRequest, worker: WorkerSnapshot, config: PolicyConfig) -> float:
-    prefill_blocks = (worker.active_prefill_tokens + request.prompt_tokens) / config.block_size
-    cached = cached_prefix_blocks(request.block_hashes, worker.cached_block_hashes) if config.overlap_credit else 0
-    adjusted = max(prefill_blocks - config.overlap_credit * cached, 0.0)
-    return config.prefill_load_scale * adjusted + worker.active_decode_blocks
-
-
-def predicted_load(request: RouteRequest, worker: WorkerSnapshot, config: PolicyConfig) -> float:
-    """The token load the worker would carry with this request: kv_aware's cost with no cache credit."""
+    """The token load the worker would carry with this request, in KV blocks."""
     prefill_blocks = (worker.active_prefill_tokens + request.prompt_tokens) / config.block_size
     return config.prefill_load_scale * prefill_blocks + worker.active_decode_blocks
 
@@ -101,7 +63,7 @@ def least_loaded(
     if len(workers) == 1:
         return workers[0]
     a, b = rng.sample(list(workers), 2)
-    return b if predicted_load(request, b, config) < predicted_load(request, a, config) else a
+    return b if kv_aware_cost(request, b, config) < kv_aware_cost(request, a, config) else a
 
 
 def kv_aware(

@@ -40,7 +40,6 @@ class WorkerEntry:
         # would read as a worker with no KV at all for one heartbeat interval).
         self.report = pb.LoadReport(worker_id=info.worker_id, total_kv_blocks=info.total_kv_blocks,
                                     free_kv_blocks=info.total_kv_blocks)
-        self.cached_hashes: frozenset[int] = frozenset()
         self.steps_moved_at = now
         self.inflight = 0
         self.booked_prefill_tokens = 0
@@ -54,7 +53,6 @@ class WorkerEntry:
             active_prefill_tokens=max(self.booked_prefill_tokens, self.report.queued_prompt_tokens),
             active_decode_blocks=max(self.booked_blocks, self.report.active_kv_blocks),
             inflight=self.inflight,
-            cached_block_hashes=self.cached_hashes,
         )
 
 
@@ -130,10 +128,6 @@ class Registry:
             entry.steps_moved_at = now
         entry.last_seen = now
         entry.report = report
-        if report.cached_block_hashes:
-            entry.cached_hashes = frozenset(report.cached_block_hashes)
-        elif entry.cached_hashes:
-            entry.cached_hashes = frozenset()
         if not entry.healthy and now - entry.steps_moved_at <= self.health.down_after_s:
             self._revive(entry)
         return True

@@ -1,5 +1,5 @@
-"""The package-level import graph (issue 21): contract/ at the bottom, router/ and workers/ side by side, audit/
-on contract/ alone, no cycle between packages.
+"""The import graph (issue 21): contract/ at the bottom, router/ and workers/ side by side, audit/ on contract/
+alone, no cycle between packages, and no cycle between modules.
 
 Every import statement of every module is read with `ast` (top-level and inside functions alike, plus
 `importlib.import_module("...")` with a literal name), so a lazy import counts as an edge too.
@@ -97,3 +97,78 @@ if __name__ == "__main__":
     for (source, target), where in sorted(EDGES.items()):
         print(f"{source} -> {target}  ({len(where)} imports, e.g. {where[0]})")
     sys.exit(0)
+
+
+def module_edges() -> dict[str, set[str]]:
+    """First-party module -> the first-party modules it imports (a package's own __init__ aside)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            if "_generated" in path.parts:
+                continue
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = path
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and target not in PACKAGES:
+                    edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_detection_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    assert cycles(module_edges()) == []

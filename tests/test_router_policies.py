@@ -8,37 +8,28 @@ from collections import Counter
 import pytest
 
 from router.config import PolicyConfig
-from router.policies import (
-    RouteRequest, Selector, WorkerSnapshot, block_hashes, cached_prefix_blocks, kv_aware, kv_aware_cost,
-    least_loaded, round_robin,
-)
+from router.policies import RouteRequest, Selector, WorkerSnapshot, kv_aware, kv_aware_cost, least_loaded, round_robin
 
 BS = 16
 
 
-def dynamo_example():
-    """Prompt of 8 blocks; A caches 0 blocks (decode 10), B caches 3 (decode 5), C caches 6 (decode 9)."""
-    prompt = list(range(8 * BS))
-    hashes = block_hashes(prompt, BS)
-    workers = [
-        WorkerSnapshot("A", active_decode_blocks=10),
-        WorkerSnapshot("B", active_decode_blocks=5, cached_block_hashes=frozenset(hashes[:3])),
-        WorkerSnapshot("C", active_decode_blocks=9, cached_block_hashes=frozenset(hashes[:6])),
-    ]
-    return RouteRequest(prompt_tokens=len(prompt), block_hashes=hashes), workers
+def three_workers():
+    """A prompt of 8 blocks; decode loads 10, 5 and 9 blocks (Dynamo's worked example without its cache credit)."""
+    workers = [WorkerSnapshot("A", active_decode_blocks=10), WorkerSnapshot("B", active_decode_blocks=5),
+               WorkerSnapshot("C", active_decode_blocks=9)]
+    return RouteRequest(prompt_tokens=8 * BS), workers
 
 
-def test_kv_aware_costs_match_dynamos_worked_example_18_10_11():
-    request, workers = dynamo_example()
-    config = PolicyConfig(name="kv_aware", overlap_credit=1.0, block_size=BS)
-    assert [kv_aware_cost(request, w, config) for w in workers] == [18, 10, 11]
+def test_kv_aware_costs_are_prefill_blocks_plus_active_decode_blocks():
+    request, workers = three_workers()
+    config = PolicyConfig(name="kv_aware", block_size=BS)
+    assert [kv_aware_cost(request, w, config) for w in workers] == [18, 13, 17]
     assert kv_aware(request, workers, config, random.Random(0)).worker_id == "B"
 
 
-def test_kv_aware_without_overlap_credit_balances_token_load_only():
-    request, workers = dynamo_example()
-    config = PolicyConfig(name="kv_aware", overlap_credit=0.0, block_size=BS)
-    assert [kv_aware_cost(request, w, config) for w in workers] == [18, 13, 17]
+def test_the_prefix_overlap_credit_is_gone_from_the_config():
+    with pytest.raises(ValueError, match="overlap_credit"):
+        PolicyConfig(name="kv_aware", overlap_credit=1.0)
 
 
 def test_prefill_load_scale_weights_queued_prefill_against_decode():
@@ -50,22 +41,9 @@ def test_prefill_load_scale_weights_queued_prefill_against_decode():
     assert kv_aware(request, [busy_prefill, busy_decode], config, random.Random(0)).worker_id == "D"
 
 
-def test_cached_blocks_count_only_the_leading_prefix():
-    hashes = block_hashes(list(range(4 * BS)), BS)
-    assert cached_prefix_blocks(hashes, frozenset(hashes[1:])) == 0  # block 0 missing: nothing reusable
-    assert cached_prefix_blocks(hashes, frozenset(hashes[:2])) == 2
-
-
-def test_block_hashes_are_chained_and_skip_the_partial_block():
-    a = block_hashes(list(range(40)), BS)
-    b = block_hashes([99] + list(range(1, 40)), BS)
-    assert len(a) == 2
-    assert a[0] != b[0] and a[1] != b[1]  # a change in block 0 changes every later hash
-
-
 def test_temperature_samples_cheaper_workers_more_often():
-    request, workers = dynamo_example()
-    config = PolicyConfig(name="kv_aware", overlap_credit=1.0, block_size=BS, temperature=0.5)
+    request, workers = three_workers()
+    config = PolicyConfig(name="kv_aware", block_size=BS, temperature=0.5)
     rng = random.Random(1)
     picks = Counter(kv_aware(request, workers, config, rng).worker_id for _ in range(3000))
     assert picks["B"] > picks["C"] > picks["A"] > 0

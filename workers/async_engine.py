@@ -1,4 +1,5 @@
-"""AsyncEngine: runs an LLMEngine's step loop in a background thread and streams outputs to asyncio callers.
+"""AsyncEngine: runs an engine core's step loop (LLMEngine, SimulatedEngine: workers/engine_api.EngineCore) in a
+background thread and streams outputs to asyncio callers (it is a workers/engine_api.ServingEngine).
 
 Every engine call happens on that thread; results cross back with loop.call_soon_threadsafe.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from workers.engine_api import EngineCore
 from workers.kv_cache import KvExport
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineCore):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

@@ -11,13 +11,13 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from contract.tokenizer import VISION_END_ID
 from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.vision_geometry import image_geometry
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.engine_api import PreparedRequest
 from workers.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
@@ -30,18 +30,6 @@ log = logging.getLogger(__name__)
 
 WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
 WARM_UP_OUTPUT_TOKENS = 3  # a prefill step, a mixed step and decode steps
-
-
-@dataclass
-class PreparedRequest:
-    """A request after the CPU work done before admission (image decoding, positions, validation).
-
-    Either `sequence` is set, or `error` says why the request cannot be served."""
-
-    request_id: str
-    sequence: Sequence | None
-    error: str | None = None
-    num_prompt_tokens: int = 0
 
 
 class LLMEngine:

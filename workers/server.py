@@ -24,8 +24,11 @@ from contract.network import MIB, is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
-from workers.kv_cache import FP8_DTYPE, KvExport
+from workers.engine_api import ServingEngine
+from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink, KvLinkError
+from workers.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 log = logging.getLogger(__name__)
 
@@ -53,42 +56,6 @@ def role_value(role: int | str) -> int:
         except ValueError:
             raise ValueError(f"role {role!r}: expected aggregated, prefill or decode") from None
     return int(role)
-
-
-def kv_to_chunks(export: KvExport) -> list[pb.KvChunk]:
-    """One KvChunk per layer holding its key and value bytes; the first also carries the header."""
-    chunks = []
-    for layer in range(export.num_layers):
-        key, value = export.layer_bytes(layer)
-        chunk = pb.KvChunk(layer=layer, key=key, value=value)
-        if export.scales is not None:  # float32 on the wire: the scales are float32 values (workers/weights.py)
-            chunk.k_scale, chunk.v_scale = export.scales[layer]
-        if layer == 0:
-            chunk.num_tokens, chunk.num_layers = export.num_tokens, export.num_layers
-            chunk.num_kv_heads, chunk.head_dim, chunk.dtype = export.num_kv_heads, export.head_dim, export.dtype_name
-            chunk.mrope_position_delta.append(export.mrope_position_delta)
-        chunks.append(chunk)
-    return chunks
-
-
-def kv_from_chunks(chunks: list[pb.KvChunk], first_token_id: int) -> KvExport:
-    """Rebuild the KvExport (CPU tensors) a prefill worker streamed; checks every layer arrived."""
-    if not chunks:
-        raise ValueError("no KV chunks received")
-    head = chunks[0]
-    layers = sorted(chunks, key=lambda c: c.layer)
-    if [c.layer for c in layers] != list(range(head.num_layers)):
-        raise ValueError(f"KV layers received {[c.layer for c in layers]}, expected 0..{head.num_layers - 1}")
-    return KvExport.from_layer_bytes(
-        num_tokens=head.num_tokens,
-        first_token_id=first_token_id,
-        mrope_position_delta=head.mrope_position_delta[0] if head.mrope_position_delta else 0,
-        num_kv_heads=head.num_kv_heads,
-        head_dim=head.head_dim,
-        dtype_name=head.dtype,
-        layers=[(c.key, c.value) for c in layers],
-        scales=[(c.k_scale, c.v_scale) for c in layers] if head.dtype == str(FP8_DTYPE).removeprefix("torch.") else None,
-    )
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -147,11 +114,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
 
 class WorkerServer:
-    """Serves `engine` (AsyncEngine interface) as WorkerService; registers with `router_address` if given."""
+    """Serves an engine (workers/engine_api.ServingEngine) as WorkerService; registers with `router_address` if
+    given."""
 
     def __init__(
         self,
-        async_engine,
+        async_engine: ServingEngine,
         worker_id: str,
         role: int | str = pb.AGGREGATED,
         router_address: str | None = None,
@@ -394,6 +362,18 @@ class WorkerServer:
                 await asyncio.sleep(interval)
 
 
+def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
+    """The WorkerServer for `served` (not started). With a KV link this waits for the peer to connect."""
+    link = None if settings.kv_link is None else KvLink(settings.kv_link)
+    return WorkerServer(
+        served.async_engine, settings.worker_id, settings.role, router_address=settings.router_address,
+        listen=settings.listen, token=settings.token, model_name=settings.model_name,
+        kv_block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
+        heartbeat_interval_s=settings.heartbeat_interval_s, generation_defaults=served.generation_defaults,
+        kv_link=link,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m workers.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
     parser = argparse.ArgumentParser(prog="python -m workers.server", description=main.__doc__)
@@ -414,9 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
 
-    from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig, KvLinkConfig
-    from workers.engine import LLMEngine
 
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype)
@@ -427,16 +405,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--kv-link joins a prefill and a decode worker; --role aggregated has no peer")
         host, port = split_host_port(args.kv_link)
         link_config = KvLinkConfig(host, port, args.role, args.device)
+    settings = WorkerSettings(args.worker_id, args.role, args.router, args.listen, args.token, str(config.checkpoint),
+                              config.block_size, config.max_model_len, kv_link=link_config)
 
     async def serve() -> None:
-        llm = LLMEngine(config)
-        engine = AsyncEngine(llm)
-        link = None if link_config is None else await asyncio.get_running_loop().run_in_executor(None, KvLink, link_config)
-        server = WorkerServer(
-            engine, args.worker_id, args.role, args.router, args.listen, args.token,
-            kv_block_size=config.block_size, max_model_len=config.max_model_len,
-            model_name=str(config.checkpoint), generation_defaults=llm.generation_defaults, kv_link=link,
-        )
+        served = serve_llm_engine(config)
+        # a KV link waits for its peer: off the event loop
+        server = await asyncio.get_running_loop().run_in_executor(None, build_worker, served, settings)
         await server.start()
         print(f"worker {args.worker_id} listening on {server.address}", flush=True)
         stop = asyncio.Event()
@@ -444,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         await server.stop()
-        engine.shutdown()
+        served.async_engine.shutdown()
 
     asyncio.run(serve())
 

@@ -17,6 +17,7 @@ from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput,
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.encoder_cache import VisionCost
+from workers.engine_api import PreparedRequest
 from workers.kv_cache import KvExport
 from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.sequence import Sequence
@@ -66,41 +67,46 @@ class SimulatedEngine:
 
     def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
                         resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                        kv_import: KvExport | None = None) -> Sequence | RequestOutput:
+                        kv_import: KvExport | None = None) -> PreparedRequest:
         if self._trace is not None:
             self._trace.enter(request_id, self.overrun_s)
         token_ids = list(prompt.token_ids) + list(resume_token_ids)
+        num_prompt = len(prompt.token_ids)
         if len(token_ids) + (kv_import is not None) > self.config.max_model_len:
-            return RequestOutput(request_id, [], True, FinishReason.ERROR,
-                                 f"context of {len(token_ids)} tokens exceeds max_model_len {self.config.max_model_len}",
-                                 len(prompt.token_ids))
+            return PreparedRequest(request_id, None, f"context of {len(token_ids)} tokens exceeds max_model_len "
+                                   f"{self.config.max_model_len}", num_prompt)
         if kv_import is not None:
             if kv_import.num_tokens != len(token_ids):
-                return RequestOutput(request_id, [], True, FinishReason.ERROR,
-                                     f"imported KV covers {kv_import.num_tokens} tokens, the prompt has {len(token_ids)}",
-                                     len(prompt.token_ids))
+                return PreparedRequest(request_id, None, f"imported KV covers {kv_import.num_tokens} tokens, the "
+                                       f"prompt has {len(token_ids)}", num_prompt)
             if self.realtime and self.sim.model_kv_transfer:
                 time.sleep(self.kv_transfer_s(kv_import.num_tokens) * self.sim.time_scale)
             token_ids.append(kv_import.first_token_id)
-        return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
-                        sampling=sampling, arrival=-1, prefill_only=prefill_only, kv_import=kv_import,
-                        image_spans=[(start, n, b"") for start, n in token_runs(prompt.token_ids)])
+        sequence = Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt,
+                            sampling=sampling, arrival=-1, prefill_only=prefill_only, kv_import=kv_import,
+                            image_spans=[(start, n, b"") for start, n in token_runs(prompt.token_ids)])
+        return PreparedRequest(request_id, sequence, num_prompt_tokens=num_prompt)
 
-    def add_prepared(self, prepared: Sequence | RequestOutput) -> None:
+    def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
         if self.scheduler.find(rid) is not None:
             raise ValueError(f"request id {rid!r} is already in use")
-        if isinstance(prepared, RequestOutput):
-            self._pending.append(prepared)
+        seq = prepared.sequence
+        if seq is None:
+            self._pending.append(RequestOutput(rid, [], True, FinishReason.ERROR, prepared.error,
+                                               prepared.num_prompt_tokens))
             return
-        if prepared.sampling.max_tokens < 1 and not prepared.prefill_only:
-            self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, prepared.num_prompt_tokens))
+        if seq.sampling.max_tokens < 1 and not seq.prefill_only:
+            self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, seq.num_prompt_tokens))
             return
-        prepared.arrival = next(self._arrivals)
-        self.scheduler.add(prepared)
+        seq.arrival = next(self._arrivals)
+        self.scheduler.add(seq)
 
-    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, **kwargs) -> None:
-        self.add_prepared(self.prepare_request(request_id, prompt, sampling, **kwargs))
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
+                    resume_token_ids: Seq[int] = (), prefill_only: bool = False,
+                    kv_import: KvExport | None = None) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, sampling, resume_token_ids=resume_token_ids,
+                                               prefill_only=prefill_only, kv_import=kv_import))
 
     def kv_transfer_s(self, num_tokens: int) -> float:
         """One direction of NVLink for the request's KV cache."""
@@ -119,8 +125,9 @@ class SimulatedEngine:
             self._pending.append(_output(seq))
         return True
 
-    def export_kv(self, request_id: str) -> KvExport:
-        """A token-sized stand-in for the KV (the transfer's time is slept on the importing side)."""
+    def export_kv(self, request_id: str, on_device: bool = False) -> KvExport:
+        """A token-sized stand-in for the KV (the transfer's time is slept on the importing side; there is no
+        device, so on_device changes nothing)."""
         seq = self.scheduler.held.get(request_id)
         if seq is None:
             raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")

@@ -130,7 +130,7 @@ class InstantEngine:
             return True
         return self._held.pop(request_id, None) is not None
 
-    async def export_kv(self, request_id: str) -> KvExport:
+    async def export_kv(self, request_id: str, on_device: bool = False) -> KvExport:
         return self._held[request_id]
 
     async def release(self, request_id: str) -> bool:

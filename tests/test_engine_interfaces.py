@@ -1,0 +1,59 @@
+"""Every engine implements its declared interface (workers/engine_api.py) method by method: the same names, the same
+parameters (names, kinds, defaults) and the same coroutine-ness, so that AsyncEngine can drive any engine core and
+WorkerServer can serve any serving engine."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine
+from workers.engine_api import EngineCore, ServingEngine
+from workers.sim.engine import SimulatedEngine
+from workers.sim.instant_engine import InstantEngine
+
+
+def members(protocol: type) -> dict[str, object]:
+    return {name: value for name, value in vars(protocol).items()
+            if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+
+
+def parameters(function) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize(("implementation", "protocol"), [
+    (LLMEngine, EngineCore), (SimulatedEngine, EngineCore), (AsyncEngine, ServingEngine), (InstantEngine, ServingEngine),
+])
+def test_each_engine_has_every_method_of_its_interface_with_the_same_signature(implementation, protocol):
+    for name, declared in members(protocol).items():
+        assert hasattr(implementation, name) or name in implementation.__init__.__code__.co_names, \
+            f"{implementation.__name__} lacks {name}"
+        implemented = inspect.getattr_static(implementation, name, None)
+        if isinstance(declared, property):
+            continue  # a property, or an attribute set in __init__: both read the same
+        assert implemented is not None and callable(implemented), f"{implementation.__name__}.{name} is not a method"
+        assert parameters(implemented) == parameters(declared), f"{implementation.__name__}.{name}"
+        assert inspect.iscoroutinefunction(implemented) == inspect.iscoroutinefunction(declared), name
+        assert inspect.isasyncgenfunction(implemented) == inspect.isasyncgenfunction(declared) or (
+            name == "generate" and inspect.isasyncgenfunction(implemented)), name
+
+
+def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
+    from pathlib import Path
+
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.step_model import StepModel
+
+    core = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=16, max_model_len=256))
+    sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated")), SimulationConfig(model="qwen3-vl-30b-a3b"),
+                          StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
+    assert isinstance(core, EngineCore) and isinstance(sim, EngineCore)
+    served = AsyncEngine(sim)
+    try:
+        assert isinstance(served, ServingEngine) and isinstance(InstantEngine(), ServingEngine)
+    finally:
+        served.shutdown()

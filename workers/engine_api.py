@@ -1,0 +1,97 @@
+"""The engine interfaces, written down: what WorkerServer serves and what AsyncEngine drives.
+
+* EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
+  threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
+  LLMEngine (workers/engine.py: the model on a device) and SimulatedEngine (workers/sim/engine.py: the same
+  scheduler, step times from the step model) implement it.
+* ServingEngine: the asyncio side, one stream of outputs per request. AsyncEngine (workers/async_engine.py, over
+  any EngineCore) and InstantEngine (workers/sim/instant_engine.py: no model, for measuring the router) implement it.
+
+tests/test_engine_interfaces.py checks every implementation against these, method by method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.config import EngineConfig
+    from workers.kv_cache import KvExport
+    from workers.sequence import Sequence
+
+
+@dataclass
+class PreparedRequest:
+    """A request after the CPU work done before admission (image decoding, positions, validation).
+
+    Either `sequence` is set, or `error` says why the request cannot be served."""
+
+    request_id: str
+    sequence: Sequence | None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """A continuous-batching engine core. step() never raises for a bad request: that request finishes with
+    FinishReason.ERROR and a reason."""
+
+    config: EngineConfig
+
+    @property
+    def generation_defaults(self) -> SamplingParams: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
+                        resume_token_ids: Seq[int] = (), prefill_only: bool = False,
+                        kv_import: KvExport | None = None) -> PreparedRequest: ...
+
+    def add_prepared(self, prepared: PreparedRequest) -> None: ...
+
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
+                    resume_token_ids: Seq[int] = (), prefill_only: bool = False,
+                    kv_import: KvExport | None = None) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def export_kv(self, request_id: str, on_device: bool = False) -> KvExport: ...
+
+    def release(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """An engine served over gRPC: generate() streams one request's outputs until one has finished=True, and
+    leaving the stream early aborts the request."""
+
+    @property
+    def generation_defaults(self) -> SamplingParams: ...
+
+    def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
+                 resume_token_ids: Seq[int] = (), prefill_only: bool = False,
+                 kv_import: KvExport | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def export_kv(self, request_id: str, on_device: bool = False) -> KvExport: ...
+
+    async def release(self, request_id: str) -> bool: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def shutdown(self) -> None: ...
