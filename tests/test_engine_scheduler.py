@@ -331,3 +331,21 @@ def test_the_memory_profile_step_fills_the_budget_with_sequences_no_longer_than_
         for index, row in enumerate(range(lo, hi)):  # each row's slot is in its own sequence's block table
             assert slots[row] == int(batch.block_tables[seq, index // 3]) * 3 + index % 3
     assert batch.positions.shape == (3, 10) and batch.positions.is_contiguous()  # pinned for the copy on CUDA
+
+
+def test_encoder_pass_share_bounds_what_passes_take_from_whole_images():
+    def big_parts(share: float) -> list[int]:
+        limits = SchedulerLimits(8, 64, 1000, max_num_encoder_tokens=16, vision=VisionCost(depth=8),
+                                 encoder_pass_share=share)
+        sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))
+        sched.add(image_seq("big", 40, [(0, 32)]))  # 32 rows: 4 a block, its pass over several steps
+        parts = []
+        for _ in range(3):
+            out = step(sched)
+            parts.append(sum(e.num_blocks for e in out.encode_now if e.seq.request_id == "big"))
+        return parts
+
+    # the first step starts the pass with the whole budget; afterwards each step's share of 16 rows, at 4 a block
+    assert big_parts(0.5) == [4, 2, 2]
+    assert big_parts(1.0) == [4, 4, 0]  # (the pass ended: 8 blocks)
+    assert big_parts(0.0) == [4, 1, 1]  # the oldest pass's guaranteed block

@@ -68,9 +68,14 @@ class EngineConfig(BaseModel):
         "smaller cap keeps the steps that carry decodes short, at some cost in throughput."
     )
     max_num_encoder_tokens: int | None = Field(
-        None, ge=1, description="Image rows (<|image_pad|> tokens) the vision tower encodes per step, in the step and "
-        "ahead (None: max_num_batched_tokens). A chunk stops before an image the budget cannot take; an image larger "
-        "than the budget is encoded alone."
+        None, ge=1, description="The vision tower's work per step, in the step and ahead, in image rows with "
+        "attention's quadratic term (workers/encoder_cache.VisionCost; None: max_num_batched_tokens). A chunk stops "
+        "before an image the budget cannot take; an image costing more than the whole budget is encoded over several "
+        "steps, a few tower blocks at a time, while other prompts go on."
+    )
+    encoder_pass_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="Of a step's encoder budget, the share that images encoded over several "
+        "steps may take beyond the oldest one's one block a step; the rest is kept for whole images."
     )
     encoder_cache_tokens: int | None = Field(
         None, ge=1, description="Image rows of encoded images held between steps (None: twice the encoder budget)."

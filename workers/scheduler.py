@@ -93,9 +93,12 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class SchedulerLimits:
     """max_num_prefill_tokens: prompt tokens per step (None: the whole token budget), so that steps carrying
-    decodes stay short. max_num_encoder_tokens: image rows encoded per step, now and ahead (None: the token budget);
-    an image larger than it is encoded alone. encoder_cache_tokens: rows of encoded images held at once (None:
-    twice the encoder budget). encode_ahead: spend the step's unused encoder budget on the next step's prompts."""
+    decodes stay short. max_num_encoder_tokens: the vision tower's work per step, now and ahead, in image rows as
+    `vision` costs them (None: the token budget); an image costing more is encoded over several steps a few tower
+    blocks at a time (with a one-block cost model, alone in its step). encoder_pass_share: the share of a step's
+    encoder budget those passes may take beyond the oldest one's one block a step. encoder_cache_tokens: rows of
+    encoded images held at once (None: twice the encoder budget). encode_ahead: spend the step's unused encoder
+    budget on the next step's prompts."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -105,6 +108,7 @@ class SchedulerLimits:
     encoder_cache_tokens: int | None = None
     encode_ahead: bool = True
     vision: VisionCost = VisionCost()
+    encoder_pass_share: float = 0.5
 
     @classmethod
     def of(cls, config: EngineConfig, vision: VisionCost = VisionCost()) -> SchedulerLimits:
@@ -112,7 +116,7 @@ class SchedulerLimits:
         alike)."""
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                    config.max_num_prefill_tokens, config.max_num_encoder_tokens, config.encoder_cache_tokens,
-                   config.encode_ahead, vision)
+                   config.encode_ahead, vision, config.encoder_pass_share)
 
     @property
     def prefill_tokens(self) -> int:
@@ -339,11 +343,12 @@ class Scheduler:
 
     def _continue_passes(self, encoder: _EncoderBudget, out: SchedulerOutput) -> None:
         """The next blocks of the passes spread over steps, oldest first; at least one block a step for the oldest,
-        and at most half the step's budget while other work may want the rest."""
+        and at most encoder_pass_share of the step's budget while other work may want the rest."""
         vision = self.limits.vision
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
-            blocks = min(vision.depth - done, int((encoder.left - encoder.total / 2) // per_block))
+            reserved = encoder.total * (1 - self.limits.encoder_pass_share)  # for whole images
+            blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
             if blocks <= 0 and not encoder.used:
                 blocks = 1
             if blocks <= 0:
