@@ -28,6 +28,7 @@ from workers.engine_api import ServingEngine
 from workers.kv_cache import KvExport
 from workers.kv_transfer import KvLink, KvLinkError
 from workers.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.registration import load_report, report_to_router
 from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 log = logging.getLogger(__name__)
@@ -319,17 +320,7 @@ class WorkerServer:
             await self.engine.release(self._held.pop(rid).request_id)
 
     def load_report(self) -> pb.LoadReport:
-        load = self.engine.load()
-        return pb.LoadReport(
-            worker_id=self.worker_id,
-            waiting_requests=load.waiting_requests,
-            running_requests=load.running_requests,
-            queued_prompt_tokens=load.queued_prompt_tokens,
-            free_kv_blocks=load.free_kv_blocks,
-            total_kv_blocks=load.total_kv_blocks,
-            active_kv_blocks=load.total_kv_blocks - load.free_kv_blocks,
-            steps=load.steps,
-        )
+        return load_report(self.worker_id, self.engine.load())
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -339,27 +330,11 @@ class WorkerServer:
         )
 
     async def _report_loop(self) -> None:
-        """Register with the router, then heartbeat; register again whenever the router forgets us."""
+        """Register with the router, then heartbeat (workers/registration.py); held KV expires on the same beat."""
         if self.router_address is None:
             return
-        async with open_channel(self.router_address, max_message_bytes=self.max_message_bytes) as channel:
-            stub = pb_grpc.RouterServiceStub(channel)
-            interval = self.heartbeat_interval_s
-            registered = False
-            while True:
-                try:
-                    if not registered:
-                        reply = await stub.RegisterWorker(self.info(), metadata=self._metadata, timeout=5)
-                        interval = reply.heartbeat_interval_s or interval
-                        registered = True
-                    registered = (await stub.Heartbeat(self.load_report(), metadata=self._metadata, timeout=5)).known
-                    if not registered:
-                        continue
-                except grpc.aio.AioRpcError as exc:
-                    log.info("worker %s: router %s unreachable (%s)", self.worker_id, self.router_address, exc.code())
-                    registered = False
-                await self._expire_held()
-                await asyncio.sleep(interval)
+        await report_to_router(self.router_address, self.info, self.load_report, self._metadata,
+                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held)
 
 
 def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:

@@ -1,0 +1,62 @@
+"""Keeping a worker known to its router: RegisterWorker once (and again whenever the router forgets it), then a
+Heartbeat carrying the engine's load every interval, for as long as the worker serves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+import grpc.aio
+
+from contract.transport import open_channel
+from contract.types import EngineLoad
+from contract.wire import pb, pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_report(worker_id: str, load: EngineLoad) -> pb.LoadReport:
+    """The engine's load as a heartbeat carries it."""
+    return pb.LoadReport(
+        worker_id=worker_id,
+        waiting_requests=load.waiting_requests,
+        running_requests=load.running_requests,
+        queued_prompt_tokens=load.queued_prompt_tokens,
+        free_kv_blocks=load.free_kv_blocks,
+        total_kv_blocks=load.total_kv_blocks,
+        active_kv_blocks=load.total_kv_blocks - load.free_kv_blocks,
+        steps=load.steps,
+    )
+
+
+async def report_to_router(
+    router_address: str,
+    info: Callable[[], pb.WorkerInfo],
+    report: Callable[[], pb.LoadReport],
+    metadata: tuple,
+    interval_s: float,
+    max_message_bytes: int,
+    after_each: Callable[[], Awaitable[None]],
+) -> None:
+    """Registers, then heartbeats every interval (the router's reply may set it) until cancelled; registers again
+    whenever the router says it does not know the worker or cannot be reached. after_each runs once per interval
+    (the worker's own periodic chores)."""
+    async with open_channel(router_address, max_message_bytes=max_message_bytes) as channel:
+        stub = pb_grpc.RouterServiceStub(channel)
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    reply = await stub.RegisterWorker(info(), metadata=metadata, timeout=5)
+                    interval_s = reply.heartbeat_interval_s or interval_s
+                    registered = True
+                registered = (await stub.Heartbeat(report(), metadata=metadata, timeout=5)).known
+                if not registered:
+                    continue
+            except grpc.aio.AioRpcError as exc:
+                log.info("worker %s: router %s unreachable (%s)", info().worker_id, router_address, exc.code())
+                registered = False
+            await after_each()
+            await asyncio.sleep(interval_s)
