@@ -27,6 +27,10 @@ class ImageSpan:
     def end(self) -> int:
         return self.start + self.num_tokens
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of its rows lie in the prompt rows [start, end)."""
+        return self.start < end and self.end > start
+
 
 @dataclass(frozen=True)
 class VisionCost:

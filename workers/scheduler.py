@@ -309,7 +309,7 @@ class Scheduler:
         cost = rows = 0.0
         for image in seq.images:
             key = (rid, image.index)
-            if image.end <= start or image.start >= start + n or cache.is_ready(key):
+            if not image.overlaps(start, start + n) or cache.is_ready(key):
                 continue
             cut = max(image.start - start, 0)
             if key in cache:  # its pass is still running
@@ -345,9 +345,9 @@ class Scheduler:
         """The next blocks of the passes spread over steps, oldest first; at least one block a step for the oldest,
         and at most encoder_pass_share of the step's budget while other work may want the rest."""
         vision = self.limits.vision
+        reserved = encoder.total * (1 - self.limits.encoder_pass_share)  # for whole images
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
-            reserved = encoder.total * (1 - self.limits.encoder_pass_share)  # for whole images
             blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
             if blocks <= 0 and not encoder.used:
                 blocks = 1
@@ -384,7 +384,7 @@ class Scheduler:
             encoder.take(self.limits.vision.cost(image.num_tokens))
         end = chunk.start + chunk.num_tokens
         for image in seq.images:
-            if image.end > chunk.start and image.start < end:
+            if image.overlaps(chunk.start, end):
                 key = (seq.request_id, image.index)
                 cache.mark_started(key)
                 if image.end <= end:
@@ -422,7 +422,7 @@ class Scheduler:
         for seq, start, take in guesses:
             for image in seq.images:
                 key = (seq.request_id, image.index)
-                if image.end <= start or image.start >= start + take or key in cache:
+                if not image.overlaps(start, start + take) or key in cache:
                     continue
                 cost = self.limits.vision.cost(image.num_tokens)
                 if not (encoder.fits(cost) and cache.fits(image.num_tokens)):
