@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "chunk's K/V from the paged cache (paged_prefill.POINTER_TILES), also where the device has TMA")
     p.add_argument("--precisions", default="bf16", help="comma-separated, each ours run in the same call: bf16, fp8 "
                    "(FP8 weights in 128x128 blocks, W8A8 GEMMs; with --fp8-kv-cache also an FP8 KV cache), "
-                   "fp8-dequantized (the FP8 checkpoint dequantized to bf16 at load: engine.fp8_compute dequantize)")
+                   "fp8-dequantized (the FP8 checkpoint dequantized to bf16 at load: engine.fp8_compute dequantize), "
+                   "fp8-channel (the FP8-dynamic layout: per-channel weights, per-token activations, row-wise GEMMs)")
     p.add_argument("--fp8-kv-cache", action="store_true", help="the fp8 precision's run also stores the KV cache in FP8")
     p.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--fp8-compute", default="auto", help=argparse.SUPPRESS)
@@ -134,7 +135,7 @@ def main(argv=None) -> dict:
                 part_dir = config_dir / precision
                 part_dir.mkdir(exist_ok=True)
                 write_config(args.shape, args.num_layers, part_dir, weights)
-                kv = "fp8" if weights == "fp8" and args.fp8_kv_cache else "auto"
+                kv = "fp8" if weights.startswith("fp8") and args.fp8_kv_cache else "auto"
                 if args.device.startswith("cuda"):
                     part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute]
                     result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)

@@ -44,13 +44,16 @@ class Workload:
 
 
 # --precisions: name -> (the checkpoint's weights, engine.fp8_compute)
-PRECISIONS = {"bf16": ("bf16", "auto"), "fp8": ("fp8", "auto"), "fp8-dequantized": ("fp8", "dequantize")}
+PRECISIONS = {
+    "bf16": ("bf16", "auto"), "fp8": ("fp8", "auto"), "fp8-dequantized": ("fp8", "dequantize"),
+    "fp8-channel": ("fp8-channel", "auto"),  # the FP8-dynamic layout: per-channel weights, per-token activations
+}
 
 
 def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: str = "bf16") -> None:
     """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8": the
     quantization_config of the released FP8 checkpoints (128x128 blocks), so the random weights are FP8."""
-    from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
+    from workers.fp8_checkpoint import RELEASED_BLOCK, channel_quantization_config, quantization_config
     from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, write_side_configs
 
     overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
@@ -59,6 +62,8 @@ def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: s
     config = released_config(PRESETS[shape], overrides)
     if precision == "fp8":
         config["quantization_config"] = quantization_config(RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], moe=True)
+    elif precision == "fp8-channel":
+        config["quantization_config"] = channel_quantization_config()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_side_configs(out_dir)
     gen_path = out_dir / "generation_config.json"

@@ -84,6 +84,12 @@ class GeneratedCheckpointSection(_Strict):
         default_factory=dict, description='dotted config.json paths, e.g. {"text_config.num_hidden_layers": 24}'
     )
 
+    fp8_layout: Literal["block", "channel"] = Field(
+        "block", description="with model.weights fp8: Qwen's released layout (e4m3 in 128x128 blocks, activations per "
+        "token and group of 128) or the FP8-dynamic one (compressed-tensors: one scale per output channel, activations "
+        "per token)"
+    )
+
     @model_validator(mode="after")
     def _preset_and_overrides_exist(self) -> GeneratedCheckpointSection:
         self.config_json()
@@ -91,15 +97,18 @@ class GeneratedCheckpointSection(_Strict):
 
     def config_json(self, weights: str = "bf16") -> dict[str, Any]:
         """The config.json this spec writes (ValueError naming an unknown preset or override key); weights "fp8"
-        adds the quantization_config of Qwen's released FP8 checkpoints, so the random weights are FP8."""
-        from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
+        adds the quantization_config of fp8_layout (Qwen's released block FP8, or FP8-dynamic per channel), so the
+        random weights are FP8 in that layout."""
+        from workers.fp8_checkpoint import RELEASED_BLOCK, channel_quantization_config, quantization_config
         from workers.tiny_checkpoint import released_config
 
         try:
             config = released_config(self.preset, self.overrides)
         except KeyError as exc:  # KeyError's str() quotes its message
             raise ValueError(exc.args[0]) from None
-        if weights == "fp8":
+        if weights == "fp8" and self.fp8_layout == "channel":
+            config["quantization_config"] = channel_quantization_config()
+        elif weights == "fp8":
             config["quantization_config"] = quantization_config(
                 RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
         return config

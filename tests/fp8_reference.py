@@ -25,10 +25,13 @@ def dequantize_by_index(weight: torch.Tensor, scale: torch.Tensor, block: tuple[
 
 
 def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
-    """Writes out_dir: fp8_dir's weights dequantized to float32, per-expert tensors fused back into
+    """Writes out_dir: fp8_dir's weights (block or FP8-dynamic layout) dequantized to float32, per-expert tensors fused back into
     mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], and config.json without quantization_config."""
     config = json.loads((fp8_dir / "config.json").read_text())
-    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    q = config.pop("quantization_config")
+    # the block layout names its block; the FP8-dynamic one (compressed-tensors) has one scale per row: [N, 1]
+    block = tuple(q["weight_block_size"]) if q["quant_method"] == "fp8" else (1, 1 << 30)
+    suffix = "weight_scale_inv" if q["quant_method"] == "fp8" else "weight_scale"
     out_dir.mkdir(parents=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for side in ("generation_config.json", "preprocessor_config.json"):
@@ -37,9 +40,9 @@ def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
         raw = {name: f.get_tensor(name) for name in f.keys()}
     floats: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
-        if name.endswith("weight_scale_inv"):
+        if name.endswith(suffix):
             continue
-        scale = raw.get(name.removesuffix("weight") + "weight_scale_inv")
+        scale = raw.get(name.removesuffix("weight") + suffix)
         floats[name] = dequantize_by_index(tensor, scale, block) if scale is not None else tensor
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name in [n for n in floats if ".mlp.experts." in n]:

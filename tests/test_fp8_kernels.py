@@ -88,7 +88,7 @@ def test_fp8_linear_kernel_matches_the_w8a8_reference(kernels_on_cpu, case):
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     got = fp8_gemm.fp8_linear(x, weight, scale, block, bias)
-    want = fp8.block_fp8_linear_reference(x, weight, scale, block, bias, act_group=128)
+    want = fp8.block_fp8_linear_reference(x, weight, scale, block, bias)  # per token against per-channel weights
     assert got.shape == (m, n) and got.dtype == x.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -100,15 +100,60 @@ def test_fp8_linear_of_no_tokens_is_empty(kernels_on_cpu):
     assert out.shape == (0, 64)
 
 
-def test_fp8_linear_off_cuda_is_the_reference_with_128_wide_activation_groups():
-    block = BlockShape(1, 256)  # per-channel weight scales: activations still in groups of 128
-    weight, scale = fp8.quantize_weight_blocks(torch.randn(32, 256), block)
+def test_activations_are_quantised_per_token_against_per_channel_weights_and_per_128_columns_against_blocks():
     x = wide_range_activations(4, 256, torch.float32, seed=0)
-    want = fp8.block_fp8_linear_reference(x, weight, scale, block, act_group=128)
-    assert torch.equal(fp8_gemm.fp8_linear(x, weight, scale, block, backend="scaled_mm"), want)
-    # the reference's default groups are min(block.k, 128) wide: 128 here; one group per 256 columns rounds otherwise
-    assert torch.equal(fp8.block_fp8_linear_reference(x, weight, scale, block), want)
-    assert not torch.equal(fp8.block_fp8_linear_reference(x, weight, scale, block, act_group=256), want)
+    for block, group in ((BlockShape(1, 256), 256), (BlockShape(1, 1 << 30), 256), (BlockShape(128, 128), 128),
+                         (BlockShape(1, 128), 128)):
+        assert fp8.activation_group(block, 256) == group
+        weight, scale = fp8.quantize_weight_blocks(torch.randn(32, 256), block)
+        want = fp8.block_fp8_linear_reference(x, weight, scale, block, act_group=group)
+        assert torch.equal(fp8_gemm.fp8_linear(x, weight, scale, block, backend="scaled_mm"), want)  # off CUDA: the reference
+        assert torch.equal(fp8.block_fp8_linear_reference(x, weight, scale, block), want)
+        other = 128 if group == 256 else 256
+        assert not torch.equal(fp8.block_fp8_linear_reference(x, weight, scale, block, act_group=other), want)
+
+
+@interpreter
+def test_per_token_quantisation_kernel_is_bit_equal_to_the_reference(kernels_on_cpu):
+    for k in (200, 768, 2048):
+        x = wide_range_activations(5, k, torch.float32, seed=k)
+        got_q, got_s = fp8_gemm.quantize_tokens(x)
+        want_q, want_s = fp8.quantize_activation_groups(x, k)
+        assert got_s.shape == (5, 1) and torch.equal(got_s, want_s) and same_bits(got_q, want_q)
+
+
+@interpreter
+def test_silu_mul_quantise_kernel_is_bit_equal_to_the_reference(kernels_on_cpu):
+    from workers.model import grouped_fp8_moe
+
+    h = torch.randn(19, 2 * 96, generator=torch.Generator().manual_seed(3)) * 4
+    h[2] = 0.0  # an all-zero row: the amax floor
+    got_q, got_s = grouped_fp8_moe.silu_mul_quantize(h, torch.float32)
+    want_q, want_s = grouped_fp8_moe.silu_mul_quantize_reference(h, torch.float32)
+    assert got_s.shape == (19,)
+    torch.testing.assert_close(got_s, want_s, rtol=2e-7, atol=0)  # exp: the interpreter's libm and torch's may differ by an ulp
+    assert (got_q.float() - want_q.float()).abs().max() <= 2.0**-3 * want_q.float().abs().max()
+    assert (got_q.float() != want_q.float()).float().mean() < 0.02
+
+
+@interpreter
+def test_combine_kernel_sums_each_tokens_weighted_rows_and_drops_foreign_pairs(kernels_on_cpu):
+    from workers.model import grouped_fp8_moe
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, k, experts, hidden = 6, 3, 5, 40
+    top_i = torch.randint(0, experts + 1, (tokens, k), generator=gen)  # experts: another rank's pair
+    top_w = torch.rand(tokens, k, generator=gen)
+    ys = torch.randn(tokens * k, hidden, generator=gen)
+    pos = torch.randperm(tokens * k, generator=gen)
+    got = grouped_fp8_moe.combine(ys, pos, top_w, top_i, experts)
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(k):
+            if top_i[t, j] < experts:
+                want[t] += top_w[t, j] * ys[pos[t * k + j]]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grouped_fp8_moe.combine_reference(ys, pos, top_w, top_i, experts), want, rtol=1e-6, atol=1e-6)
 
 
 def test_fp8_linear_names_a_scale_that_does_not_fit_and_an_unknown_backend():

@@ -78,12 +78,13 @@ def test_fp8_linear_matches_the_w8a8_reference_and_the_dequantized_one_within_e4
     got = fp8_gemm.fp8_linear(x, weight, scale, block, bias, backend="triton").float()
     w = fp8.dequantize_weight_blocks(weight, scale, block)
     magnitude = x.float().abs() @ w.abs().t()
-    want = fp8.block_fp8_linear_reference(x, weight, scale, block, bias, act_group=128).float()
+    want = fp8.block_fp8_linear_reference(x, weight, scale, block, bias).float()  # per token on per-channel weights
     assert ((got - want).abs() <= 2 * ULP_BF16 * want.abs() + 2.0**-14 * magnitude).all()
     dequantized = F.linear(x.float(), w, bias.float())
     # an element below e4m3's normal range (|x / scale| < 2^-6) is off by up to half its spacing, 2^-10 * scale
-    _, x_scale = fp8.quantize_activation_groups(x, 128)
-    subnormal = 2.0**-10 * x_scale.repeat_interleave(128, dim=1)[:, :k] @ w.abs().t()
+    group = fp8.activation_group(block, k)
+    _, x_scale = fp8.quantize_activation_groups(x, group)
+    subnormal = 2.0**-10 * x_scale.repeat_interleave(group, dim=1)[:, :k] @ w.abs().t()
     assert ((got - dequantized).abs() <= E4M3_HALF_STEP * magnitude + subnormal + ULP_BF16 * dequantized.abs()).all()
     assert rel(got, dequantized) < 0.05
 
@@ -100,6 +101,32 @@ def test_scaled_mm_blockwise_matches_the_w8a8_reference_where_torch_has_it(block
     want = fp8.block_fp8_linear_reference(x, weight, scale, block, act_group=128).float()
     magnitude = x.float().abs() @ fp8.dequantize_weight_blocks(weight, scale, block).abs().t()
     assert ((got - want).abs() <= 2 * ULP_BF16 * want.abs() + 2.0**-14 * magnitude).all()
+
+
+def test_torchs_fp8_gemms_pass_their_probes_on_this_gpu():
+    """torch 2.11 on the H200 has both recipes (benchmarks/README.md, twelfth pass); a failure names its reason."""
+    device = torch.device("cuda")
+    assert fp8_gemm.scaled_mm_available(device), fp8_gemm.PROBE_FAILURES
+    assert fp8_gemm.rowwise_available(device), fp8_gemm.PROBE_FAILURES
+
+
+@pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 4096])
+def test_per_channel_fp8_linear_through_the_row_wise_gemm_matches_the_per_token_reference(shape, m):
+    """Fast accumulation sums in reduced precision inside the MMA (Hopper's FP8 FastAccum): a 2^-10 bound of
+    sum |a w| where the plain float32 accumulation's is 2^-14."""
+    n, k = shape
+    if not fp8_gemm.rowwise_fits(n, k, torch.bfloat16):
+        pytest.skip("shape outside the row-wise recipe")
+    block = BlockShape(1, k)
+    weight, scale = quantized_weight(n, k, block, seed=m)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    got = fp8_gemm.fp8_linear(x, weight, scale, block, bias).float()
+    want = fp8.block_fp8_linear_reference(x, weight, scale, block, bias).float()
+    magnitude = x.float().abs() @ fp8.dequantize_weight_blocks(weight, scale, block).abs().t()
+    assert ((got - want).abs() <= 2 * ULP_BF16 * want.abs() + 2.0**-10 * magnitude).all()
+    assert rel(got, want) < 4e-3
 
 
 def capture(fn):
@@ -233,3 +260,109 @@ def test_fp8_fused_moe_replays_in_a_cuda_graph(tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run())
+
+
+# --- per-channel FP8 experts: torch's grouped GEMM ---
+
+
+def channel_experts(num_experts: int, hidden: int, inter: int, seed: int):
+    return fp8_experts(num_experts, hidden, inter, BlockShape(1, 1 << 30), seed)
+
+
+def channel_moe_reference(x, top_w, top_i, gate_up, down, scales) -> torch.Tensor:
+    """float64 over dequantised experts, x and the gated output quantised per token (the format's activations),
+    gate_up's output and silu(gate) * up rounded to bf16 first, as the grouped path rounds them."""
+
+    def per_token(a):
+        q, s = fp8.quantize_activation_groups(a, a.shape[1])
+        return q.double() * s.double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in top_i.unique().tolist():
+        if e >= gate_up.shape[0]:
+            continue
+        token, slot = (top_i == e).nonzero(as_tuple=True)
+        w1 = fp8.dequantize_weight_blocks(gate_up[e], scales.gate_up[e], scales.block, torch.float64)
+        w2 = fp8.dequantize_weight_blocks(down[e], scales.down[e], scales.block, torch.float64)
+        gate, up = (per_token(x[token]) @ w1.T).bfloat16().double().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).bfloat16()
+        out.index_add_(0, token, (per_token(act) @ w2.T) * top_w[token, slot].double().unsqueeze(-1))
+    return out
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES.values(), ids=MOE_SHAPES.keys())
+@pytest.mark.parametrize("tokens", [9, 64, 300, 4096])
+def test_grouped_fp8_experts_match_the_per_token_reference(shape, tokens):
+    from workers.model import grouped_fp8_moe
+
+    if not grouped_fp8_moe.available(torch.device("cuda")):
+        pytest.fail(f"torch._scaled_grouped_mm failed its probe: {grouped_fp8_moe.PROBE_FAILURE}")
+    num_experts, hidden, inter = shape
+    gate_up, down, scales = channel_experts(num_experts, hidden, inter, seed=tokens)
+    x, top_w, top_i = routed(tokens, num_experts, hidden, seed=tokens)
+    got = grouped_fp8_moe.grouped_fp8_experts(x, top_w, top_i, gate_up, down, scales.gate_up, scales.down)
+    assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
+    assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=False)) < 0.07
+
+
+def test_grouped_fp8_experts_pairs_of_another_ranks_experts_add_zero():
+    from workers.model import grouped_fp8_moe
+
+    gate_up, down, scales = channel_experts(64, 2048, 768, seed=5)
+    x, top_w, top_i = routed(300, 64, 2048, seed=5, bins=128)
+    got = grouped_fp8_moe.grouped_fp8_experts(x, top_w, top_i, gate_up, down, scales.gate_up, scales.down, foreign=True)
+    assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 9, 300, 4096])
+def test_per_channel_moe_experts_module_takes_each_path_within_its_bound(tokens):
+    """MoeExperts on per-channel FP8: the GEMV kernels (<= 8 tokens, W8A16) or torch's grouped GEMM."""
+    from workers.model.moe import MoeExperts
+
+    gate_up, down, scales = channel_experts(128, 2048, 768, seed=tokens)
+    with torch.device("meta"):
+        experts = MoeExperts(128, 2048, 768, BlockShape(1, 1 << 30))
+    experts.gate_up_proj, experts.down_proj = torch.nn.Parameter(gate_up, False), torch.nn.Parameter(down, False)
+    experts.gate_up_scale, experts.down_scale = torch.nn.Parameter(scales.gate_up, False), torch.nn.Parameter(scales.down, False)
+    x, top_w, top_i = routed(tokens, 128, 2048, seed=tokens)
+    got = experts(x, top_w, top_i)
+    if tokens <= fused_moe.SMALL_BATCH_TOKENS:
+        assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=False)) < 1e-2
+    else:
+        assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [9, 300])
+def test_grouped_fp8_experts_replay_in_a_cuda_graph(tokens):
+    from workers.model import grouped_fp8_moe
+
+    gate_up, down, scales = channel_experts(128, 2048, 768, seed=tokens)
+    x, top_w, top_i = routed(tokens, 128, 2048, seed=tokens)
+    assert grouped_fp8_moe.available(x.device)
+
+    def run():
+        return grouped_fp8_moe.grouped_fp8_experts(x, top_w, top_i, gate_up, down, scales.gate_up, scales.down)
+
+    with torch.inference_mode():
+        graph, out = capture(run)
+        fresh_x, fresh_w, fresh_i = routed(tokens, 128, 2048, seed=tokens + 1)
+        x.copy_(fresh_x), top_w.copy_(fresh_w), top_i.copy_(fresh_i)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run())
+
+
+@pytest.mark.parametrize("k", [768, 1536, 2048, 4096])
+def test_per_token_quantisation_and_silu_mul_quantise_are_bit_equal_to_their_references_on_the_gpu(k):
+    from workers.model import grouped_fp8_moe
+
+    x = (torch.randn(300, k, device="cuda") * torch.logspace(-3, 2, k, device="cuda")).bfloat16()
+    got_q, got_s = fp8_gemm.quantize_tokens(x)
+    want_q, want_s = fp8.quantize_activation_groups(x.cpu(), k)
+    assert torch.equal(got_q.view(torch.uint8).cpu(), want_q.view(torch.uint8)) and torch.equal(got_s.cpu(), want_s)
+    h = (torch.randn(300, 2 * k, device="cuda") * 3).bfloat16()
+    got_q, got_s = grouped_fp8_moe.silu_mul_quantize(h, torch.bfloat16)
+    want_q, want_s = grouped_fp8_moe.silu_mul_quantize_reference(h.cpu(), torch.bfloat16)
+    # exp on the GPU and the CPU may differ by an ulp, which bf16 rounding of the product mostly absorbs
+    assert (got_q.view(torch.uint8).cpu() != want_q.view(torch.uint8)).float().mean() < 1e-3
+    torch.testing.assert_close(got_s.cpu(), want_s, rtol=2**-7, atol=0)

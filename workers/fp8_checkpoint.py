@@ -4,8 +4,10 @@ The layout (workers/checkpoint_quant.py, workers/model/fp8.py): every text-tower
 with a float32 `weight_scale_inv` per block; MoE experts one module per expert (`mlp.experts.{e}.gate_proj`, `up_proj`,
 `down_proj`, as vLLM's FP8 MoE loader expects them; transformers' own loader cannot read that layout for
 qwen3_vl_moe: huggingface/transformers#44230); lm_head, the routers (`mlp.gate`) and the vision tower left in the
-source dtype and named in `quantization_config.modules_to_not_convert`. Usage: tests, and
-`python -m workers.fp8_checkpoint SRC OUT [--block 128 128]` for a submitter's own bf16 weights.
+source dtype and named in `quantization_config.modules_to_not_convert`. Or (--layout channel) the FP8-dynamic
+layout llm-compressor writes: the same tensors with one float32 `weight_scale` [N, 1] per output row and a
+compressed-tensors quantization_config. Usage: tests, and
+`python -m workers.fp8_checkpoint SRC OUT [--block 128 128 | --layout channel]` for a submitter's own bf16 weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -41,22 +44,49 @@ def quantization_config(block: tuple[int, int], num_layers: int, moe: bool) -> d
     }
 
 
+def channel_quantization_config() -> dict:
+    """config.json's quantization_config of an FP8-dynamic checkpoint as llm-compressor writes it (compressed-tensors
+    `float-quantized`: e4m3 weights with one scale per output channel, activations per token at run time; the layout
+    of RedHat's Qwen3-VL-235B-A22B-Instruct-FP8-dynamic; keys as workers/checkpoint_quant.py reads them). Left in the
+    source dtype: lm_head, the vision tower and the MoE routers."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+        }},
+        "ignore": ["lm_head", "re:.*visual.*", r"re:.*mlp\.gate$"],
+    }
+
+
 def is_quantised_linear(name: str) -> bool:
     return (name.startswith(TEXT_PREFIX + "layers.") and name.endswith("_proj.weight")
             and ".mlp.gate." not in name)
 
 
-def _fp8_tensors(name: str, tensor: torch.Tensor, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
-    """The FP8 checkpoint's tensors for one source tensor."""
+def _quantize(tensor: torch.Tensor, block: BlockShape | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """block None: one scale per output row (the FP8-dynamic layout's [N, 1] weight_scale)."""
+    return quantize_weight_blocks(tensor, block or BlockShape(1, tensor.shape[-1]))
+
+
+def _fp8_tensors(name: str, tensor: torch.Tensor, block: BlockShape | None, text: dict) -> dict[str, torch.Tensor]:
+    """The FP8 checkpoint's tensors for one source tensor (block None: per channel, scales named weight_scale)."""
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
         return _per_expert(name, tensor, block, text)
     if is_quantised_linear(name):
-        q, scale = quantize_weight_blocks(tensor, block)
-        return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
+        q, scale = _quantize(tensor, block)
+        return {name: q, name.removesuffix("weight") + _scale_suffix(block): scale}
     return {name: tensor}
 
 
-def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
+def _scale_suffix(block: BlockShape | None) -> str:
+    return "weight_scale_inv" if block is not None else "weight_scale"
+
+
+def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape | None, text: dict) -> dict[str, torch.Tensor]:
     """Fused experts (released [E, H, 2I] / [E, I, H] or transformers' [E, 2I, H] / [E, H, I]) as one quantised
     gate_proj [I, H], up_proj [I, H] and down_proj [H, I] per expert."""
     hidden, inter = text["hidden_size"], text["moe_intermediate_size"]
@@ -69,15 +99,18 @@ def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape, text: dict) 
         parts = {"down_proj": tensor if tensor.shape[1:] == (hidden, inter) else tensor.transpose(1, 2)}
     for proj, weights in parts.items():
         for e in range(weights.shape[0]):
-            q, scale = quantize_weight_blocks(weights[e].contiguous(), block)
+            q, scale = _quantize(weights[e].contiguous(), block)
             out[f"{prefix}{e}.{proj}.weight"] = q
-            out[f"{prefix}{e}.{proj}.weight_scale_inv"] = scale
+            out[f"{prefix}{e}.{proj}.{_scale_suffix(block)}"] = scale
     return out
 
 
-def quantize_checkpoint(src: Path, out: Path, block: tuple[int, int] = RELEASED_BLOCK) -> Path:
+def quantize_checkpoint(
+    src: Path, out: Path, block: tuple[int, int] = RELEASED_BLOCK, layout: Literal["block", "channel"] = "block",
+) -> Path:
     """Writes out/ (built aside and renamed into place): config.json with quantization_config, the side configs, and
-    the weights shard by shard with an index. Refuses a source that is already quantised."""
+    the weights shard by shard with an index. layout "block": Qwen's released layout in `block`s; "channel": the
+    FP8-dynamic one (one scale per output row, channel_quantization_config). Refuses a source already quantised."""
     src, out = Path(src), Path(out)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
@@ -85,11 +118,13 @@ def quantize_checkpoint(src: Path, out: Path, block: tuple[int, int] = RELEASED_
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     text = config["text_config"]
-    shape = BlockShape(*block)
+    shape = BlockShape(*block) if layout == "block" else None
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    config["quantization_config"] = quantization_config(block, text["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+    config["quantization_config"] = (
+        quantization_config(block, text["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe") if layout == "block"
+        else channel_quantization_config())
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for side in _SIDE_FILES:
         if (src / side).exists():
@@ -116,8 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("src", type=Path, help="a float (bf16/fp32) Qwen3-VL checkpoint directory")
     parser.add_argument("out", type=Path, help="where to write the FP8 copy (must not exist)")
     parser.add_argument("--block", type=int, nargs=2, default=list(RELEASED_BLOCK), metavar=("ROWS", "COLS"))
+    parser.add_argument("--layout", choices=("block", "channel"), default="block", help="block: Qwen's released FP8 "
+                        "layout; channel: FP8-dynamic (compressed-tensors, one scale per output channel)")
     args = parser.parse_args(argv)
-    print(quantize_checkpoint(args.src, args.out, tuple(args.block)))
+    print(quantize_checkpoint(args.src, args.out, tuple(args.block), args.layout))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,25 @@ def build_text_model(
     else:
         load_text_weights(model, config.checkpoint, model_config.tie_word_embeddings, dtype, tp, fmt)
     model.finish_loading(device, scale_rows=fmt.block.n if fp8_compute else 1)
+    if fp8_compute and device.type == "cuda":
+        probe_fp8_paths(device)
     return model.eval()
+
+
+def probe_fp8_paths(device: torch.device) -> dict[str, bool]:
+    """Which library FP8 GEMMs this torch and GPU run (each checked once against its reference, before any CUDA graph
+    capture, since the checks sync); the rest fall back to the Triton kernels. Logged with the reason of a failure."""
+    from workers.model import fp8_gemm, grouped_fp8_moe
+
+    paths = {
+        "scaled_mm blockwise": fp8_gemm.scaled_mm_available(device),
+        "scaled_mm row-wise": fp8_gemm.rowwise_available(device),
+        "scaled_grouped_mm row-wise": grouped_fp8_moe.available(device),
+    }
+    failures = {**fp8_gemm.PROBE_FAILURES, **{"grouped": v for v in grouped_fp8_moe.PROBE_FAILURE.values()}}
+    log.info("fp8 GEMMs on %s: %s%s", device, ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in paths.items()),
+             f" (failures: {failures})" if failures else "")
+    return paths
 
 
 class ModelRunner:

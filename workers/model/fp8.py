@@ -25,8 +25,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Activations are quantised in groups of at most this many columns, also against per-channel weights (whose
-# scale is one K group): finer than those checkpoints' per-token scales, and one scale per 128-wide GEMM K tile.
+# Against block-scaled weights, activations are quantised in groups of at most this many columns: one scale per
+# 128-wide GEMM K tile. Against per-channel weights (one scale spans a whole row) one scale per token: see
+# activation_group.
 ACTIVATION_GROUP = 128
 # vLLM's per_token_group_quant_fp8 floors a group's amax at 1e-10, so an all-zero group gets a finite scale.
 ACTIVATION_AMAX_FLOOR = 1e-10
@@ -79,6 +80,15 @@ def dequantize_weight_blocks(
     return (weight.float() * _expand(scale_inv.float(), block, rows, cols)).to(dtype)
 
 
+def activation_group(block: BlockShape, k: int) -> int:
+    """Columns per activation scale for a GEMM over K = k against weights scaled in `block`s. A weight scale as wide
+    as the row (per-channel checkpoints: compressed-tensors' FP8_DYNAMIC scheme, `input_activations` strategy
+    "token"; vLLM `CompressedTensorsW8A8Fp8` with dynamic per-token scales) pairs with one scale per token, k; block
+    scales with groups of min(block.k, 128) (the block format's per-token-group scales). Either way a K of at most
+    the group is one group."""
+    return k if block.k >= k else min(block.k, ACTIVATION_GROUP)
+
+
 def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], scales float32 [M, ceil(K/group)]): per token, per group of columns."""
     m, k = x.shape
@@ -104,8 +114,8 @@ def block_fp8_linear_reference(
     *, act_group: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype, as the W8A8 kernels compute it: x quantised per token and group of act_group
-    (default min(block.k, ACTIVATION_GROUP)) columns, float32 accumulation, both scales applied per block."""
-    a = fake_quantize_activations(x, act_group or min(block.k, ACTIVATION_GROUP))
+    (default activation_group(block, K)) columns, float32 accumulation, both scales applied per block."""
+    a = fake_quantize_activations(x, act_group or activation_group(block, x.shape[-1]))
     out = a @ dequantize_weight_blocks(weight, scale_inv, block).t()
     if bias is not None:
         out = out + bias.float()

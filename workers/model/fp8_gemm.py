@@ -1,13 +1,21 @@
-"""FP8 dense linears on CUDA: per-token-group activation quantisation and a block-scaled W8A8 GEMM in Triton, and
-torch._scaled_mm's blockwise CUTLASS path behind a probe; elsewhere the torch references of workers/model/fp8.py.
+"""FP8 dense linears on CUDA: activation quantisation on the fly (per token and group of 128 against block-scaled
+weights, per token against per-channel ones: fp8.activation_group) and three GEMMs: torch._scaled_mm with blockwise
+scales (the block format), torch._scaled_mm with row-wise scales (per-channel weights, per-token activations), each
+behind a probe of this torch and GPU, and a block-scaled W8A8 GEMM in Triton where those are missing; elsewhere the
+torch references of workers/model/fp8.py.
 
 Numbers: quantize_activations equals fp8.quantize_activation_groups bit for bit (IEEE division, div_rn, for the
-scale and the quotient; e4m3 rounding to nearest even). fp8_linear accumulates fp8 x fp8 products in float32 per K
-block of 128 and applies x_scale[m, kb] * w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py`
+scale and the quotient; e4m3 rounding to nearest even). The GEMMs accumulate fp8 x fp8 products in float32 per K
+block of 128 and apply x_scale[m, kb] * w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py`
 `fp8_gemm_kernel`, vLLM `w8a8_triton_block_scaled_mm`: https://github.com/vllm-project/vllm, file
-vllm/model_executor/layers/quantization/utils/fp8_utils.py); against the reference, which dequantises both operands
-first, it differs by float32 rounding and accumulation order only. Every launch's shapes are fixed by M, with no
-host sync, so all of it runs inside CUDA graphs.
+vllm/model_executor/layers/quantization/utils/fp8_utils.py), or, row-wise, x_scale[m] * w_scale[n] once after the
+whole K sum (vLLM `cutlass_scaled_mm`); against the reference, which dequantises both operands first, they differ by
+float32 rounding and accumulation order only. The row-wise GEMM runs with Hopper's fast FP8 accumulation, as vLLM's
+CUTLASS sm90 FP8 kernels do (the FP8FastAccum schedules). Every launch's shapes are fixed by M, with no host sync, so
+all of it runs inside CUDA graphs.
+
+Measured on the H200 (benchmarks/README.md, twelfth pass): at 8,192 tokens the 30B-A3B q/k/v GEMM takes 231 us in
+bf16, 162 us blockwise through torch._scaled_mm, 125 us row-wise and 344 us in the Triton kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 ACT_GROUP = 128  # activation columns per scale, and the GEMM's BLOCK_K: one scale pair per K tile
-BACKENDS = ("auto", "triton", "scaled_mm")
+BACKENDS = ("auto", "triton", "scaled_mm")  # auto: torch._scaled_mm where its probe passes, else Triton
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,12 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-QUANT_BLOCK_M = 16
+QUANT_BLOCK_M = 16  # rows per program at groups of 128 columns; wider groups take fewer (_quant_rows)
+
+
+def _quant_rows(group: int) -> int:
+    """Rows per quantisation program: 2,048 elements a tile (16 x 128; one row of a per-token group of 2,048)."""
+    return max(1, min(QUANT_BLOCK_M, 2048 // group))
 
 
 def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,11 +178,26 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     if m == 0:
         return q, scales
     x = x if x.stride(1) == 1 else x.contiguous()
-    _quantize_kernel[(triton.cdiv(m, QUANT_BLOCK_M), groups)](
+    rows = _quant_rows(group)
+    _quantize_kernel[(triton.cdiv(m, rows), groups)](
         x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0),
-        GROUP=group, BLOCK_M=QUANT_BLOCK_M, num_warps=4,
+        GROUP=group, BLOCK_M=rows, num_warps=4,
     )
     return q, scales
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], scales float32 [M, 1]): one scale per token (per-channel weights' activations);
+    bit-equal to fp8.quantize_activation_groups(x, K)."""
+    k = x.shape[-1]
+    if not on_triton(x):
+        return fp8.quantize_activation_groups(x, k)
+    return quantize_activations(x, 1 << max(0, k - 1).bit_length())
+
+
+def per_channel(block: BlockShape, k: int) -> bool:
+    """Whether weights in `block`s over K = k have one scale per output row (and so per-token activations)."""
+    return block.n == 1 and fp8.activation_group(block, k) == k
 
 
 def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, k: int) -> None:
@@ -190,9 +218,9 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, bias: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype: x quantised per token and group of 128, times the block-scaled fp8 weight.
-    backend: "triton" (the Triton GEMM), "scaled_mm" (torch._scaled_mm blockwise where the probe passes and the
-    shape fits, else Triton), "auto" (Triton until the H200's numbers favour scaled_mm). Off CUDA: the reference."""
+    """x [M, K] -> [M, N] in x.dtype: x quantised per token (per-channel weights) or per token and group of 128
+    (block scales), times the fp8 weight. backend: "triton" (the Triton GEMM), "scaled_mm" or "auto" (torch._scaled_mm,
+    row-wise or blockwise, where its probe passes and the shape fits, else Triton). Off CUDA: the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"fp8_linear backend {backend!r} is not one of {BACKENDS}")
     if x.dim() != 2:
@@ -200,9 +228,16 @@ def fp8_linear(
     k = x.shape[1]
     _check_weight(weight, scale, block, k)
     if not on_triton(x):
-        return fp8.block_fp8_linear_reference(x, weight, scale, block, bias, act_group=ACT_GROUP)
+        return fp8.block_fp8_linear_reference(x, weight, scale, block, bias)
+    n, m = weight.shape[0], x.shape[0]
+    library = backend != "triton" and m > 0 and x.is_cuda  # torch's FP8 GEMMs (CUDA only; probed once a device)
+    if per_channel(block, k):
+        xq, xs = quantize_tokens(x)
+        if library and rowwise_fits(n, k, x.dtype) and rowwise_available(x.device):
+            return scaled_mm_rowwise(xq, xs, weight, scale, x.dtype, bias)
+        return w8a8_gemm(xq, xs.expand(m, -(-k // ACT_GROUP)).contiguous(), weight, scale, block, x.dtype, bias)
     xq, xs = quantize_activations(x, ACT_GROUP)
-    if backend == "scaled_mm" and x.shape[0] and scaled_mm_fits(weight.shape[0], k, block, x.dtype) and scaled_mm_available(x.device):
+    if library and scaled_mm_fits(n, k, block, x.dtype) and scaled_mm_available(x.device):
         return scaled_mm_blockwise(xq, xs, weight, scale, x.dtype, bias)
     return w8a8_gemm(xq, xs, weight, scale, block, x.dtype, bias)
 
@@ -263,46 +298,91 @@ def scaled_mm_blockwise(
     Raises whatever torch raises where this torch or GPU lacks them (scaled_mm_available catches it)."""
     n, k = weight.shape
     sa, sb, square = _scaled_mm_scales(x_scales, scale, n, k)
-    functional = torch.nn.functional
-    if hasattr(functional, "scaled_mm"):  # torch >= 2.10: explicit recipes
-        recipe = functional.ScalingType
-        out = functional.scaled_mm(
+    if x_fp8.device.type == "meta":  # torch's layout checks without a GPU (the tests): the explicit-recipe API
+        recipe = torch.nn.functional.ScalingType
+        out = torch.nn.functional.scaled_mm(
             x_fp8, weight.t(), sa, recipe.BlockWise1x128, sb, recipe.BlockWise128x128 if square else recipe.BlockWise1x128,
             output_dtype=out_dtype,
         )
-    else:  # older: the recipe is read from the scales' shapes
+    else:
+        # torch._scaled_mm reads the same recipes from the scales' shapes and strides; on the H200 (torch 2.11) it ran
+        # 20 us where F.scaled_mm took 57 (m = 64, K 2,048), the latter's argument handling a fixed cost per call.
         out = torch._scaled_mm(x_fp8, weight.t(), sa, sb, out_dtype=out_dtype)
     return out if bias is None else out + bias
 
 
-def _probe(device_index: int) -> bool:
-    device = torch.device("cuda", device_index)
-    gen = torch.Generator(device=device).manual_seed(0)
-    try:
-        for block in (BlockShape(128, 128), BlockShape(1, 128)):
-            w, s = fp8.quantize_weight_blocks(torch.randn(256, 384, device=device, generator=gen), block)
-            for m in (1, 24, 256):
-                x = torch.randn(m, 384, device=device, generator=gen).to(torch.bfloat16)
-                xq, xs = quantize_activations(x)
-                got = scaled_mm_blockwise(xq, xs, w, s, torch.bfloat16).float()
-                want = fp8.block_fp8_linear_reference(x, w, s, block, act_group=ACT_GROUP).float()
-                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
-                    return False
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
-        return False
-    return True
+def rowwise_fits(n: int, k: int, dtype: torch.dtype) -> bool:
+    """torch's row-wise FP8 GEMM: bf16 output, N and K multiples of 16 (its CUTLASS kernel's alignment)."""
+    return dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+
+
+def scaled_mm_rowwise(
+    x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x_fp8 [M, K] with per-token scales [M, 1] times weight [N, K] with per-row scales [N, 1]: torch._scaled_mm's
+    row-wise recipe (scale_a [M, 1], scale_b [1, N], float32), bias fused, fast accumulation."""
+    return torch._scaled_mm(x_fp8, weight.t(), x_scales, scale.view(1, -1), bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=True)
+
+
+PROBE_SHAPE = (256, 512)  # (N, K): K / 128 = 4, so the blockwise recipe's scale padding is not exercised
+
+
+def _probe_blockwise(device: torch.device, gen: torch.Generator) -> None:
+    n, k = PROBE_SHAPE
+    for block in (BlockShape(128, 128), BlockShape(1, 128)):
+        w, s = fp8.quantize_weight_blocks(torch.randn(n, k, device=device, generator=gen), block)
+        for m in (1, 24, 256):
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            xq, xs = quantize_activations(x)
+            _expect_reference(scaled_mm_blockwise(xq, xs, w, s, torch.bfloat16), x, w, s, block, f"blockwise {block}, m {m}")
+
+
+def _probe_rowwise(device: torch.device, gen: torch.Generator) -> None:
+    n, k = PROBE_SHAPE
+    block = BlockShape(1, k)
+    w, s = fp8.quantize_weight_blocks(torch.randn(n, k, device=device, generator=gen), block)
+    for m in (1, 24, 256):
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        xq, xs = quantize_tokens(x)
+        _expect_reference(scaled_mm_rowwise(xq, xs, w, s, torch.bfloat16), x, w, s, block, f"row-wise, m {m}")
+
+
+def _expect_reference(got, x, w, s, block, what) -> None:
+    want = fp8.block_fp8_linear_reference(x, w, s, block).float()
+    if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+        raise ValueError(f"{what}: max error {(got.float() - want).abs().max().item():.3g} against the reference")
+
+
+def _probed(cache: dict[int, bool], probe, device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in cache:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{probe.__name__}: probe the device before capturing a CUDA graph")
+        gen = torch.Generator(device=torch.device("cuda", index)).manual_seed(0)
+        try:
+            probe(torch.device("cuda", index), gen)
+            cache[index] = True
+        except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as err:
+            cache[index] = False
+            PROBE_FAILURES[probe.__name__.removeprefix("_probe_")] = f"{type(err).__name__}: {str(err)[:300]}"
+    return cache[index]
 
 
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs blockwise fp8 on this GPU and gives the reference's numbers: checked once per
-    device on small shapes (both weight recipes, M 1, 24 and 256), then remembered. The check syncs, so its first
-    call must come before any CUDA graph capture (the engine's warm-up)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SCALED_MM_WORKS:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("scaled_mm_available(): probe the device before capturing a CUDA graph")
-        _SCALED_MM_WORKS[index] = _probe(index)
-    return _SCALED_MM_WORKS[index]
+    device on small shapes (both weight recipes, M 1, 24 and 256), then remembered (a failure's reason in
+    PROBE_FAILURES). The check syncs, so its first call must come before any CUDA graph capture (the engine's
+    warm-up)."""
+    return _probed(_SCALED_MM_WORKS, _probe_blockwise, device)
 
 
+def rowwise_available(device: torch.device) -> bool:
+    """As scaled_mm_available, for the row-wise recipe (per-channel weights)."""
+    return _probed(_ROWWISE_WORKS, _probe_rowwise, device)
+
+
+PROBE_FAILURES: dict[str, str] = {}  # "blockwise" / "rowwise": why the probe failed, for the benchmarks' JSON
+_ROWWISE_WORKS: dict[int, bool] = {}
 _SCALED_MM_WORKS: dict[int, bool] = {}

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import fused_moe, moe_routing
+from workers.model import fused_moe, grouped_fp8_moe, moe_routing
 from workers.model import fp8
-from workers.model.fp8 import ACTIVATION_GROUP, FP8_DTYPE, BlockShape, dequantize_weight_blocks
+from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks
 from workers.parallel import TensorParallel
 
 
@@ -66,8 +66,13 @@ def _cpu_grouped_mm_works() -> bool:
 
 
 def fake_quantize_activations(x: torch.Tensor, block: BlockShape) -> torch.Tensor:
-    """x rounded as the W8A8 kernels see it, in groups of min(block.k, ACTIVATION_GROUP) columns."""
-    return fp8.fake_quantize_activations(x, min(block.k, ACTIVATION_GROUP))
+    """x rounded as the W8A8 kernels see it, in groups of fp8.activation_group(block, K) columns."""
+    return fp8.fake_quantize_activations(x, fp8.activation_group(block, x.shape[-1]))
+
+
+# Per-channel FP8 experts take torch's grouped FP8 GEMM (grouped_fp8_moe) from this many tokens a step; below it the
+# Triton kernels (the GEMV path streams the weights at decode batch sizes).
+GROUPED_FP8_MIN_TOKENS = fused_moe.SMALL_BATCH_TOKENS + 1
 
 
 class MoeExperts(nn.Module):
@@ -94,11 +99,29 @@ class MoeExperts(nn.Module):
         if fused_moe.supports(x):
             if self.block is None:
                 return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign)
+            if not self.per_channel:
+                return fused_moe.fused_experts(
+                    x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
+                    gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=self.block,
+                )
+            if top_i.shape[0] >= GROUPED_FP8_MIN_TOKENS and grouped_fp8_moe.available(x.device):
+                return grouped_fp8_moe.grouped_fp8_experts(
+                    x, top_w, top_i, self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale, foreign)
+            # the Triton kernels on per-channel scales seen as one per row and 128 columns (stride 0 along K): the
+            # GEMV path W8A16, the tiled one with activation groups of 128 (finer than the format's per-token)
+            row_block = BlockShape(1, fused_moe.FP8_BLOCK_K)
+            gate_up_scale = self.gate_up_scale.expand(self.num_experts, *row_block.grid(*self.gate_up_proj.shape[1:]))
+            down_scale = self.down_scale.expand(self.num_experts, *row_block.grid(*self.down_proj.shape[1:]))
             return fused_moe.fused_experts(
                 x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
-                gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=self.block,
+                gate_up_scale=gate_up_scale, down_scale=down_scale, block=row_block,
             )
         return self.grouped(x, top_w, top_i, foreign)
+
+    @property
+    def per_channel(self) -> bool:
+        """FP8 experts with one scale per output row (per-token activations; fp8.activation_group)."""
+        return self.block is not None and self.block.n == 1 and self.block.k >= max(self.gate_up_proj.shape[2], self.down_proj.shape[2])
 
     def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
         """Token-expert pairs sorted by expert, two grouped GEMMs, then each token's k outputs weighted and
