@@ -316,7 +316,11 @@ def test_grouped_fp8_experts_pairs_of_another_ranks_experts_add_zero():
 
 @pytest.mark.parametrize("tokens", [1, 8, 9, 300, 4096])
 def test_per_channel_moe_experts_module_takes_each_path_within_its_bound(tokens):
-    """MoeExperts on per-channel FP8: the GEMV kernels (<= 8 tokens, W8A16) or torch's grouped GEMM."""
+    """MoeExperts on per-channel FP8: the GEMV kernels (<= 8 tokens, W8A16), the tiled Triton ones (activations
+    in groups of 128, finer than per token: within the per-token reference's own rounding of the exact one) or, from
+    GROUPED_FP8_MIN_TOKENS, torch's grouped GEMM."""
+    from workers.model.moe import GROUPED_FP8_MIN_TOKENS
+
     from workers.model.moe import MoeExperts
 
     gate_up, down, scales = channel_experts(128, 2048, 768, seed=tokens)
@@ -328,6 +332,8 @@ def test_per_channel_moe_experts_module_takes_each_path_within_its_bound(tokens)
     got = experts(x, top_w, top_i)
     if tokens <= fused_moe.SMALL_BATCH_TOKENS:
         assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=False)) < 1e-2
+    elif tokens < GROUPED_FP8_MIN_TOKENS:
+        assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=True)) < 1e-2
     else:
         assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
 
