@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,7 +38,22 @@ CHANNEL = BlockShape(1, 1 << 30)  # one scale per output row
 def timed(fn, tokens: int, reps: int, flops: float) -> dict:
     calls = 10 if tokens <= 256 else 2  # large steps: a few ms a call already
     us = graph_median_us(fn, calls, reps)
-    return {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1)}
+    return {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1), "host_us": host_us(fn)}
+
+
+def host_us(fn, calls: int = 10) -> float:
+    """Eager host time per call (Python and launches, the GPU never waited on): what an eager prefill step pays
+    beside the kernels; median of 5 bursts of `calls`, each after a sync."""
+    fn()
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return round(sorted(times)[2], 1)
 
 
 def bench_dense(n: int, k: int, reps: int, scaled_mm: bool, rowwise: bool) -> dict:

@@ -191,6 +191,7 @@ def test_scaled_mm_is_used_only_for_the_shapes_its_recipes_describe():
     assert not fp8_gemm.scaled_mm_fits(5120 + 64, 2048, BlockShape(1, 128), torch.bfloat16)  # N % 128
     assert not fp8_gemm.scaled_mm_fits(5120, 2048, BlockShape(128, 128), torch.float16)
     assert not fp8_gemm.scaled_mm_fits(5120, 2048, BlockShape(64, 128), torch.bfloat16)
+    assert not fp8_gemm.scaled_mm_fits(5120, 2048, BlockShape(128, 128), torch.bfloat16, m=2)  # cuBLAS: M % 4
 
 
 # --- the fused MoE on fp8 experts ---

@@ -237,7 +237,7 @@ def fp8_linear(
             return scaled_mm_rowwise(xq, xs, weight, scale, x.dtype, bias)
         return w8a8_gemm(xq, xs.expand(m, -(-k // ACT_GROUP)).contiguous(), weight, scale, block, x.dtype, bias)
     xq, xs = quantize_activations(x, ACT_GROUP)
-    if library and scaled_mm_fits(n, k, block, x.dtype) and scaled_mm_available(x.device):
+    if library and scaled_mm_fits(n, k, block, x.dtype, m) and scaled_mm_available(x.device):
         return scaled_mm_blockwise(xq, xs, weight, scale, x.dtype, bias)
     return w8a8_gemm(xq, xs, weight, scale, block, x.dtype, bias)
 
@@ -271,9 +271,12 @@ def w8a8_gemm(
 # scales [N, K/128] with strides (1, N). K and N must be multiples of 128 (the recipes divide them), M any.
 
 
-def scaled_mm_fits(n: int, k: int, block: BlockShape, dtype: torch.dtype) -> bool:
+def scaled_mm_fits(n: int, k: int, block: BlockShape, dtype: torch.dtype, m: int = 4) -> bool:
+    """The blockwise recipe's shapes. M: cuBLAS (torch 2.11, CUDA 13, H200) answered NOT_SUPPORTED for M 1 and 2
+    and ran M 4, 8, 16, 24, 32, 64, 100 and 256; so multiples of 4 only (a decode step of 1-3 or 5 tokens takes
+    the Triton GEMM)."""
     return dtype == torch.bfloat16 and n % 128 == 0 and k % 128 == 0 and (block.n == 1 or block.n == 128) and (
-        block.k == 128 or block.k >= k)
+        block.k == 128 or block.k >= k) and m % 4 == 0
 
 
 def _scaled_mm_scales(xs: torch.Tensor, scale: torch.Tensor, n: int, k: int):
@@ -333,7 +336,7 @@ def _probe_blockwise(device: torch.device, gen: torch.Generator) -> None:
     n, k = PROBE_SHAPE
     for block in (BlockShape(128, 128), BlockShape(1, 128)):
         w, s = fp8.quantize_weight_blocks(torch.randn(n, k, device=device, generator=gen), block)
-        for m in (1, 24, 256):
+        for m in (4, 24, 256):
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             xq, xs = quantize_activations(x)
             _expect_reference(scaled_mm_blockwise(xq, xs, w, s, torch.bfloat16), x, w, s, block, f"blockwise {block}, m {m}")
@@ -372,7 +375,7 @@ def _probed(cache: dict[int, bool], probe, device: torch.device) -> bool:
 
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs blockwise fp8 on this GPU and gives the reference's numbers: checked once per
-    device on small shapes (both weight recipes, M 1, 24 and 256), then remembered (a failure's reason in
+    device on small shapes (both weight recipes, M 4, 24 and 256), then remembered (a failure's reason in
     PROBE_FAILURES). The check syncs, so its first call must come before any CUDA graph capture (the engine's
     warm-up)."""
     return _probed(_SCALED_MM_WORKS, _probe_blockwise, device)
