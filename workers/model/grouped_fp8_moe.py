@@ -8,8 +8,8 @@ over every expert's rows at once, one Triton kernel takes silu(gate) * up and qu
 grouped GEMM runs down, and a Triton kernel sums each token's k outputs times their routing weights.
 
 Numbers: the reference is MoeExperts.grouped (activations rounded per token to e4m3, weights dequantised, float32
-products); this path also rounds the gate_up output to the activation dtype before silu (as the Triton path does)
-and accumulates with Hopper's fast FP8 accumulation (as vLLM's CUTLASS FP8 kernels do). No host sync anywhere
+products); this path also rounds the gate_up output to the activation dtype before silu (as the Triton path does);
+accumulation in float32 (fp8_gemm.FAST_ACCUM). No host sync anywhere
 (histc offsets, on-device sort), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
 any capture.
 """
@@ -141,12 +141,12 @@ def grouped_fp8_experts(
     source = order // k
     h = torch._scaled_grouped_mm(
         xq[source], gate_up_proj.transpose(1, 2), xs.view(-1)[source], gate_up_scale.view(num_experts, -1),
-        offs=offs, out_dtype=x.dtype, use_fast_accum=True,
+        offs=offs, out_dtype=x.dtype, use_fast_accum=fp8_gemm.FAST_ACCUM,
     )
     act_q, act_s = silu_mul_quantize(h, x.dtype)
     ys = torch._scaled_grouped_mm(
         act_q, down_proj.transpose(1, 2), act_s, down_scale.view(num_experts, -1), offs=offs, out_dtype=x.dtype,
-        use_fast_accum=True,
+        use_fast_accum=fp8_gemm.FAST_ACCUM,
     )
     return combine(ys, pos, top_w, top_i, num_experts)
 
