@@ -301,7 +301,8 @@ def test_grouped_fp8_experts_match_the_per_token_reference(shape, tokens):
     x, top_w, top_i = routed(tokens, num_experts, hidden, seed=tokens)
     got = grouped_fp8_moe.grouped_fp8_experts(x, top_w, top_i, gate_up, down, scales.gate_up, scales.down)
     err = rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales))
-    assert err < 1e-2, err
+    # fast accumulation (grouped_fp8_moe.FAST_ACCUM) moves some bf16 gated outputs across e4m3 boundaries: 2%
+    assert err < (2e-2 if grouped_fp8_moe.FAST_ACCUM else 1e-2), err
     assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=False)) < 0.07
 
 
@@ -311,7 +312,7 @@ def test_grouped_fp8_experts_pairs_of_another_ranks_experts_add_zero():
     gate_up, down, scales = channel_experts(64, 2048, 768, seed=5)
     x, top_w, top_i = routed(300, 64, 2048, seed=5, bins=128)
     got = grouped_fp8_moe.grouped_fp8_experts(x, top_w, top_i, gate_up, down, scales.gate_up, scales.down, foreign=True)
-    assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
+    assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < (2e-2 if grouped_fp8_moe.FAST_ACCUM else 1e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 9, 300, 4096])
@@ -335,7 +336,9 @@ def test_per_channel_moe_experts_module_takes_each_path_within_its_bound(tokens)
     elif tokens < GROUPED_FP8_MIN_TOKENS:
         assert rel(got, moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=True)) < 1e-2
     else:
-        assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < 1e-2
+        from workers.model import grouped_fp8_moe
+
+        assert rel(got, channel_moe_reference(x, top_w, top_i, gate_up, down, scales)) < (2e-2 if grouped_fp8_moe.FAST_ACCUM else 1e-2)
 
 
 @pytest.mark.parametrize("tokens", [9, 300])
