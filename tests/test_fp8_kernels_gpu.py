@@ -104,7 +104,7 @@ def test_scaled_mm_blockwise_matches_the_w8a8_reference_where_torch_has_it(block
 
 
 def test_torchs_fp8_gemms_pass_their_probes_on_this_gpu():
-    """torch 2.11 on the H200 has both recipes (benchmarks/README.md, twelfth pass); a failure names its reason."""
+    """torch 2.11 on the H200 has both recipes (benchmarks/README.md, eleventh pass); a failure names its reason."""
     device = torch.device("cuda")
     assert fp8_gemm.scaled_mm_available(device), fp8_gemm.PROBE_FAILURES
     assert fp8_gemm.rowwise_available(device), fp8_gemm.PROBE_FAILURES

@@ -13,8 +13,8 @@ whole K sum (vLLM `cutlass_scaled_mm`); against the reference, which dequantises
 float32 rounding and accumulation order only (FAST_ACCUM says why Hopper's fast FP8 accumulation is off). Every
 launch's shapes are fixed by M, with no host sync, so all of it runs inside CUDA graphs.
 
-Measured on the H200 (benchmarks/README.md, twelfth pass): at 8,192 tokens the 30B-A3B q/k/v GEMM takes 231 us in
-bf16, 162 us blockwise through torch._scaled_mm, 125 us row-wise and 344 us in the Triton kernel.
+Measured on the H200 (benchmarks/README.md, eleventh pass, run52): at 8,192 tokens the 30B-A3B q/k/v GEMM takes
+226 us in bf16, 176 us blockwise through torch._scaled_mm, 163 us row-wise and 310 us in the Triton kernel.
 """
 
 from __future__ import annotations

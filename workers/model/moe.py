@@ -71,7 +71,7 @@ def fake_quantize_activations(x: torch.Tensor, block: BlockShape) -> torch.Tenso
 
 
 # Per-channel FP8 experts take torch's grouped FP8 GEMM (grouped_fp8_moe) from this many tokens a step; below it the
-# Triton kernels. H200, 30B-A3B experts (scripts/bench_fp8.py, benchmarks/README.md twelfth pass), us a call:
+# Triton kernels. H200, 30B-A3B experts (scripts/bench_fp8.py, benchmarks/README.md eleventh pass), us a call:
 # 256 tokens Triton 212, grouped 317; 1,024: 400 and 402; 8,192: 1,412 and 1,166 (bf16 1,273).
 GROUPED_FP8_MIN_TOKENS = 2048
 
