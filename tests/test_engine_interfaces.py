@@ -1,6 +1,8 @@
-"""Every engine implements its declared interface (workers/engine_api.py) method by method: the same names, the same
-parameters (names, kinds, defaults) and the same coroutine-ness, so that AsyncEngine can drive any engine core and
-WorkerServer can serve any serving engine."""
+"""Every engine, executor and request-input maker implements its declared interface (workers/engine_api.py) method
+by method: the same names, the same parameters (names, kinds, defaults) and the same coroutine-ness, so that
+AsyncEngine can drive any engine core, WorkerServer can serve any serving engine and LLMEngine can run on any
+executor. The simulated engine is an LLMEngine on a SimulatedExecutor, with the real engine's scheduler and request
+lifecycle."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import pytest
 
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
-from workers.engine_api import EngineCore, ServingEngine
-from workers.sim.engine import SimulatedEngine
+from workers.engine_api import EngineCore, Executor, RequestInputs, ServingEngine
+from workers.model_runner import ModelRunner
+from workers.request_inputs import ModelInputs
+from workers.sim.engine import SimulatedEngine, SimulatedExecutor, SimulatedInputs
 from workers.sim.instant_engine import InstantEngine
 
 
@@ -26,6 +30,7 @@ def parameters(function) -> list[tuple[str, object, object]]:
 
 @pytest.mark.parametrize(("implementation", "protocol"), [
     (LLMEngine, EngineCore), (SimulatedEngine, EngineCore), (AsyncEngine, ServingEngine), (InstantEngine, ServingEngine),
+    (ModelRunner, Executor), (SimulatedExecutor, Executor), (ModelInputs, RequestInputs), (SimulatedInputs, RequestInputs),
 ])
 def test_each_engine_has_every_method_of_its_interface_with_the_same_signature(implementation, protocol):
     for name, declared in members(protocol).items():
@@ -52,6 +57,10 @@ def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
     sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated")), SimulationConfig(model="qwen3-vl-30b-a3b"),
                           StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
     assert isinstance(core, EngineCore) and isinstance(sim, EngineCore)
+    assert isinstance(core.executor, Executor) and isinstance(sim.executor, Executor)
+    assert isinstance(core.inputs, RequestInputs) and isinstance(sim.inputs, RequestInputs)
+    # one engine: the simulated one is an LLMEngine (its step loop, scheduler and request lifecycle) on another executor
+    assert isinstance(sim, LLMEngine) and type(sim.scheduler) is type(core.scheduler)
     served = AsyncEngine(sim)
     try:
         assert isinstance(served, ServingEngine) and isinstance(InstantEngine(), ServingEngine)

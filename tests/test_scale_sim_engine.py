@@ -51,7 +51,7 @@ def test_each_step_stays_within_the_token_budget_and_max_num_seqs():
     while e.has_unfinished():
         out = e.scheduler.schedule()
         assert out.num_batched_tokens <= 128 and len(out.chunks) <= 2
-        e.scheduler.update(out, e._sample(out))
+        e.scheduler.update(out, e.executor.execute(out))
 
 
 def test_step_time_charges_prefill_vision_and_decode():

@@ -1,5 +1,9 @@
 """LLMEngine: the engine core as a plain object. Requests go in as token ids (+ image bytes); each step()
-schedules, runs the model once and returns what every request produced.
+schedules, has its executor run the batch once and returns what every request produced.
+
+One engine, swappable executors (workers/engine_api.py): LLMEngine(config) runs the checkpoint's model on a device
+(ModelRunner, with ModelInputs making the requests' Sequences); the simulated engine (workers/sim/engine.py) is this
+same class, scheduler and request lifecycle with a SimulatedExecutor that sleeps what the step model says.
 
 step() never raises for a bad request: that request finishes with FinishReason.ERROR and a reason.
 """
@@ -17,11 +21,12 @@ from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput,
 from contract.vision_geometry import image_geometry
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.engine_api import PreparedRequest
+from workers.engine_api import Executor, PreparedRequest, RequestInputs
 from workers.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
-from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
+from workers.model.mm_inputs import PromptError
 from workers.model_runner import ModelRunner
+from workers.request_inputs import ModelInputs
 from workers.scheduler import Scheduler, SchedulerLimits
 from workers.sequence import Sequence
 from workers.weights import load_generation_config, load_model_config
@@ -43,25 +48,43 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.model_config = load_model_config(config.checkpoint)
         self.generation_config = load_generation_config(config.checkpoint)
         max_pos = self.model_config.text.max_position_embeddings
         if config.max_model_len > max_pos:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({max_pos})")
+        g = self.generation_config
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerLimits.of(config, self._vision_cost()),
-            self.block_manager,
-            self.generation_config.eos_token_ids,
+        self._assemble(
+            config, self.runner, ModelInputs(config, self.model_config, g.eos_token_ids), self._vision_cost(),
+            eos_token_ids=g.eos_token_ids,
+            generation_defaults=SamplingParams(temperature=g.temperature if g.do_sample else 0.0, top_p=g.top_p, top_k=g.top_k),
         )
-        self._pending: list[RequestOutput] = []
-        self._arrivals = itertools.count()
-        self._steps = 0
         self.warm_up_report: dict | None = None
         if config.is_cuda and config.warm_up:
             self.warm_up_report = {**(self.runner.warm_up_report or {}), **self.warm_up()}
+
+    def _assemble(
+        self, config: EngineConfig, executor: Executor, inputs: RequestInputs, vision: VisionCost, *,
+        eos_token_ids: frozenset[int], generation_defaults: SamplingParams, stream_interval: int | None = None,
+        prefix_caching: bool | None = None,
+    ) -> None:
+        """The engine around an executor: the scheduler over a block manager of the executor's KV blocks.
+        stream_interval None: every request that changed in a step hands out its output; n: only at its first token,
+        its end and every n tokens (the simulated engine's, so that many simulated workers stay cheap to serve).
+        prefix_caching None: config.enable_prefix_caching."""
+        self.config = config
+        self.executor = executor
+        self.inputs = inputs
+        caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
+        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, caching)
+        self.scheduler = Scheduler(SchedulerLimits.of(config, vision), self.block_manager, eos_token_ids)
+        self._eos_token_ids = eos_token_ids
+        self._generation_defaults = generation_defaults
+        self._stream_interval = stream_interval
+        self._pending: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+        self._steps = 0
 
     def _vision_cost(self) -> VisionCost:
         """How the scheduler costs this model's vision tower (nothing to cost without one)."""
@@ -112,12 +135,11 @@ class LLMEngine:
     @property
     def generation_defaults(self) -> SamplingParams:
         """temperature / top_p / top_k from generation_config.json (greedy when do_sample is false)."""
-        g = self.generation_config
-        return SamplingParams(temperature=g.temperature if g.do_sample else 0.0, top_p=g.top_p, top_k=g.top_k)
+        return self._generation_defaults
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        return self.generation_config.eos_token_ids
+        return self._eos_token_ids
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -135,7 +157,7 @@ class LLMEngine:
         try:
             return PreparedRequest(
                 request_id,
-                self._make_sequence(request_id, prompt, sampling, list(resume_token_ids), prefill_only, kv_import),
+                self.inputs.make_sequence(request_id, prompt, sampling, resume_token_ids, prefill_only, kv_import),
                 num_prompt_tokens=len(prompt.token_ids),
             )
         except PromptError as exc:
@@ -182,72 +204,6 @@ class LLMEngine:
             )
         )
 
-    def _make_sequence(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling: SamplingParams,
-        resume: list[int],
-        prefill_only: bool,
-        kv_import: KvExport | None,
-    ) -> Sequence:
-        cfg, mc = self.config, self.model_config
-        context = len(prompt.token_ids) + len(resume) + (kv_import is not None)
-        if len(prompt.token_ids) > cfg.max_model_len or context > cfg.max_model_len:
-            raise PromptError(f"context of {context} tokens exceeds max_model_len {cfg.max_model_len}")
-        bad = next((t for t in resume if not 0 <= t < mc.text.vocab_size), None)
-        if bad is not None:
-            raise PromptError(f"resume token id {bad} is outside the vocabulary")
-        prepared: PreparedPrompt = prepare_prompt(
-            prompt,
-            vocab_size=mc.text.vocab_size,
-            image_token_id=mc.image_token_id,
-            spatial_merge_size=mc.spatial_merge_size,
-            min_pixels=cfg.min_pixels,
-            max_pixels=cfg.max_pixels,
-            max_image_pixels=cfg.max_image_pixels,
-        )
-        token_ids = list(prompt.token_ids) + resume
-        if kv_import is not None:
-            self._check_import(kv_import, len(token_ids), prepared.mrope_position_delta)
-            token_ids.append(kv_import.first_token_id)
-        grammar = None
-        if sampling.json_schema is not None:
-            from workers.grammar import GrammarState  # guided decoding only: others never load llguidance
-
-            try:
-                grammar = GrammarState(sampling.json_schema, self.eos_token_ids, token_ids[len(prompt.token_ids):])
-            except ValueError as exc:
-                raise PromptError(str(exc)) from None
-        return Sequence(
-            request_id=request_id,
-            token_ids=token_ids,
-            num_prompt_tokens=len(prompt.token_ids),
-            sampling=sampling,
-            arrival=-1,
-            prefill_only=prefill_only,
-            mm=prepared.mm,
-            mrope_position_delta=prepared.mrope_position_delta,
-            kv_import=kv_import,
-            image_spans=prepared.image_spans,
-            grammar=grammar,
-        )
-
-    def _check_import(self, kv: KvExport, num_tokens: int, delta: int) -> None:
-        text = self.model_config.text
-        if kv.num_tokens != num_tokens:
-            raise PromptError(f"imported KV covers {kv.num_tokens} tokens, the prompt (+ resume tokens) has {num_tokens}")
-        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-        if shape != (text.num_hidden_layers, text.num_key_value_heads, text.head_dim):
-            raise PromptError(
-                f"imported KV has (layers, kv heads, head dim) {shape}, this model "
-                f"{(text.num_hidden_layers, text.num_key_value_heads, text.head_dim)}"
-            )
-        if kv.mrope_position_delta != delta:
-            raise PromptError(f"imported KV has MRoPE delta {kv.mrope_position_delta}, the prompt gives {delta}")
-        if not 0 <= kv.first_token_id < text.vocab_size:
-            raise PromptError(f"imported first token id {kv.first_token_id} is outside the vocabulary")
-
     # ---- control -------------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
@@ -257,7 +213,7 @@ class LLMEngine:
             return False
         was_running = not seq.is_finished
         self.scheduler.abort(request_id)
-        self.runner.release(request_id)
+        self.executor.release(request_id)
         if was_running:
             self._pending.append(self._output(seq))
         return True
@@ -268,11 +224,11 @@ class LLMEngine:
         seq = self.scheduler.held.get(request_id)
         if seq is None:
             raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")
-        return self.runner.export_kv(seq, on_device)
+        return self.executor.export_kv(seq, on_device)
 
     def close(self) -> None:
-        """Frees the decode graphs and stops the other ranks of a multi-GPU instance."""
-        self.runner.close()
+        """Frees the decode graphs and stops the other ranks of a multi-GPU instance (the executor's close)."""
+        self.executor.close()
 
     def release(self, request_id: str) -> bool:
         """Frees the KV blocks of a finished prefill_only request."""
@@ -302,9 +258,11 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         changed = list(out.rejected)
-        if not out.is_empty:
+        if out.is_empty:
+            self.executor.idle()
+        else:
             try:
-                sampled = self.runner.execute(out)
+                sampled = self.executor.execute(out)
             except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
                 log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
                 changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
@@ -312,12 +270,20 @@ class LLMEngine:
                 changed += self.scheduler.update(out, sampled)
         for seq in changed:
             if seq.is_finished:
-                self.runner.release(seq.request_id)
+                self.executor.release(seq.request_id)
                 if seq.finish_reason is FinishReason.ERROR:
                     log.warning("request %s failed: %s", seq.request_id, seq.error)
-            outputs.append(self._output(seq))
+            if self._hands_out(seq):
+                outputs.append(self._output(seq))
         self._steps += 1
         return outputs
+
+    def _hands_out(self, seq: Sequence) -> bool:
+        """Whether this step streams seq's output (see _assemble's stream_interval)."""
+        if self._stream_interval is None:
+            return True
+        unsent = seq.num_generated_tokens - seq.num_streamed_tokens
+        return seq.is_finished or seq.num_streamed_tokens == 0 or unsent >= self._stream_interval
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

@@ -2,8 +2,13 @@
 
 * EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
   threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
-  LLMEngine (workers/engine.py: the model on a device) and SimulatedEngine (workers/sim/engine.py: the same
-  scheduler, step times from the step model) implement it.
+  LLMEngine (workers/engine.py) implements it, and SimulatedEngine (workers/sim/engine.py) is an LLMEngine.
+* Executor: what runs the batch the scheduler chose, behind LLMEngine. ModelRunner (workers/model_runner.py: the
+  model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
+  lasts what the step model says of that batch, its images included) implement it.
+* RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
+  ModelInputs (workers/request_inputs.py) for a checkpoint's model, SimulatedInputs (workers/sim/engine.py) for
+  a simulated one.
 * ServingEngine: the asyncio side, one stream of outputs per request. AsyncEngine (workers/async_engine.py, over
   any EngineCore) and InstantEngine (workers/sim/instant_engine.py: no model, for measuring the router) implement it.
 
@@ -21,6 +26,7 @@ from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParam
 if TYPE_CHECKING:
     from workers.config import EngineConfig
     from workers.kv_cache import KvExport
+    from workers.scheduler import SchedulerOutput
     from workers.sequence import Sequence
 
 
@@ -72,6 +78,38 @@ class EngineCore(Protocol):
     def load(self) -> EngineLoad: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs the scheduler's batches for LLMEngine. num_kv_blocks: the KV pool it holds (the block manager's size)."""
+
+    num_kv_blocks: int
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Runs one non-empty batch; returns the sampled token of every chunk that samples, by request id. May raise:
+        the engine then fails that batch's requests, not itself."""
+        ...
+
+    def idle(self) -> None:
+        """A step with nothing scheduled."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request is gone (finished or aborted): drop whatever the executor holds for it."""
+        ...
+
+    def export_kv(self, seq: Sequence, on_device: bool = False) -> KvExport: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class RequestInputs(Protocol):
+    """Makes a request's Sequence; raises workers.model.mm_inputs.PromptError naming what cannot be served."""
+
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
+                      prefill_only: bool, kv_import: KvExport | None) -> Sequence: ...
 
 
 @runtime_checkable

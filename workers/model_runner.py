@@ -165,6 +165,9 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
 
+    def idle(self) -> None:
+        """A step with nothing scheduled: nothing runs on the device."""
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples.

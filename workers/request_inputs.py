@@ -1,0 +1,84 @@
+"""A request's token ids and images made into a Sequence for the model on a device (ModelInputs, the real engine's
+RequestInputs, workers/engine_api.py): validation against the model's vocabulary and the engine's limits, image
+decoding and MRoPE positions (workers/model/mm_inputs.py), an imported KV cache checked against the model, a JSON
+schema compiled to a grammar. A request that cannot be served raises PromptError naming what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from contract.types import PromptInput, SamplingParams
+from workers.config import EngineConfig
+from workers.kv_cache import KvExport
+from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
+from workers.sequence import Sequence
+from workers.weights import ModelConfig
+
+
+class ModelInputs:
+    """Makes Sequences for one checkpoint's model; thread-safe (it holds no state of its own)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
+
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
+                      prefill_only: bool, kv_import: KvExport | None) -> Sequence:
+        cfg, mc = self.config, self.model_config
+        resume = list(resume)
+        context = len(prompt.token_ids) + len(resume) + (kv_import is not None)
+        if len(prompt.token_ids) > cfg.max_model_len or context > cfg.max_model_len:
+            raise PromptError(f"context of {context} tokens exceeds max_model_len {cfg.max_model_len}")
+        bad = next((t for t in resume if not 0 <= t < mc.text.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"resume token id {bad} is outside the vocabulary")
+        prepared: PreparedPrompt = prepare_prompt(
+            prompt,
+            vocab_size=mc.text.vocab_size,
+            image_token_id=mc.image_token_id,
+            spatial_merge_size=mc.spatial_merge_size,
+            min_pixels=cfg.min_pixels,
+            max_pixels=cfg.max_pixels,
+            max_image_pixels=cfg.max_image_pixels,
+        )
+        token_ids = list(prompt.token_ids) + resume
+        if kv_import is not None:
+            self._check_import(kv_import, len(token_ids), prepared.mrope_position_delta)
+            token_ids.append(kv_import.first_token_id)
+        grammar = None
+        if sampling.json_schema is not None:
+            from workers.grammar import GrammarState  # guided decoding only: others never load llguidance
+
+            try:
+                grammar = GrammarState(sampling.json_schema, self.eos_token_ids, token_ids[len(prompt.token_ids):])
+            except ValueError as exc:
+                raise PromptError(str(exc)) from None
+        return Sequence(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=len(prompt.token_ids),
+            sampling=sampling,
+            arrival=-1,
+            prefill_only=prefill_only,
+            mm=prepared.mm,
+            mrope_position_delta=prepared.mrope_position_delta,
+            kv_import=kv_import,
+            image_spans=prepared.image_spans,
+            grammar=grammar,
+        )
+
+    def _check_import(self, kv: KvExport, num_tokens: int, delta: int) -> None:
+        text = self.model_config.text
+        if kv.num_tokens != num_tokens:
+            raise PromptError(f"imported KV covers {kv.num_tokens} tokens, the prompt (+ resume tokens) has {num_tokens}")
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        if shape != (text.num_hidden_layers, text.num_key_value_heads, text.head_dim):
+            raise PromptError(
+                f"imported KV has (layers, kv heads, head dim) {shape}, this model "
+                f"{(text.num_hidden_layers, text.num_key_value_heads, text.head_dim)}"
+            )
+        if kv.mrope_position_delta != delta:
+            raise PromptError(f"imported KV has MRoPE delta {kv.mrope_position_delta}, the prompt gives {delta}")
+        if not 0 <= kv.first_token_id < text.vocab_size:
+            raise PromptError(f"imported first token id {kv.first_token_id} is outside the vocabulary")
