@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
         help="config.json field by dotted path, e.g. vision_config.depth=2 (repeatable)",
     )
     parser.add_argument("--expert-layout", choices=["release", "transformers"], default="release")
-    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                        help="fp8: Qwen's released FP8 layout (e4m3 weights, 128x128 block scales, per-expert experts)")
+    parser.add_argument("--precision", choices=["bf16", "fp8", "fp8-dynamic"], default="bf16",
+                        help="fp8: Qwen's released FP8 layout (e4m3 weights, 128x128 block scales, per-expert experts); "
+                        "fp8-dynamic: the FP8-dynamic layout (compressed-tensors: one scale per output channel)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

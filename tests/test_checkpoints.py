@@ -224,3 +224,26 @@ def test_random_fp8_checkpoint_is_in_the_released_fp8_layout_and_loads(tmp_path)
     assert config.weight_format.method == "fp8_block"
     model = build_text_model(EngineConfig(checkpoint=checkpoint, fp8_compute="fp8"), config, torch.device("cpu"), torch.float32)
     assert model.language_model.layers[0].mlp.experts.down_proj.dtype == FP8_DTYPE
+
+
+def test_random_fp8_dynamic_checkpoint_has_one_scale_per_output_row_and_loads(tmp_path):
+    from workers.config import EngineConfig
+    from workers.model.fp8 import FP8_DTYPE
+    from workers.model_runner import build_text_model
+    from workers.weights import load_model_config
+
+    spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,
+                                precision="fp8-dynamic", max_shard_bytes=30_000_000)
+    checkpoint = make_random_checkpoint(tmp_path / "random-fp8-dynamic", spec)
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    name = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
+    with safe_open(str(checkpoint / index["weight_map"][name]), framework="pt") as f:
+        weight, scale = f.get_tensor(name), f.get_tensor(name.removesuffix("weight") + "weight_scale")
+    assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (weight.shape[0], 1)
+    assert not any(n.endswith("weight_scale_inv") for n in index["weight_map"])
+    assert index["weight_map"] == safetensors_keys(checkpoint)
+    config = load_model_config(checkpoint)
+    assert config.weight_format.method == "fp8_channel"
+    model = build_text_model(EngineConfig(checkpoint=checkpoint, fp8_compute="fp8"), config, torch.device("cpu"), torch.float32)
+    experts = model.language_model.layers[0].mlp.experts
+    assert experts.down_proj.dtype == FP8_DTYPE and experts.per_channel

@@ -48,7 +48,9 @@ class RandomCheckpointSpec:
     num_experts: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
     expert_layout: Literal["release", "transformers"] = "release"
-    precision: Literal["bf16", "fp8"] = "bf16"  # fp8: Qwen's released FP8 layout (per-expert, 128x128 blocks)
+    # fp8: Qwen's released FP8 layout (per-expert, 128x128 blocks); fp8-dynamic: the FP8-dynamic one (per-expert,
+    # one weight_scale per output row, compressed-tensors quantization_config)
+    precision: Literal["bf16", "fp8", "fp8-dynamic"] = "bf16"
     max_shard_bytes: int = 5 * 10**9
     seed: int = 0
 
@@ -64,6 +66,10 @@ class RandomCheckpointSpec:
 
             config["quantization_config"] = quantization_config(
                 RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+        elif self.precision == "fp8-dynamic":
+            from workers.fp8_checkpoint import channel_quantization_config
+
+            config["quantization_config"] = channel_quantization_config()
         return config
 
 
@@ -76,19 +82,25 @@ def tensor_shapes(config: Mapping[str, Any], expert_layout: str) -> TensorShapes
 
 
 def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
-    """The released FP8 layout of float shapes (memory-layout experts): per-expert gate/up/down, and a
-    weight_scale_inv [ceil(N/128), ceil(K/128)] after each quantised linear."""
+    """The FP8 layout of float shapes (memory-layout experts): per-expert gate/up/down, and after each quantised
+    linear a weight_scale_inv [ceil(N/128), ceil(K/128)] (the released block layout) or a weight_scale [N, 1] (the
+    FP8-dynamic layout, quant_method compressed-tensors)."""
     from workers.fp8_checkpoint import is_quantised_linear
     from workers.model.fp8 import BlockShape
 
-    block = BlockShape(*config["quantization_config"]["weight_block_size"])
+    q = config["quantization_config"]
+    blocks = q["quant_method"] == "fp8"
+    block = BlockShape(*q["weight_block_size"]) if blocks else None
     text = config["text_config"]
     inter, hidden = text["moe_intermediate_size"], text["hidden_size"]
     out: TensorShapes = []
 
     def linear(name: str, shape: tuple[int, int]) -> None:
         out.append((name, shape))
-        out.append((name.removesuffix("weight") + "weight_scale_inv", block.grid(*shape)))
+        if blocks:
+            out.append((name.removesuffix("weight") + "weight_scale_inv", block.grid(*shape)))
+        else:
+            out.append((name.removesuffix("weight") + "weight_scale", (shape[0], 1)))
 
     for name, shape in shapes:
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -125,7 +137,7 @@ def _dtype(name: str, fp8: bool) -> tuple[str, int]:
     """(safetensors dtype, bytes per value) of a tensor of the checkpoint."""
     if not fp8:
         return "BF16", BYTES_PER_VALUE
-    if name.endswith("weight_scale_inv"):
+    if name.endswith(("weight_scale_inv", "weight_scale")):
         return "F32", 4
     from workers.fp8_checkpoint import is_quantised_linear
 
@@ -214,7 +226,7 @@ def make_random_checkpoint(out_dir: Path, spec: RandomCheckpointSpec) -> Path:
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another --out")
     config = spec.config()
     shapes = tensor_shapes(config, spec.expert_layout)
-    fp8 = spec.precision == "fp8"
+    fp8 = spec.precision != "bf16"
     shards = plan_shards(shapes, spec.max_shard_bytes, fp8)
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
