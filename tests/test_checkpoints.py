@@ -205,45 +205,30 @@ def test_building_a_tiny_checkpoint_does_not_change_what_later_calls_expect(tmp_
     assert before == after
 
 
-def test_random_fp8_checkpoint_is_in_the_released_fp8_layout_and_loads(tmp_path):
+@pytest.mark.parametrize(("precision", "scale_suffix", "method"), [
+    ("fp8", "weight_scale_inv", "fp8_block"),  # Qwen's released layout: a scale per 128x128 block
+    ("fp8-dynamic", "weight_scale", "fp8_channel"),  # the FP8-dynamic one: a scale per output row
+])
+def test_random_fp8_checkpoints_are_in_their_layout_and_load(tmp_path, precision, scale_suffix, method):
     from workers.config import EngineConfig
-    from workers.model.fp8 import FP8_DTYPE
+    from workers.model.fp8 import FP8_DTYPE, BlockShape
     from workers.model_runner import build_text_model
     from workers.weights import load_model_config
 
     spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,
-                                precision="fp8", max_shard_bytes=30_000_000)
-    checkpoint = make_random_checkpoint(tmp_path / "random-fp8", spec)
+                                precision=precision, max_shard_bytes=30_000_000)
+    checkpoint = make_random_checkpoint(tmp_path / f"random-{precision}", spec)
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
     name = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
     with safe_open(str(checkpoint / index["weight_map"][name]), framework="pt") as f:
-        assert f.get_tensor(name).dtype == FP8_DTYPE
-        assert f.get_tensor(name.removesuffix("weight") + "weight_scale_inv").dtype == torch.float32
+        weight, scale = f.get_tensor(name), f.get_tensor(name.removesuffix("weight") + scale_suffix)
+    assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32
+    block = BlockShape(128, 128) if method == "fp8_block" else BlockShape(1, weight.shape[1])
+    assert tuple(scale.shape) == block.grid(*weight.shape)
     assert index["weight_map"] == safetensors_keys(checkpoint)
     config = load_model_config(checkpoint)
-    assert config.weight_format.method == "fp8_block"
-    model = build_text_model(EngineConfig(checkpoint=checkpoint, fp8_compute="fp8"), config, torch.device("cpu"), torch.float32)
-    assert model.language_model.layers[0].mlp.experts.down_proj.dtype == FP8_DTYPE
-
-
-def test_random_fp8_dynamic_checkpoint_has_one_scale_per_output_row_and_loads(tmp_path):
-    from workers.config import EngineConfig
-    from workers.model.fp8 import FP8_DTYPE
-    from workers.model_runner import build_text_model
-    from workers.weights import load_model_config
-
-    spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,
-                                precision="fp8-dynamic", max_shard_bytes=30_000_000)
-    checkpoint = make_random_checkpoint(tmp_path / "random-fp8-dynamic", spec)
-    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
-    name = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
-    with safe_open(str(checkpoint / index["weight_map"][name]), framework="pt") as f:
-        weight, scale = f.get_tensor(name), f.get_tensor(name.removesuffix("weight") + "weight_scale")
-    assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (weight.shape[0], 1)
-    assert not any(n.endswith("weight_scale_inv") for n in index["weight_map"])
-    assert index["weight_map"] == safetensors_keys(checkpoint)
-    config = load_model_config(checkpoint)
-    assert config.weight_format.method == "fp8_channel"
+    assert config.weight_format.method == method
     model = build_text_model(EngineConfig(checkpoint=checkpoint, fp8_compute="fp8"), config, torch.device("cpu"), torch.float32)
     experts = model.language_model.layers[0].mlp.experts
-    assert experts.down_proj.dtype == FP8_DTYPE and experts.per_channel
+    assert experts.down_proj.dtype == FP8_DTYPE
+    assert experts.block.k == (128 if method == "fp8_block" else 1 << 30)  # K groups of 128, or the whole row

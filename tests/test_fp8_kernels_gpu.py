@@ -172,17 +172,21 @@ def routed(tokens: int, num_experts: int, hidden: int, seed: int, bins: int | No
     return torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16(), top_w, top_i.clamp(max=num_experts)
 
 
-def moe_reference(x, top_w, top_i, gate_up, down, scales: fused_moe.ExpertScales, quantize: bool) -> torch.Tensor:
+def moe_reference(x, top_w, top_i, gate_up, down, scales: fused_moe.ExpertScales, quantize: bool,
+                  per_token: bool = False) -> torch.Tensor:
     """float64 over the dequantised experts, expert by expert; quantize: x and the gated output pass through the
-    per-token-group e4m3 quantisation, as the W8A8 path does, with the kernel's bf16 roundings before it (gate, up,
-    silu(gate), their product): a bf16 difference moves an element across an e4m3 rounding boundary (2^-8 against
-    steps of 2^-3), which alone made a 1.6% relative difference on the H200 (run41) without these roundings."""
+    e4m3 quantisation the W8A8 path applies (per token and group of 128; per_token: per token, the FP8-dynamic
+    format's), with the kernels' bf16 roundings before it (gate and up; then silu(gate) for the Triton kernel, whose
+    product is rounded again, or the product alone for the grouped path's silu-mul-quantise): a bf16 difference moves
+    an element across an e4m3 rounding boundary (2^-8 against steps of 2^-3), which alone made a 1.6% relative
+    difference on the H200 (run41) without these roundings."""
 
     def activations(a):
         if not quantize:
             return a.double()
-        q, s = fp8.quantize_activation_groups(a, 128)
-        return q.double() * s.double().repeat_interleave(128, dim=1)[:, : a.shape[1]]
+        group = a.shape[1] if per_token else 128
+        q, s = fp8.quantize_activation_groups(a, group)
+        return q.double() * s.double().repeat_interleave(group, dim=1)[:, : a.shape[1]]
 
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for e in top_i.unique().tolist():
@@ -194,7 +198,8 @@ def moe_reference(x, top_w, top_i, gate_up, down, scales: fused_moe.ExpertScales
         gate, up = (activations(x[token]) @ w1.T).chunk(2, dim=-1)
         if quantize:
             gate, up = gate.bfloat16().double(), up.bfloat16().double()
-            act = (F.silu(gate).bfloat16().double() * up).bfloat16()
+            silu = F.silu(gate) if per_token else F.silu(gate).bfloat16().double()
+            act = (silu * up).bfloat16()
         else:
             act = F.silu(gate) * up
         y = activations(act) @ w2.T
@@ -269,24 +274,8 @@ def channel_experts(num_experts: int, hidden: int, inter: int, seed: int):
 
 
 def channel_moe_reference(x, top_w, top_i, gate_up, down, scales) -> torch.Tensor:
-    """float64 over dequantised experts, x and the gated output quantised per token (the format's activations),
-    gate_up's output and silu(gate) * up rounded to bf16 first, as the grouped path rounds them."""
-
-    def per_token(a):
-        q, s = fp8.quantize_activation_groups(a, a.shape[1])
-        return q.double() * s.double()
-
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for e in top_i.unique().tolist():
-        if e >= gate_up.shape[0]:
-            continue
-        token, slot = (top_i == e).nonzero(as_tuple=True)
-        w1 = fp8.dequantize_weight_blocks(gate_up[e], scales.gate_up[e], scales.block, torch.float64)
-        w2 = fp8.dequantize_weight_blocks(down[e], scales.down[e], scales.block, torch.float64)
-        gate, up = (per_token(x[token]) @ w1.T).bfloat16().double().chunk(2, dim=-1)
-        act = (F.silu(gate) * up).bfloat16()
-        out.index_add_(0, token, (per_token(act) @ w2.T) * top_w[token, slot].double().unsqueeze(-1))
-    return out
+    """The grouped path's numbers: moe_reference with per-token quantisation."""
+    return moe_reference(x, top_w, top_i, gate_up, down, scales, quantize=True, per_token=True)
 
 
 @pytest.mark.parametrize("shape", MOE_SHAPES.values(), ids=MOE_SHAPES.keys())
