@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=None, help="write a real-hardware config for this checkpoint")
     parser.add_argument("--out", default="plan.yaml")
     parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--product-path", action="store_true", help="with --validate: the product path's LoadGen "
+                        "Server points (benchmarks/planner-validation-runs.json product_path) beside their replay and "
+                        "the predicted highest valid Server QPS (rebuilds the 1,500-sample catalogue: minutes)")
     return parser.parse_args(argv)
 
 
@@ -95,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     """Plans (or with --validate, validates) and prints one JSON object."""
     args = parse_args(argv)
     if args.validate:
-        from harness.planner_validation import validate
+        from harness.planner_validation import product_path_rows, validate
 
-        print(json.dumps(validate(), indent=1))
+        print(json.dumps(product_path_rows() if args.product_path else validate(), indent=1))
         return
     request = plan_request(args)
     plans = search(request)

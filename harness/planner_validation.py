@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import random
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -102,6 +103,16 @@ class Run15(_Data):
     poisson: PoissonLevels
 
 
+class ProductPath(_Data):
+    """LoadGen Server points measured through the product path (scripts/find_peak.py JSONs: LoadGen -> router ->
+    Ray worker -> engine on one H200), replayed on the virtual clock with their workload: issue 19's check that the
+    planner's one-H200 prediction of the highest valid Server QPS comes within 15% of the measured one."""
+
+    runs: list[str]
+    catalogue_seed: int = 0  # the synthetic catalogue the product path made (harness.synthetic_catalogue's seed)
+    note: str = ""
+
+
 class ValidationRuns(_Data):
     """benchmarks/planner-validation-runs.json."""
 
@@ -111,6 +122,7 @@ class ValidationRuns(_Data):
     session2: Session2
     session4: Session4
     run15: Run15
+    product_path: ProductPath
 
 
 RUNS = ValidationRuns.model_validate_json(RUNS_FILE.read_text())
@@ -210,11 +222,11 @@ def _run9_prepare_s() -> float:
 
 
 def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
-            encoded: Iterable[int] = ()) -> list[float]:
+            encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE) -> list[float]:
     """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
     (VirtualCluster serves one request shape); each request's finishing time. `encoded`: image sizes (patches) the
     measured engine had encoded before (their cuDNN plans built)."""
-    engine = SimulatedEngine(VALIDATION_ENGINE, REPLAY_SIM, model, realtime=False)
+    engine = SimulatedEngine(engine_config, REPLAY_SIM, model, realtime=False)
     engine.encoded_sizes.update(encoded)
     order = sorted(range(len(requests)), key=joins.__getitem__)
     finish, clock, nxt = [math.nan] * len(requests), 0.0, 0
@@ -383,3 +395,69 @@ def _dp2_row(run: str, model: StepModel, dp2: dict) -> dict:
     row["samples_per_s"].update(predicted=predicted,
                                 error_pct=round(100 * (predicted / dp2["samples_per_s"] - 1), 1))
     return row
+
+
+# ---- the product path's LoadGen points (issue 19, item 4) ----------------------------------------------------
+
+
+def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_config: EngineConfig, qps: float,
+                     queries: int, pool: int, seed: int = POISSON_SEED) -> list[float]:
+    """Latencies of a LoadGen-like Server run on the virtual clock: `queries` Poisson arrivals at `qps`, each a
+    sample drawn from the first `pool` requests (the performance sample set), joining the engine after its
+    preparation (run21's seconds per visual token, as the session-4 Poisson rows charge it)."""
+    rng = random.Random(seed)
+    arrivals = poisson_arrivals(qps, queries, seed)
+    chosen = [requests[rng.randrange(pool)] for _ in range(queries)]
+    per_visual = _prepare_s_per_visual_token()
+    joins = [t + per_visual * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, chosen)]
+    finish = _replay(model, chosen, joins, _image_sizes(chosen[:1]), engine_config)
+    return [f - t for f, t in zip(finish, arrivals)]
+
+
+def _p(values: list[float], q: float) -> float:
+    return round(percentile(values, q), 2)
+
+
+def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRequest] | None = None,
+                      bisect_steps: int = 6, runs: Iterable[str] | None = None) -> dict:
+    """Each measured Server point of RUNS.product_path beside its replay (p50, p99, verdict), and the highest
+    Server QPS the replay calls valid (p99 within the point's bound; bisection) beside the measured bracket
+    (highest VALID, lowest INVALID). `requests`: the catalogue (default: the product path's, rebuilt: ~1.5 min)."""
+    model = model or _h200(RUN21)
+    points = [(name, point, data["workload"]["scenarios"]["server"], data["workload"]["max_tokens"])
+              for name in (runs or RUNS.product_path.runs) for data in [_bench(BENCH / name)]
+              for point in data["points"] if point["scenario"] == "server"]
+    if not points:
+        raise ValueError("product_path: no Server points in the listed runs")
+    _, _, server, max_tokens = points[0]
+    engine_config = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=server["engine"]["max_num_seqs"],
+                                 max_num_batched_tokens=server["engine"]["max_num_batched_tokens"])
+    if requests is None:
+        requests = realistic_catalogue(server["samples"], RUNS.product_path.catalogue_seed)
+    requests = [CatalogueRequest(r.prompt, max_tokens) for r in requests]
+    bound_s = server["target_latency_ms"] / 1e3
+    rows = []
+    for name, point, scenario, _ in points:
+        pool = min(point["performance_sample_count"], len(requests))
+        latencies = server_latencies(model, requests, engine_config, point["target_qps"], point["queries"], pool)
+        rows.append({
+            "run": f"{name} Server {point['target_qps']} QPS, {point['queries']} queries",
+            "p50_s": {"measured": round(point["p50_s"], 2), "predicted": _p(latencies, 0.5)},
+            "p99_s": {"measured": round(point["p99_s"], 2), "predicted": _p(latencies, 0.99)},
+            "verdict": {"measured": point["verdict"], "predicted": "VALID" if _p(latencies, 0.99) <= bound_s else "INVALID"},
+        })
+    queries, pool = points[0][1]["queries"], min(points[0][1]["performance_sample_count"], len(requests))
+    lo, hi = 0.5, max(p[1]["target_qps"] for p in points) * 1.5
+    for _ in range(bisect_steps):
+        mid = (lo + hi) / 2
+        valid = percentile(server_latencies(model, requests, engine_config, mid, queries, pool), 0.99) <= bound_s
+        lo, hi = (mid, hi) if valid else (lo, mid)
+    valid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] == "VALID"]
+    invalid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] != "VALID"]
+    return {"device": "H200, Qwen3-VL-30B-A3B bf16 (random weights), realistic synthetic catalogue; LoadGen Server "
+                      "through router and Ray worker",
+            "note": RUNS.product_path.note,
+            "rows": rows,
+            "server_max_valid_qps": {"measured_highest_valid": max(valid_qps, default=None),
+                                     "measured_lowest_invalid": min(invalid_qps, default=None),
+                                     "predicted": round(lo, 2), "bisection_steps": bisect_steps}}
