@@ -37,6 +37,12 @@ class EngineConfig(BaseModel):
         "weights at load on the CPU (what transformers computes there); 'fp8' also on the CPU (the kernels' torch "
         "references, for tests); 'dequantize' everywhere (bf16 math on FP8 checkpoints)."
     )
+    vision_precision: Literal["bf16", "fp8"] = Field(
+        "bf16", description="The vision tower's block linears (qkv, proj, fc1, fc2): 'bf16' as the checkpoint holds "
+        "them (every release leaves the tower unquantised), or 'fp8': quantised to e4m3 per output channel at load and "
+        "run W8A8 with per-token activations (the FP8-dynamic scheme; torch's row-wise FP8 GEMM on CUDA). Attention, "
+        "the patch embedding and the mergers stay in the activation dtype."
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="KV cache element type: 'auto' is the activation dtype; 'fp8' stores float8_e4m3fn with "
         "a per-layer k_scale/v_scale (the checkpoint's self_attn k_scale/v_scale tensors where present, else 1.0), "

@@ -10,8 +10,9 @@ main embeddings and the DeepStack features. `--shape tiny` is a CPU smoke mode w
 by batch size (the engine encodes the images of a step's new prompts in one call).
 `--head-dim-sweep`: attention alone (SDPA's default backend) on ten catalogue images at head_dim 64-128, timed
 against the tower's own head_dim: what padding the heads would cost or save.
+`--fp8-linears`: also our tower with the blocks' linears in FP8 (EngineConfig.vision_precision fp8).
 Usage: python -m scripts.bench_vision [--shape 30b-a3b|235b-a22b|tiny] [--reps N] [--new-shapes N]
-                                      [--batch-sweep B,...] [--head-dim-sweep] [--out FILE]
+                                      [--batch-sweep B,...] [--head-dim-sweep] [--fp8-linears] [--out FILE]
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "unseen image shapes per attention backend")
     p.add_argument("--batch-sweep", default=None, help="comma-separated images per call (catalogue-sized images)")
     p.add_argument("--head-dim-sweep", action="store_true", help="attention alone at head_dim 64-128")
+    p.add_argument("--fp8-linears", action="store_true", help="also our tower with the blocks' linears in FP8 "
+                   "(EngineConfig.vision_precision fp8: e4m3 per output row, per-token activations), on a copy")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
     device = args.device or ("cpu" if args.shape == "tiny" else "cuda")
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     towers = {"ours": VisionTower(module)}
     if cuda:
         towers["ours_gelu_epilogue"] = VisionTower(module, gelu_epilogue=True)
+    if args.fp8_linears:  # quantising replaces the copy's float weights
+        towers["ours_fp8_linears"] = VisionTower(copy.deepcopy(module), gelu_epilogue=cuda, fp8_linears=True)
     result = {
         "bench": "vision_tower",
         "shape": args.shape,

@@ -3,6 +3,8 @@ forward runs over its parameters (fused residual add + LayerNorm and q/k rotary 
 equal-size frames, the patch-embedding Conv3d as a GEMM, position and rotary tables cached per image grid).
 
 VisionEncoder.encode() turns pixel patches of several images into main embeddings plus the DeepStack features.
+With fp8_linears (EngineConfig.vision_precision "fp8") the blocks' four linears hold e4m3 weights with one scale per
+output row, quantised at load, and run W8A8 with per-token activations (workers/model/fp8_gemm.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import fp8_gemm
+from workers.model.fp8 import BlockShape, quantize_weight_blocks
 from workers.model.vision_kernels import add_layer_norm, rotary_qk
 from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_random_weights, iter_tensors
 
@@ -131,12 +135,14 @@ class VisionTower:
     gelu_epilogue: on CUDA, the blocks' fc1 + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (one rounding
     instead of two; elsewhere the unfused pair, since the CPU kernel's epilogue is the erf GELU)."""
 
-    def __init__(self, module: nn.Module, gelu_epilogue: bool = False):
+    def __init__(self, module: nn.Module, gelu_epilogue: bool = False, fp8_linears: bool = False):
         config = module.config
         if gelu_epilogue and config.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"gelu_epilogue computes gelu_pytorch_tanh, the config's hidden_act is {config.hidden_act!r}")
         self.module = module
         self.gelu_epilogue = gelu_epilogue
+        # the blocks' linears in e4m3 (one scale per output row), keyed by module; their float weights are dropped
+        self.fp8: dict[nn.Module, Fp8Weight] = quantize_block_linears(module) if fp8_linears else {}
         self.patch = PatchLinear(module.patch_embed.proj)
         self.num_heads = config.num_heads
         self.merge_unit = config.spatial_merge_size**2
@@ -197,7 +203,7 @@ class VisionTower:
                    runs: list[tuple[int, int]]) -> torch.Tensor:
         """Bidirectional attention within each frame; consecutive frames of one size share one SDPA call."""
         seq, hidden = x.shape
-        q, k, v = rotary_qk(F.linear(x, attn.qkv.weight, attn.qkv.bias), cos, sin, self.num_heads)
+        q, k, v = rotary_qk(self._linear(attn.qkv, x), cos, sin, self.num_heads)
         outs, start = [], 0
         for length, count in runs:
             end = start + length * count
@@ -208,19 +214,51 @@ class VisionTower:
         if start != seq:
             raise RuntimeError(f"vision attention planned for {start} patches, got {seq}")
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return F.linear(out, attn.proj.weight, attn.proj.bias)
+        return self._linear(attn.proj, out)
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-        if self.gelu_epilogue and x.is_cuda:  # CUDA's epilogue is the tanh GELU (the CPU kernel's is erf)
+        if self.gelu_epilogue and x.is_cuda and fc1 not in self.fp8:  # CUDA's epilogue is the tanh GELU (CPU: erf)
             h = torch._addmm_activation(fc1.bias, x, fc1.weight.t(), use_gelu=True)
         else:
-            h = mlp.act_fn(F.linear(x, fc1.weight, fc1.bias))
-        return F.linear(h, fc2.weight, fc2.bias)
+            h = mlp.act_fn(self._linear(fc1, x))
+        return self._linear(fc2, h)
+
+    def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        quantised = self.fp8.get(linear)
+        if quantised is None:
+            return F.linear(x, linear.weight, linear.bias)
+        return fp8_gemm.fp8_linear(x, quantised.weight, quantised.scale, quantised.block, linear.bias)
 
     @staticmethod
     def _merger_mlp(merger: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         return merger.linear_fc2(merger.act_fn(merger.linear_fc1(normed)))
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear's weight in e4m3 [N, K] with one float32 scale per output row [N, 1]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def block(self) -> BlockShape:
+        return BlockShape(1, self.weight.shape[1])
+
+
+@torch.no_grad()
+def quantize_block_linears(module: nn.Module) -> dict[nn.Module, Fp8Weight]:
+    """Each block's attn.qkv, attn.proj, mlp.linear_fc1 and mlp.linear_fc2 quantised per output row (amax / 448, as
+    fp8.quantize_weight_blocks); the float weight is replaced by an empty tensor (the tower reads the FP8 copy)."""
+    out = {}
+    for block in module.blocks:
+        for linear in (block.attn.qkv, block.attn.proj, block.mlp.linear_fc1, block.mlp.linear_fc2):
+            weight = linear.weight
+            q, scale = quantize_weight_blocks(weight.float(), BlockShape(1, weight.shape[1]))
+            out[linear] = Fp8Weight(q, scale)
+            linear.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+    return out
 
 
 def build_vision_module(arch: str, vision_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -239,7 +277,8 @@ class VisionEncoder:
     """checkpoint None: random weights (load_format 'random'), built directly on the device."""
 
     def __init__(
-        self, model_config: ModelConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype, seed: int = 0
+        self, model_config: ModelConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
+        fp8_linears: bool = False,
     ):
         model = build_vision_module(model_config.arch, model_config.hf_config.vision_config, device, dtype)
         if checkpoint is None:
@@ -256,7 +295,8 @@ class VisionEncoder:
         self.model = model.eval().requires_grad_(False)
         # fc1 + GELU as one cuBLASLt epilogue on CUDA: 3% faster, and as close to float32 as transformers' bf16 module
         # (scripts/bench_vision.py, 2026-11-30 H200: relative error 0.0137 vs its 0.0140, 2.16 vs 2.23 ms per image).
-        self.tower = VisionTower(self.model, gelu_epilogue=self.model.config.hidden_act == "gelu_pytorch_tanh")
+        self.tower = VisionTower(self.model, gelu_epilogue=self.model.config.hidden_act == "gelu_pytorch_tanh",
+                                 fp8_linears=fp8_linears)
         self.device = device
         self.dtype = dtype
         self.spatial_merge_unit = model_config.spatial_merge_size**2
