@@ -7,6 +7,7 @@ element times the scale of the block its (row, column) falls in, by index arithm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -56,3 +57,57 @@ def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
         floats[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
     save_file({k: v.contiguous() for k, v in floats.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def quantized_weight_names(fp8_dir: Path) -> set[str]:
+    """The float-layout names (as dequantized_checkpoint writes them) of every weight fp8_dir stores in e4m3."""
+    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
+        fp8_names = {name for name in f.keys() if f.get_slice(name).get_dtype() == "F8_E4M3"}
+    names = set()
+    for name in fp8_names:
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            proj = rest.split(".")[1]
+            names.add(f"{prefix}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+        else:
+            names.add(name)
+    return names
+
+
+@contextlib.contextmanager
+def fp8_activation_rounding(model: torch.nn.Module, weight_names: set[str], group: int):
+    """The FP8 checkpoint's arithmetic on transformers' own forward over its dequantized weights: while active, every
+    F.linear whose weight is one of `weight_names` (or a slice of one: an expert's) first rounds its input to e4m3
+    per token and group of `group` columns (the W8A8 scheme's dynamic activations; scale amax / 448 with the 1e-10
+    floor, nearest-even, written here from the format's definition rather than taken from workers/)."""
+    import torch.nn.functional as F
+
+    params = dict(model.named_parameters())
+    storages = set()
+    for name in weight_names:
+        if name not in params:
+            raise KeyError(f"{name}: not a parameter of the transformers model")
+        storages.add(params[name].untyped_storage().data_ptr())
+    original = F.linear
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        shape, k = x.shape, x.shape[-1]
+        flat = x.reshape(-1, k).float()
+        groups = -(-k // group)
+        padded = flat.new_zeros(flat.shape[0], groups * group)
+        padded[:, :k] = flat
+        amax = padded.view(-1, groups, group).abs().amax(dim=-1).clamp(min=1e-10)
+        scale = (amax / torch.full_like(amax, 448.0)).repeat_interleave(group, dim=1)[:, :k]
+        q = (flat / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        return (q * scale).to(x.dtype).view(shape)
+
+    def linear(x, weight, bias=None):
+        if weight.untyped_storage().data_ptr() in storages:
+            x = rounded(x)
+        return original(x, weight, bias)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = original

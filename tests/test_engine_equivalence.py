@@ -38,12 +38,17 @@ def reference(checkpoint):
     return transformers_reference(checkpoint)
 
 
-def transformers_reference(checkpoint):
-    """transformers' generate with its own image processor: (images, text ids) -> (prompt, new tokens)."""
+def transformers_reference(checkpoint, around=None):
+    """transformers' generate with its own image processor: (images, text ids) -> (prompt, new tokens). around: a
+    context manager factory, model -> context, entered around each generate (tests/fp8_reference.py's FP8
+    arithmetic emulation)."""
+    import contextlib
+
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    around = around or (lambda _model: contextlib.nullcontext())
     processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
         patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
@@ -65,7 +70,7 @@ def transformers_reference(checkpoint):
                 image_grid_thw=processed["image_grid_thw"],
                 mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
             )
-        with torch.no_grad():
+        with torch.no_grad(), around(model):
             out = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                 do_sample=False, **kwargs,
