@@ -71,10 +71,15 @@ class TransformersReference:
     """transformers on one checkpoint and device, `(images, text ids) -> Case`. The bf16 model loads at once; the
     float32 one at the first divergence it judges, then stays for the reference's other prompts."""
 
-    def __init__(self, checkpoint, device: str):
+    def __init__(self, checkpoint, device: str, around=None):
+        """around: a context manager factory, model -> context, entered around each generate (the FP8 arithmetic
+        emulation of tests/fp8_reference.py)."""
+        import contextlib
+
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.checkpoint, self.device = checkpoint, device
+        self.around = around or (lambda _model: contextlib.nullcontext())
         self.models: dict[torch.dtype, torch.nn.Module] = {}
         self.processor = Qwen2VLImageProcessorPil(
             size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
@@ -119,8 +124,9 @@ class TransformersReference:
                 image_grid_thw=pixels["image_grid_thw"].to(self.device),
                 mm_token_type_ids=(input_ids == IMAGE_PAD).int(),
             )
-        with torch.no_grad(), no_tf32():
-            out = self.model(dtype).generate(
+        model = self.model(dtype)
+        with torch.no_grad(), no_tf32(), self.around(model):
+            out = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, min_new_tokens=n,
                 do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs,
             )

@@ -75,20 +75,29 @@ def quantized_weight_names(fp8_dir: Path) -> set[str]:
 
 
 @contextlib.contextmanager
-def fp8_activation_rounding(model: torch.nn.Module, weight_names: set[str], group: int):
+def fp8_activation_rounding(model: torch.nn.Module, weight_names: set[str], group: int, expert_w8a16_tokens: int = 0):
     """The FP8 checkpoint's arithmetic on transformers' own forward over its dequantized weights: while active, every
     F.linear whose weight is one of `weight_names` (or a slice of one: an expert's) first rounds its input to e4m3
     per token and group of `group` columns (the W8A8 scheme's dynamic activations; scale amax / 448 with the 1e-10
-    floor, nearest-even, written here from the format's definition rather than taken from workers/)."""
+    floor, nearest-even, written here from the format's definition rather than taken from workers/). MoE experts run
+    transformers' eager per-expert loop meanwhile; a MoE call of at most `expert_w8a16_tokens` tokens leaves the
+    experts' activations unrounded (the engine's CUDA GEMV path for decode-sized batches is W8A16)."""
     import torch.nn.functional as F
 
     params = dict(model.named_parameters())
-    storages = set()
+    storages, expert_storages = set(), set()
     for name in weight_names:
         if name not in params:
             raise KeyError(f"{name}: not a parameter of the transformers model")
-        storages.add(params[name].untyped_storage().data_ptr())
+        (expert_storages if ".mlp.experts." in name else storages).add(params[name].untyped_storage().data_ptr())
     original = F.linear
+    moe_call = {"tokens": 0}
+
+    def note_tokens(_module, args):
+        moe_call["tokens"] = args[0].reshape(-1, args[0].shape[-1]).shape[0]
+
+    hooks = [m.register_forward_pre_hook(note_tokens) for m in model.modules()
+             if type(m).__name__.endswith("TextExperts")]
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
         shape, k = x.shape, x.shape[-1]
@@ -102,12 +111,24 @@ def fp8_activation_rounding(model: torch.nn.Module, weight_names: set[str], grou
         return (q * scale).to(x.dtype).view(shape)
 
     def linear(x, weight, bias=None):
-        if weight.untyped_storage().data_ptr() in storages:
+        storage = weight.untyped_storage().data_ptr()
+        if storage in storages or (storage in expert_storages and moe_call["tokens"] > expert_w8a16_tokens):
             x = rounded(x)
         return original(x, weight, bias)
 
+    # transformers' MoE experts run through torch._grouped_mm unless told otherwise (use_experts_implementation); the
+    # eager loop calls F.linear per expert, where the rounding applies
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_experts_implementation")}
+    before = {key: config._experts_implementation for key, config in configs.items()}
+    for config in configs.values():
+        config._experts_implementation = "eager"
     F.linear = linear
     try:
         yield
     finally:
         F.linear = original
+        for hook in hooks:
+            hook.remove()
+        for key, config in configs.items():
+            config._experts_implementation = before[key]
