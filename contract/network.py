@@ -1,7 +1,7 @@
 """Network settings both ends of the wire share: the MiB unit of message limits, a TLS certificate chain and key,
 and `host:port` addresses (split, and whether one is loopback-only).
 
-The router's config (router/config.py) and the worker's gRPC server (workers/server.py) both read these, so they
+The router's config (router/config.py) and the worker's gRPC server (workers/serve/server.py) both read these, so they
 live below both.
 """
 

@@ -1,5 +1,5 @@
 """The prefill/decode split of the multi-GPU bench: prefill on GPU 0, decode on GPU 1, each request's KV moved
-GPU-to-GPU (workers/kv_transfer.py); the offline catalogue, then Poisson levels driven from the prefill side."""
+GPU-to-GPU (workers/serve/kv_transfer.py); the offline catalogue, then Poisson levels driven from the prefill side."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     ("kv", rid, prompt index, tokens, first token, hint, extra). Then the Poisson levels, driven from here."""
     from workers.engine import LLMEngine
     from workers.config import KvLinkConfig
-    from workers.kv_transfer import KvLink
+    from workers.serve.kv_transfer import KvLink
 
     requests = catalogue_requests(args, w)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
@@ -114,7 +114,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
     """GPU 1: receives each request's KV from GPU 0 and decodes it: the offline run, then each Poisson level."""
     from workers.engine import LLMEngine
     from workers.config import KvLinkConfig
-    from workers.kv_transfer import KvLink
+    from workers.serve.kv_transfer import KvLink
     requests = catalogue_requests(args, w)
     engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
@@ -195,7 +195,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
 def part_pd(args, checkpoint: Path, w: Workload) -> dict:
     import torch.multiprocessing as mp
 
-    from workers.rank_group import _free_port
+    from workers.executor.rank_group import _free_port
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()

@@ -1,6 +1,6 @@
 """Model workers as Ray actors: one actor per model instance on a STRICT_PACK placement group holding its
 GPUs/CPUs, restarted by Ray when it dies (it rebuilds its engine and re-registers with the router).
-A prefill/decode pair with a KV link connects it (workers/kv_transfer.py) before serving."""
+A prefill/decode pair with a KV link connects it (workers/serve/kv_transfer.py) before serving."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.config import KvLinkConfig
-from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
+from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class WorkerSpec:
 
 
 def build_engine(engine_config) -> ServedEngine:
-    """The product engine (workers.worker_build.serve_llm_engine)."""
+    """The product engine (workers.serve.worker_build.serve_llm_engine)."""
     return serve_llm_engine(engine_config)
 
 
@@ -61,7 +61,7 @@ class ModelWorker:
     `colocated` specs are served by the same process on their own ports (simulated workers: many per process)."""
 
     def __init__(self, spec: WorkerSpec, *colocated: WorkerSpec) -> None:
-        from workers.server import build_worker
+        from workers.serve.server import build_worker
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._loop = asyncio.new_event_loop()
@@ -290,7 +290,7 @@ def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:
 
 def build_simulated_engine(engine_config, simulation, hardware: str, tp: int) -> ServedEngine:
     """A model-free engine timed by the step model of `hardware` (workers.sim), in the same AsyncEngine loop."""
-    from workers.async_engine import AsyncEngine
+    from workers.serve.async_engine import AsyncEngine
     from workers.sim.engine import SimulatedEngine, build_step_model
 
     engine = SimulatedEngine(engine_config, simulation, build_step_model(hardware, simulation, tp))

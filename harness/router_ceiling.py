@@ -18,7 +18,7 @@ async def serve_simulated_workers(router: str, count: int, hardware: str, simula
     """`count` simulated WorkerServers in this process, registered with `router`; prints "ready" when serving."""
     from harness.ray_workers import build_simulated_engine
     from workers.config import EngineConfig
-    from workers.server import WorkerServer
+    from workers.serve.server import WorkerServer
     from workers.sim.config import SimulationConfig
 
     engine = EngineConfig(checkpoint=Path(f"simulated:{hardware}"), max_num_seqs=1024)

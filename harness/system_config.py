@@ -216,7 +216,7 @@ class PoolSection(_Strict):
 
 
 class KvLinkSection(_Strict):
-    """The GPU-to-GPU KV hand-off (workers/kv_transfer.py, NCCL; gloo on CPU) between the one prefill and the one
+    """The GPU-to-GPU KV hand-off (workers/serve/kv_transfer.py, NCCL; gloo on CPU) between the one prefill and the one
     decode instance: the prefill worker listens on `port` of its node, the decode worker connects there. Off,
     the KV goes over gRPC (PullKv). A restarted end does not rejoin its running peer (it waits timeout_s, fails and
     is restarted again); meanwhile the router prefills on the decode worker."""

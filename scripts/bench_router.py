@@ -40,7 +40,7 @@ def free_port() -> int:
 
 async def serve_grpc_workers(router: str, count: int) -> None:
     """Instant-engine WorkerServers registered with `router`; the first's address goes to stdout."""
-    from workers.server import WorkerServer
+    from workers.serve.server import WorkerServer
     from workers.sim.instant_engine import InstantEngine
 
     servers = [WorkerServer(InstantEngine(), f"instant{i}", "aggregated", router) for i in range(count)]

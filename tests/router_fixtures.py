@@ -12,7 +12,7 @@ from contract.wire import pb
 from router.client import RouterClient
 from router.config import parse_router_config
 from router.server import RouterServer
-from workers.server import WorkerServer
+from workers.serve.server import WorkerServer
 from workers.sim.instant_engine import InstantEngine
 
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from workers.image_processing import preprocess
+from workers.inputs.image_processing import preprocess
 from workers.random_checkpoint import RandomCheckpointSpec, make_random_checkpoint, tensor_shapes
 from workers.tiny_checkpoint import make_tiny_checkpoint, released_config
 
@@ -212,7 +212,7 @@ def test_building_a_tiny_checkpoint_does_not_change_what_later_calls_expect(tmp_
 def test_random_fp8_checkpoints_are_in_their_layout_and_load(tmp_path, precision, scale_suffix, method):
     from workers.config import EngineConfig
     from workers.model.fp8 import FP8_DTYPE, BlockShape
-    from workers.model_runner import build_text_model
+    from workers.executor.model_runner import build_text_model
     from workers.weights import load_model_config
 
     spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from contract.types import FinishReason, PromptInput, SamplingParams
-from workers.async_engine import AsyncEngine
+from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 

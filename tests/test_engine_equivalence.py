@@ -1,7 +1,7 @@
 """Greedy tokens of the engine equal transformers' own generate() on the same tiny checkpoint.
 
 The reference side uses only transformers (its PIL image processor, its model, its generate); the engine
-side uses only the engine's code path (workers.image_processing, the paged model, the scheduler).
+side uses only the engine's code path (workers.inputs.image_processing, the paged model, the scheduler).
 """
 
 from __future__ import annotations

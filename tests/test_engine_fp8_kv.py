@@ -79,7 +79,7 @@ def auto_run(tiny_moe_checkpoint):
 def test_an_fp8_kv_engine_on_cpu_stores_fp8_and_stays_within_the_bound_of_the_auto_engine(
     tiny_moe_checkpoint, auto_run, caplog
 ):
-    with caplog.at_level(logging.INFO, logger="workers.model_runner"):
+    with caplog.at_level(logging.INFO, logger="workers.executor.model_runner"):
         fp8 = run(tiny_moe_checkpoint, kv_cache_dtype="fp8")
     assert "KV pool of 1024 tokens (64 blocks of 16) in float8_e4m3fn" in caplog.text  # the startup line
     engine, _, logits = fp8

@@ -16,7 +16,7 @@ from workers.kv_cache import FP8_DTYPE, quantize_fp8
 from workers.model import fused_norm_rope
 from workers.model.layers import MRotaryEmbedding, apply_rope, rms_norm_reference
 from workers.model.text import Qwen3VLTextForEngine
-from workers.model_runner import build_text_model
+from workers.executor.model_runner import build_text_model
 from workers.parallel import TensorParallel
 from workers.weights import TEXT_PREFIX, init_random_weights, iter_tensors, load_model_config
 

@@ -10,11 +10,11 @@ import inspect
 
 import pytest
 
-from workers.async_engine import AsyncEngine
+from workers.serve.async_engine import AsyncEngine
 from workers.engine import LLMEngine
 from workers.engine_api import EngineCore, Executor, RequestInputs, ServingEngine
-from workers.model_runner import ModelRunner
-from workers.request_inputs import ModelInputs
+from workers.executor.model_runner import ModelRunner
+from workers.inputs.request_inputs import ModelInputs
 from workers.sim.engine import SimulatedEngine, SimulatedExecutor, SimulatedInputs
 from workers.sim.instant_engine import InstantEngine
 

@@ -131,7 +131,7 @@ def test_resumed_request_continues_after_its_resume_tokens_without_streaming_the
 
 def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scales(tiny_moe_checkpoint):
     from workers.kv_cache import FP8_DTYPE, KvCache
-    from workers.kv_wire import kv_from_chunks, kv_to_chunks
+    from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 
     def make():
         return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,

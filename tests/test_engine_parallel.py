@@ -17,8 +17,8 @@ from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
-from workers.kv_transfer import KvLink
-from workers.rank_group import RankStartupError
+from workers.serve.kv_transfer import KvLink
+from workers.executor.rank_group import RankStartupError
 
 GREEDY = SamplingParams(max_tokens=8)
 

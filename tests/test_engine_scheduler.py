@@ -7,11 +7,11 @@ import pydantic
 import pytest
 
 from contract.types import FinishReason, SamplingParams
-from workers.block_manager import BlockManager
-from workers.encoder_cache import VisionCost
+from workers.core.block_manager import BlockManager
+from workers.core.encoder_cache import VisionCost
 from workers.config import EngineConfig
-from workers.scheduler import Scheduler, SchedulerLimits
-from workers.sequence import Sequence
+from workers.core.scheduler import Scheduler, SchedulerLimits
+from workers.core.sequence import Sequence
 
 EOS = 99
 
@@ -319,7 +319,7 @@ def test_bad_engine_config_names_the_key(settings, key):
 
 
 def test_the_memory_profile_step_fills_the_budget_with_sequences_no_longer_than_max_model_len():
-    from workers.decode_graphs import full_budget_batch
+    from workers.executor.decode_graphs import full_budget_batch
 
     batch, num_blocks = full_budget_batch(num_tokens=10, max_len=4, block_size=3)
     assert batch.context_lens == [4, 4, 2] and batch.query_starts == [0, 4, 8, 10] and batch.num_decodes == 0

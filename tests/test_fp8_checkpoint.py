@@ -22,7 +22,7 @@ from workers.config import EngineConfig
 from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks, quantize_weight_blocks
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
-from workers.model_runner import build_text_model
+from workers.executor.model_runner import build_text_model
 from workers.parallel import TensorParallel
 from workers.weights import CheckpointError, load_model_config
 

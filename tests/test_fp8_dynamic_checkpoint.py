@@ -19,7 +19,7 @@ from workers.model import fp8
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
-from workers.model_runner import build_text_model
+from workers.executor.model_runner import build_text_model
 from workers.weights import load_model_config
 
 

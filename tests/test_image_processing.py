@@ -19,7 +19,7 @@ import torch
 from PIL import Image, features
 
 from contract.vision_geometry import image_geometry
-from workers.image_processing import ImageDecodeError, decode_image, normalise_patches, patch_pixels, preprocess
+from workers.inputs.image_processing import ImageDecodeError, decode_image, normalise_patches, patch_pixels, preprocess
 
 Qwen2VLImageProcessorPil = pytest.importorskip(
     "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"

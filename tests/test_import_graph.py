@@ -172,3 +172,26 @@ def test_cycle_detection_finds_a_cycle():
 
 def test_no_two_modules_import_each_other_even_lazily():
     assert cycles(module_edges()) == []
+
+
+# workers/ in layers, top to bottom (issue 21): a layer imports only layers below it (and the shared foundation: the
+# top-level workers modules, config, checkpoints, KV cache, sampler). serve/ and sim/ sit beside each other on the
+# engine; engine.py with engine_api.py composes the executor, the inputs and the scheduling core.
+WORKER_LAYERS = {"bench": 5, "serve": 4, "sim": 4, "engine": 3, "engine_api": 3, "executor": 2, "inputs": 1,
+                 "model": 0, "core": 0}
+
+
+def worker_layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "workers" and len(parts) > 1 and parts[1] in WORKER_LAYERS else None
+
+
+def test_workers_layers_import_only_downward():
+    upward = []
+    for source, targets in module_edges().items():
+        a = worker_layer(source)
+        for target in targets:
+            b = worker_layer(target)
+            if a and b and a != b and WORKER_LAYERS[a] <= WORKER_LAYERS[b] and {a, b} != {"engine", "engine_api"}:
+                upward.append(f"{source} -> {target}")
+    assert upward == []

@@ -38,7 +38,7 @@ from harness.fault_soak import HarnessRun, free_port, soak_system
 from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
-from workers.server import WorkerServer
+from workers.serve.server import WorkerServer
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tests" / "harness"

@@ -294,7 +294,7 @@ SCHEMA = {
 
 
 def test_json_schema_response_from_the_tiny_checkpoint_parses_and_validates(tiny_dense_checkpoint):
-    from workers.async_engine import AsyncEngine
+    from workers.serve.async_engine import AsyncEngine
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 

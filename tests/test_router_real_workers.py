@@ -77,7 +77,7 @@ def cluster(tiny_dense_checkpoint, tmp_path_factory):
         workers = {"p0": "prefill", "d0": "decode", "d1": "decode"}
         lines = {}
         for wid, role in workers.items():
-            lines[wid] = procs.start(wid, ["-m", "workers.server", "--checkpoint", str(tiny_dense_checkpoint),
+            lines[wid] = procs.start(wid, ["-m", "workers.serve.server", "--checkpoint", str(tiny_dense_checkpoint),
                                            "--router", address, "--worker-id", wid, "--role", role])
         addresses = {wid: line.split()[-1] for wid, line in lines.items()}
 

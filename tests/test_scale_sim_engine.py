@@ -115,7 +115,7 @@ def test_prefill_only_hands_its_kv_to_a_decode_engine():
 
 
 def test_async_engine_serves_the_simulated_engine_in_real_time():
-    from workers.async_engine import AsyncEngine
+    from workers.serve.async_engine import AsyncEngine
 
     e = engine(time_scale=0.01)
     e.realtime = True

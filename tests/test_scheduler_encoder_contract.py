@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from workers.block_manager import BlockManager
-from workers.encoder_cache import VisionCost
-from workers.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from workers.sequence import Sequence
+from workers.core.block_manager import BlockManager
+from workers.core.encoder_cache import VisionCost
+from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from workers.core.sequence import Sequence
 from contract.types import SamplingParams
 
 

@@ -15,8 +15,8 @@ from contract.wire import pb, pb_grpc
 from workers.sim.instant_engine import InstantEngine
 from tests.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
-from workers.kv_wire import kv_from_chunks, kv_to_chunks
-from workers.server import WorkerServer
+from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.serve.server import WorkerServer
 
 
 class Worker:

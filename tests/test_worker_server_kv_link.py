@@ -19,11 +19,11 @@ from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
 from workers.sim.instant_engine import InstantEngine
 from tests.router_fixtures import collect, run
-from workers.async_engine import AsyncEngine
+from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
-from workers.kv_transfer import KvLink
-from workers.server import WorkerServer
+from workers.serve.kv_transfer import KvLink
+from workers.serve.server import WorkerServer
 
 
 def image_bytes() -> bytes:

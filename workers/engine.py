@@ -19,16 +19,16 @@ from collections.abc import Sequence as Seq
 from contract.tokenizer import VISION_END_ID
 from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.vision_geometry import image_geometry
-from workers.block_manager import BlockManager
+from workers.core.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.engine_api import Executor, PreparedRequest, RequestInputs
-from workers.encoder_cache import VisionCost
+from workers.core.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
-from workers.model.mm_inputs import PromptError
-from workers.model_runner import ModelRunner
-from workers.request_inputs import ModelInputs
-from workers.scheduler import Scheduler, SchedulerLimits
-from workers.sequence import Sequence
+from workers.inputs.mm_inputs import PromptError
+from workers.executor.model_runner import ModelRunner
+from workers.inputs.request_inputs import ModelInputs
+from workers.core.scheduler import Scheduler, SchedulerLimits
+from workers.core.sequence import Sequence
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class LLMEngine:
 
     def export_kv(self, request_id: str, on_device: bool = False) -> KvExport:
         """The KV cache of a finished prefill_only request (call release() afterwards); on_device keeps it on
-        this engine's (rank 0's) device for a GPU-to-GPU hand-off (workers/kv_transfer.py)."""
+        this engine's (rank 0's) device for a GPU-to-GPU hand-off (workers/serve/kv_transfer.py)."""
         seq = self.scheduler.held.get(request_id)
         if seq is None:
             raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")

@@ -3,13 +3,13 @@
 * EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
   threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
   LLMEngine (workers/engine.py) implements it, and SimulatedEngine (workers/sim/engine.py) is an LLMEngine.
-* Executor: what runs the batch the scheduler chose, behind LLMEngine. ModelRunner (workers/model_runner.py: the
+* Executor: what runs the batch the scheduler chose, behind LLMEngine. ModelRunner (workers/executor/model_runner.py: the
   model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
   lasts what the step model says of that batch, its images included) implement it.
 * RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
-  ModelInputs (workers/request_inputs.py) for a checkpoint's model, SimulatedInputs (workers/sim/engine.py) for
+  ModelInputs (workers/inputs/request_inputs.py) for a checkpoint's model, SimulatedInputs (workers/sim/engine.py) for
   a simulated one.
-* ServingEngine: the asyncio side, one stream of outputs per request. AsyncEngine (workers/async_engine.py, over
+* ServingEngine: the asyncio side, one stream of outputs per request. AsyncEngine (workers/serve/async_engine.py, over
   any EngineCore) and InstantEngine (workers/sim/instant_engine.py: no model, for measuring the router) implement it.
 
 tests/test_engine_interfaces.py checks every implementation against these, method by method.
@@ -26,8 +26,8 @@ from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParam
 if TYPE_CHECKING:
     from workers.config import EngineConfig
     from workers.kv_cache import KvExport
-    from workers.scheduler import SchedulerOutput
-    from workers.sequence import Sequence
+    from workers.core.scheduler import SchedulerOutput
+    from workers.core.sequence import Sequence
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Executor(Protocol):
 
 @runtime_checkable
 class RequestInputs(Protocol):
-    """Makes a request's Sequence; raises workers.model.mm_inputs.PromptError naming what cannot be served."""
+    """Makes a request's Sequence; raises workers.inputs.mm_inputs.PromptError naming what cannot be served."""
 
     def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
                       prefill_only: bool, kv_import: KvExport | None) -> Sequence: ...

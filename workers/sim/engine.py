@@ -2,7 +2,7 @@
 executor makes each step last what the step model says of the batch the real scheduler chose, images included
 (slept in real time, or reported for a virtual clock), and emits deterministic tokens.
 
-Wrapped in workers.async_engine.AsyncEngine it serves WorkerServer like the real engine, so the real router and
+Wrapped in workers.serve.async_engine.AsyncEngine it serves WorkerServer like the real engine, so the real router and
 harness can drive many simulated workers on one machine. Outputs end with EOS after `output_tokens` tokens.
 """
 
@@ -16,12 +16,12 @@ import torch
 from contract.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
 from contract.types import PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
-from workers.encoder_cache import VisionCost
+from workers.core.encoder_cache import VisionCost
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
-from workers.model.mm_inputs import PromptError
-from workers.scheduler import SchedulerOutput
-from workers.sequence import Sequence
+from workers.inputs.mm_inputs import PromptError
+from workers.core.scheduler import SchedulerOutput
+from workers.core.sequence import Sequence
 from workers.sim.config import SimulationConfig
 from workers.sim.step_model import StepModel, StepWork
 from workers.sim.trace import RequestTrace

@@ -19,9 +19,9 @@ import json
 import statistics
 
 from contract.types import SamplingParams
-from workers.block_manager import BlockManager
-from workers.scheduler import Scheduler, SchedulerLimits
-from workers.sequence import Sequence
+from workers.core.block_manager import BlockManager
+from workers.core.scheduler import Scheduler, SchedulerLimits
+from workers.core.sequence import Sequence
 
 PROMPT, IMAGE_FIRST, IMAGE_ROWS, OUTPUT, BLOCK = 1734, 4, 1024, 45, 16
 

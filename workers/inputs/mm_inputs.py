@@ -13,7 +13,7 @@ import torch
 from contract.tokenizer import token_runs
 from contract.types import PromptInput
 from contract.vision_geometry import ImageGeometryError
-from workers.image_processing import ImageDecodeError, decode_image, patch_pixels
+from workers.inputs.image_processing import ImageDecodeError, decode_image, patch_pixels
 
 
 class PromptError(ValueError):

@@ -3,7 +3,7 @@ through the vision tower when.
 
 A per-step token budget mixes decodes and prefill chunks (vLLM v1 style): decodes first, then prefill chunks in
 arrival order (first come, first served), capped by an optional prefill-token limit per step. Image encoding has a
-budget of its own (prompt rows of images encoded per step) and a cache of encoded images (workers/encoder_cache.py):
+budget of its own (prompt rows of images encoded per step) and a cache of encoded images (workers/core/encoder_cache.py):
 a chunk that reaches an image not encoded yet encodes it in its step, or stops before it when the budget or the
 cache has no room. What budget is left encodes the images of the next step's likely prompts ahead, behind this
 step's sampling. When KV blocks run out the youngest running sequence is preempted and later recomputed. Never
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract.types import FinishReason
-from workers.block_manager import BlockManager, block_hash, cdiv
-from workers.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
-from workers.sequence import Sequence, SequenceStatus
+from workers.core.block_manager import BlockManager, block_hash, cdiv
+from workers.core.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
+from workers.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.types import FinishReason, SamplingParams
-from workers.encoder_cache import ImageSpan
+from workers.core.encoder_cache import ImageSpan
 
 
 class SequenceStatus(enum.Enum):

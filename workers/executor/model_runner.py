@@ -3,7 +3,7 @@
 Loads the model and the KV pool, turns a SchedulerOutput into a flat batch (positions, slot mapping,
 block tables, visual rows), runs the vision tower and the text tower, and samples the next tokens.
 In a multi-GPU instance there is one runner per rank: rank 0's prepares each step, sends it to the
-others (workers/rank_group.py) and samples; every rank runs the text tower on its shard.
+others (workers/executor/rank_group.py) and samples; every rank runs the text tower on its shard.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ import time
 import numpy as np
 import torch
 
-from workers.block_manager import cdiv
+from workers.core.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport, cache_dtype
-from workers.image_processing import normalise_patches
-from workers.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
+from workers.inputs.image_processing import normalise_patches
+from workers.executor.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
 from workers.model import fused_moe
-from workers.model.mm_inputs import MultiModalInput
+from workers.inputs.mm_inputs import MultiModalInput
 from workers.model.moe import SparseMoeBlock
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
 from workers.model.vision import TowerState, VisionEncoder
 from workers.parallel import TensorParallel
-from workers.rank_group import RankGroup, StepInputs
+from workers.executor.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
-from workers.encoder_cache import ImageKey
-from workers.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
-from workers.sequence import Sequence
+from workers.core.encoder_cache import ImageKey
+from workers.core.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
+from workers.core.sequence import Sequence
 from workers.weights import (
     ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
 )

@@ -1,6 +1,6 @@
 """A request's token ids and images made into a Sequence for the model on a device (ModelInputs, the real engine's
 RequestInputs, workers/engine_api.py): validation against the model's vocabulary and the engine's limits, image
-decoding and MRoPE positions (workers/model/mm_inputs.py), an imported KV cache checked against the model, a JSON
+decoding and MRoPE positions (workers/inputs/mm_inputs.py), an imported KV cache checked against the model, a JSON
 schema compiled to a grammar. A request that cannot be served raises PromptError naming what is wrong."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence as Seq
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.kv_cache import KvExport
-from workers.model.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
-from workers.sequence import Sequence
+from workers.inputs.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
+from workers.core.sequence import Sequence
 from workers.weights import ModelConfig
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.config import EngineConfig
-from workers.decode_graphs import StepBatch
+from workers.executor.decode_graphs import StepBatch
 from workers.model.text import VisualRows
 from workers.parallel import TensorParallel
 

@@ -105,7 +105,7 @@ class AsyncEngine:
 
     async def export_kv(self, request_id: str, on_device: bool = False) -> KvExport:
         """KV of a finished prefill_only request (KeyError if none is held under that id); on_device keeps it on
-        the engine's device (for a GPU-to-GPU hand-off, workers/kv_transfer.py)."""
+        the engine's device (for a GPU-to-GPU hand-off, workers/serve/kv_transfer.py)."""
         return await asyncio.wrap_future(self._submit(functools.partial(self.engine.export_kv, request_id, on_device)))
 
     async def release(self, request_id: str) -> bool:

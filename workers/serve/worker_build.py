@@ -1,7 +1,7 @@
-"""What one served worker is made of, for both of its entry points, the command line (`python -m workers.server`)
+"""What one served worker is made of, for both of its entry points, the command line (`python -m workers.serve.server`)
 and the Ray actor (harness/ray_workers.ModelWorker): an engine with its checkpoint's sampling defaults
 (ServedEngine, serve_llm_engine for the product engine) and the worker's settings (WorkerSettings);
-workers.server.build_worker puts them together."""
+workers.serve.server.build_worker puts them together."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class WorkerSettings:
 
 def serve_llm_engine(config: EngineConfig) -> ServedEngine:
     """The product engine: LLMEngine in its AsyncEngine step-loop wrapper."""
-    from workers.async_engine import AsyncEngine
+    from workers.serve.async_engine import AsyncEngine
     from workers.engine import LLMEngine
 
     engine = LLMEngine(config)

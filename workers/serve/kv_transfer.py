@@ -6,12 +6,12 @@ it writes a header (JSON: shape, dtype, an FP8 export's per-layer scales, MRoPE 
 send. The decode side's receiver thread takes the headers in order and posts the matching receives, so NCCL's
 in-order pairing always holds, and no receive waits while the link is idle (an idle receive would trip NCCL's
 watchdog). The header is also the KvHandle's `transport_hint`; a decode Generate carrying it claims transfer n
-from the received ones (receive()). workers/server.py PullKv stays the portable path.
+from the received ones (receive()). workers/serve/server.py PullKv stays the portable path.
 
 Setup is explicit: both workers are given the same host:port (`--kv-link`, or the harness's `workers.kv_link`
 system setting); the prefill side listens there.
 One link joins one prefill and one decode worker; a pool with several of either needs one link per pair and
-the router naming the decode worker before the prefill (see workers/server.py).
+the router naming the decode worker before the prefill (see workers/serve/server.py).
 """
 
 from __future__ import annotations

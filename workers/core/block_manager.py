@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from workers.sequence import Sequence
+from workers.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -26,10 +26,10 @@ from contract.types import FinishReason, PromptInput, RequestOutput, SamplingPar
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
 from workers.kv_cache import KvExport
-from workers.kv_transfer import KvLink, KvLinkError
-from workers.kv_wire import kv_from_chunks, kv_to_chunks
-from workers.registration import load_report, report_to_router
-from workers.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
+from workers.serve.kv_transfer import KvLink, KvLinkError
+from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.serve.registration import load_report, report_to_router
+from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class WorkerServer:
         )
 
     async def _report_loop(self) -> None:
-        """Register with the router, then heartbeat (workers/registration.py); held KV expires on the same beat."""
+        """Register with the router, then heartbeat (workers/serve/registration.py); held KV expires on the same beat."""
         if self.router_address is None:
             return
         await report_to_router(self.router_address, self.info, self.load_report, self._metadata,
@@ -350,8 +350,8 @@ def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m workers.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
-    parser = argparse.ArgumentParser(prog="python -m workers.server", description=main.__doc__)
+    """`python -m workers.serve.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
+    parser = argparse.ArgumentParser(prog="python -m workers.serve.server", description=main.__doc__)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--router", default=None, help="router address host:port to register with")
     parser.add_argument("--listen", default="127.0.0.1:0")

@@ -1,0 +1,1 @@
+"""What runs a scheduled batch on a device: the model runner, tensor-parallel rank group, decode CUDA graphs."""

@@ -1,0 +1,1 @@
+"""A request's inputs made ready before admission: image decoding and resizing, multimodal inputs and positions, Sequences."""
