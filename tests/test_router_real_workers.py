@@ -3,7 +3,6 @@ disaggregated = aggregated greedy tokens, a killed worker loses nothing, the Ope
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import os

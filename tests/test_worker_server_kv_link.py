@@ -4,7 +4,6 @@ aggregated path's, also when decode requests come in another order than their pr
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import io
 import socket
