@@ -51,19 +51,18 @@ PRECISIONS = {
 
 
 def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: str = "bf16") -> None:
-    """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8": the
-    quantization_config of the released FP8 checkpoints (128x128 blocks), so the random weights are FP8."""
-    from workers.fp8_checkpoint import RELEASED_BLOCK, channel_quantization_config, quantization_config
+    """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8" / "fp8-channel":
+    the quantization_config of the released FP8 checkpoints (128x128 blocks / FP8-dynamic per channel), so the random
+    weights are FP8 in that layout."""
+    from workers.fp8_checkpoint import released_quantization_config
     from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, write_side_configs
 
     overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
     if num_layers:
         overrides["text_config.num_hidden_layers"] = num_layers
     config = released_config(PRESETS[shape], overrides)
-    if precision == "fp8":
-        config["quantization_config"] = quantization_config(RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], moe=True)
-    elif precision == "fp8-channel":
-        config["quantization_config"] = channel_quantization_config()
+    if precision in ("fp8", "fp8-channel"):
+        config["quantization_config"] = released_quantization_config("channel" if precision == "fp8-channel" else "block", config)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_side_configs(out_dir)
     gen_path = out_dir / "generation_config.json"

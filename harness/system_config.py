@@ -99,18 +99,15 @@ class GeneratedCheckpointSection(_Strict):
         """The config.json this spec writes (ValueError naming an unknown preset or override key); weights "fp8"
         adds the quantization_config of fp8_layout (Qwen's released block FP8, or FP8-dynamic per channel), so the
         random weights are FP8 in that layout."""
-        from workers.fp8_checkpoint import RELEASED_BLOCK, channel_quantization_config, quantization_config
+        from workers.fp8_checkpoint import released_quantization_config
         from workers.tiny_checkpoint import released_config
 
         try:
             config = released_config(self.preset, self.overrides)
         except KeyError as exc:  # KeyError's str() quotes its message
             raise ValueError(exc.args[0]) from None
-        if weights == "fp8" and self.fp8_layout == "channel":
-            config["quantization_config"] = channel_quantization_config()
-        elif weights == "fp8":
-            config["quantization_config"] = quantization_config(
-                RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
+        if weights == "fp8":
+            config["quantization_config"] = released_quantization_config(self.fp8_layout, config)
         return config
 
 

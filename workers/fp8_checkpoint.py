@@ -62,6 +62,15 @@ def channel_quantization_config() -> dict:
     }
 
 
+def released_quantization_config(layout: Literal["block", "channel"], config: dict) -> dict:
+    """The quantization_config a released FP8 checkpoint of `config`'s model has: Qwen's 128x128 block layout
+    (quantization_config) or the FP8-dynamic one (channel_quantization_config)."""
+    if layout == "channel":
+        return channel_quantization_config()
+    return quantization_config(RELEASED_BLOCK, config["text_config"]["num_hidden_layers"],
+                               config["model_type"] == "qwen3_vl_moe")
+
+
 def is_quantised_linear(name: str) -> bool:
     return (name.startswith(TEXT_PREFIX + "layers.") and name.endswith("_proj.weight")
             and ".mlp.gate." not in name)

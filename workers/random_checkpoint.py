@@ -61,15 +61,11 @@ class RandomCheckpointSpec:
         if self.num_experts is not None:
             overrides["text_config.num_experts"] = self.num_experts
         config = released_config(self.preset, overrides)
-        if self.precision == "fp8":
-            from workers.fp8_checkpoint import RELEASED_BLOCK, quantization_config
+        if self.precision != "bf16":
+            from workers.fp8_checkpoint import released_quantization_config
 
-            config["quantization_config"] = quantization_config(
-                RELEASED_BLOCK, config["text_config"]["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe")
-        elif self.precision == "fp8-dynamic":
-            from workers.fp8_checkpoint import channel_quantization_config
-
-            config["quantization_config"] = channel_quantization_config()
+            config["quantization_config"] = released_quantization_config(
+                "channel" if self.precision == "fp8-dynamic" else "block", config)
         return config
 
 

@@ -74,7 +74,8 @@ def build_text_model(
 
 def probe_fp8_paths(device: torch.device) -> dict[str, bool]:
     """Which library FP8 GEMMs this torch and GPU run (each checked once against its reference, before any CUDA graph
-    capture, since the checks sync); the rest fall back to the Triton kernels. Logged with the reason of a failure."""
+    capture, since the checks sync); the rest fall back to the Triton kernels. All three, whatever the format: a
+    block-format layer narrower than its block computes per channel. Logged with the reason of a failure."""
     from workers.model import fp8_gemm, grouped_fp8_moe
 
     paths = {
@@ -82,7 +83,7 @@ def probe_fp8_paths(device: torch.device) -> dict[str, bool]:
         "scaled_mm row-wise": fp8_gemm.rowwise_available(device),
         "scaled_grouped_mm row-wise": grouped_fp8_moe.available(device),
     }
-    failures = {**fp8_gemm.PROBE_FAILURES, **{"grouped": v for v in grouped_fp8_moe.PROBE_FAILURE.values()}}
+    failures = fp8_gemm.PROBE_FAILURES
     log.info("fp8 GEMMs on %s: %s%s", device, ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in paths.items()),
              f" (failures: {failures})" if failures else "")
     return paths

@@ -365,7 +365,10 @@ def _expect_reference(got, x, w, s, block, what) -> None:
         raise ValueError(f"{what}: max error {(got.float() - want).abs().max().item():.3g} against the reference")
 
 
-def _probed(cache: dict[int, bool], probe, device: torch.device) -> bool:
+def probed(cache: dict[int, bool], probe, device: torch.device) -> bool:
+    """probe(device, generator) run once per CUDA device and remembered in cache (True unless it raised; the reason
+    then in PROBE_FAILURES under the probe's name less its "_probe_"). The probes sync, so this refuses to run one
+    while a CUDA graph is being captured."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in cache:
         if torch.cuda.is_current_stream_capturing():
@@ -385,14 +388,14 @@ def scaled_mm_available(device: torch.device) -> bool:
     device on small shapes (both weight recipes, M 4, 24 and 256), then remembered (a failure's reason in
     PROBE_FAILURES). The check syncs, so its first call must come before any CUDA graph capture (the engine's
     warm-up)."""
-    return _probed(_SCALED_MM_WORKS, _probe_blockwise, device)
+    return probed(_SCALED_MM_WORKS, _probe_blockwise, device)
 
 
 def rowwise_available(device: torch.device) -> bool:
     """As scaled_mm_available, for the row-wise recipe (per-channel weights)."""
-    return _probed(_ROWWISE_WORKS, _probe_rowwise, device)
+    return probed(_ROWWISE_WORKS, _probe_rowwise, device)
 
 
-PROBE_FAILURES: dict[str, str] = {}  # "blockwise" / "rowwise": why the probe failed, for the benchmarks' JSON
+PROBE_FAILURES: dict[str, str] = {}  # "blockwise" / "rowwise" / "grouped": why a probe failed (logs, benchmarks' JSON)
 _ROWWISE_WORKS: dict[int, bool] = {}
 _SCALED_MM_WORKS: dict[int, bool] = {}

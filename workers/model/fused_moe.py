@@ -363,7 +363,7 @@ def k_sum(ys: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # names in triton.language
 
 
 def _gemm(
@@ -390,7 +390,7 @@ def _gemm(
         *scale_args,
         GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg.block_k == 0, USE_TMA=bool(cfg.tma),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        OUT_TY=getattr(tl, _TL_DTYPES[fp8.dtype if fp8 else out.dtype]), FP8=fp8 is not None,
+        OUT_TY=getattr(tl, TL_DTYPES[fp8.dtype if fp8 else out.dtype]), FP8=fp8 is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -10,7 +10,7 @@ grouped GEMM runs down, and a Triton kernel sums each token's k outputs times th
 Numbers: the reference is MoeExperts.grouped (activations rounded per token to e4m3, weights dequantised, float32
 products); this path also rounds the gate_up output to the activation dtype before silu (as the Triton path does),
 and accumulates with Hopper's fast FP8 accumulation (FAST_ACCUM says why). No host sync anywhere
-(histc offsets, on-device sort), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
+(moe_routing.sort_pairs), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
 any capture.
 """
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from workers.model import fp8, fp8_gemm
+from workers.model import fp8, fp8_gemm, moe_routing
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.fp8_gemm import quantize_tokens
+from workers.model.fused_moe import TL_DTYPES
 
 try:
     import triton
@@ -76,8 +77,6 @@ if triton is not None:
 # fp8_gemm.FAST_ACCUM).
 FAST_ACCUM = True
 
-_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
 
 def silu_mul_quantize(h: torch.Tensor, round_to: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R, 2I] (gate then up columns) -> (e4m3 [R, I], scales float32 [R]): silu(gate) * up rounded to round_to,
@@ -92,7 +91,7 @@ def silu_mul_quantize(h: torch.Tensor, round_to: torch.dtype) -> tuple[torch.Ten
         group = triton.next_power_of_2(inter)
         block_r = max(1, min(16, 2048 // group))
         _silu_mul_quant_kernel[(triton.cdiv(rows, block_r),)](
-            h, q, s, rows, inter, h.stride(0), q.stride(0), ROUND_TY=getattr(tl, _TL[round_to]), GROUP=group,
+            h, q, s, rows, inter, h.stride(0), q.stride(0), ROUND_TY=getattr(tl, TL_DTYPES[round_to]), GROUP=group,
             BLOCK_R=block_r, num_warps=4,
         )
     return q, s
@@ -139,10 +138,7 @@ def grouped_fp8_experts(
     scales gate_up_scale [E, 2I, 1], down_scale [E, H, 1] -> [T, H]. foreign: top_i may hold E (another rank's)."""
     tokens, k = top_i.shape
     num_experts = gate_up_proj.shape[0]
-    flat = top_i.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    bins = num_experts + foreign  # foreign pairs sort last, past the last local expert's offset
-    offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[:num_experts]
+    order, offs = moe_routing.sort_pairs(top_i, num_experts, foreign)
     pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     xq, xs = quantize_tokens(x)
     source = order // k
@@ -160,27 +156,16 @@ def grouped_fp8_experts(
 
 def available(device: torch.device) -> bool:
     """Whether torch._scaled_grouped_mm runs row-wise fp8 on this GPU with uneven expert groups and gives the
-    reference's numbers (checked once per device on a small layer, then remembered; the reason of a failure in
-    PROBE_FAILURE). Call it before any CUDA graph capture: the check syncs."""
+    reference's numbers (checked once per device on a small layer, then remembered: fp8_gemm.probed; the reason of
+    a failure in fp8_gemm.PROBE_FAILURES["grouped"]). Call it before any CUDA graph capture: the check syncs."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _WORKS:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("grouped_fp8_moe.available(): probe the device before capturing a CUDA graph")
-        try:
-            _probe(torch.device("cuda", index))
-            _WORKS[index] = True
-        except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as err:
-            _WORKS[index] = False
-            PROBE_FAILURE[index] = f"{type(err).__name__}: {str(err)[:300]}"
-    return _WORKS[index]
+    return fp8_gemm.probed(_WORKS, _probe_grouped, device)
 
 
-def _probe(device: torch.device) -> None:
+def _probe_grouped(device: torch.device, gen: torch.Generator) -> None:
     from workers.model.fp8 import BlockShape, dequantize_weight_blocks
 
-    gen = torch.Generator(device=device).manual_seed(0)
     experts, hidden, inter, tokens, k = 8, 256, 128, 37, 4  # 37 x 4 pairs: uneven groups, some possibly empty
     block = BlockShape(1, 1 << 30)
     gu, gus = fp8.quantize_weight_blocks(torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) * 0.05, block)
@@ -203,5 +188,4 @@ def _probe(device: torch.device) -> None:
         raise ValueError(f"grouped fp8 experts differ from the reference by {err:.3g} (relative)")
 
 
-PROBE_FAILURE: dict[int, str] = {}
 _WORKS: dict[int, bool] = {}

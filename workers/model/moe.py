@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import fused_moe, grouped_fp8_moe, moe_routing
+from workers.model import fp8_gemm, fused_moe, grouped_fp8_moe, moe_routing
 from workers.model import fp8
 from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks
 from workers.parallel import TensorParallel
@@ -122,16 +122,13 @@ class MoeExperts(nn.Module):
     @property
     def per_channel(self) -> bool:
         """FP8 experts with one scale per output row (per-token activations; fp8.activation_group)."""
-        return self.block is not None and self.block.n == 1 and self.block.k >= max(self.gate_up_proj.shape[2], self.down_proj.shape[2])
+        return self.block is not None and fp8_gemm.per_channel(self.block, max(self.gate_up_proj.shape[2], self.down_proj.shape[2]))
 
     def grouped(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
         """Token-expert pairs sorted by expert, two grouped GEMMs, then each token's k outputs weighted and
-        summed. Sync-free (offsets by histc, not bincount), so it can be captured in a CUDA graph."""
+        summed. Sync-free (moe_routing.sort_pairs), so it can be captured in a CUDA graph."""
         tokens, k = top_i.shape
-        flat = top_i.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        bins = self.num_experts + foreign  # foreign pairs sort last, past the last local expert's offset
-        offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[: self.num_experts]
+        order, offs = moe_routing.sort_pairs(top_i, self.num_experts, foreign)
         xs = x[order // k]
         if self.block is not None:  # the W8A8 kernels' numbers in float32: activations rounded, weights dequantized
             gate_up, down = self.dequantized()

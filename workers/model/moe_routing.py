@@ -54,6 +54,17 @@ def route_triton(logits: torch.Tensor, top_k: int, lo: int, hi: int) -> tuple[to
     return top_w, top_i
 
 
+def sort_pairs(top_i: torch.Tensor, num_experts: int, foreign: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs' layout of token-expert pairs: (order, offs), order [T * k] the pair ids (token * k + slot)
+    sorted by expert, stably, and offs [num_experts] int32 each local expert's cumulative row count. foreign: top_i
+    may hold num_experts (another rank's pair); those sort last, past the last offset. Sync-free (offsets by histc,
+    not bincount), so it can be captured in a CUDA graph."""
+    flat = top_i.reshape(-1)
+    bins = num_experts + foreign
+    offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[:num_experts]
+    return torch.argsort(flat, stable=True), offs
+
+
 def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair ids (token * k + slot) grouped by expert in pair order, each group padded to a multiple of block_m
     with the id P (= number of pairs, an invalid row), and the expert of every block_m rows (num_experts:
