@@ -96,7 +96,11 @@ def moe_layer_times(model) -> dict[str, float]:
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
     hidden = mlp.gate.weight.shape[1]
-    paths = {"fused": mlp.experts.forward, "grouped_mm": mlp.experts.grouped}
+    # "fused": the engine's own path (FP8-dynamic experts: the grouped FP8 GEMMs from GROUPED_FP8_MIN_TOKENS). The bf16
+    # torch._grouped_mm path beside it; FP8 experts' grouped() is the float32 reference (it syncs: no graph, no figure)
+    paths = {"fused": mlp.experts.forward}
+    if mlp.experts.block is None:
+        paths["grouped_mm"] = mlp.experts.grouped
     times = {}
     for tokens in (1, 2, 64, 256, 8192):
         x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
