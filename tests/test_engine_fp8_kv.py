@@ -13,7 +13,6 @@ from the third on.
 from __future__ import annotations
 
 import gc
-
 import json
 import logging
 import shutil
