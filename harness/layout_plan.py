@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--product-path", action="store_true", help="with --validate: the product path's LoadGen "
                         "Server points (benchmarks/planner-validation-runs.json product_path) beside their replay and "
                         "the predicted highest valid Server QPS (rebuilds the 1,500-sample catalogue: minutes)")
+    parser.add_argument("--step-correction", type=Path, default=None, help="with --validate --product-path: the "
+                        "step model corrected by this --fit-steps JSON")
+    parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
+                        "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
+                        "and print the correction JSON (workers/sim/step_fit.py)")
     return parser.parse_args(argv)
 
 
@@ -97,10 +102,20 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
 def main(argv: list[str] | None = None) -> None:
     """Plans (or with --validate, validates) and prints one JSON object."""
     args = parse_args(argv)
-    if args.validate:
-        from harness.planner_validation import product_path_rows, validate
+    if args.fit_steps is not None:
+        from harness.planner_validation import product_path_model
+        from workers.core.step_trace import read_steps
+        from workers.sim.step_fit import fit_steps
 
-        print(json.dumps(product_path_rows() if args.product_path else validate(), indent=1))
+        print(json.dumps(fit_steps(product_path_model(), read_steps(args.fit_steps), source=str(args.fit_steps)), indent=1))
+        return
+    if args.validate:
+        from harness.planner_validation import product_path_model, product_path_rows, validate
+
+        if args.product_path:
+            print(json.dumps(product_path_rows(product_path_model(args.step_correction)), indent=1))
+        else:
+            print(json.dumps(validate(), indent=1))
         return
     request = plan_request(args)
     plans = search(request)

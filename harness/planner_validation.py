@@ -20,7 +20,7 @@ from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catal
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
-from workers.sim.step_model import Calibration, StepModel
+from workers.sim.step_model import Calibration, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
@@ -418,12 +418,19 @@ def _p(values: list[float], q: float) -> float:
     return round(percentile(values, q), 2)
 
 
+def product_path_model(correction: Path | None = None) -> StepModel:
+    """The step model the product path's replay uses (run21's calibration), with a fitted StepCorrection
+    (workers/sim/step_fit.py's JSON) where given."""
+    model = _h200(RUN21)
+    return dataclasses.replace(model, correction=StepCorrection.load(correction)) if correction else model
+
+
 def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRequest] | None = None,
                       bisect_steps: int = 6, runs: Iterable[str] | None = None) -> dict:
     """Each measured Server point of RUNS.product_path beside its replay (p50, p99, verdict), and the highest
     Server QPS the replay calls valid (p99 within the point's bound; bisection) beside the measured bracket
     (highest VALID, lowest INVALID). `requests`: the catalogue (default: the product path's, rebuilt: ~1.5 min)."""
-    model = model or _h200(RUN21)
+    model = model or product_path_model()
     points = [(name, point, data["workload"]["scenarios"]["server"], data["workload"]["max_tokens"])
               for name in (runs or RUNS.product_path.runs) for data in [_bench(BENCH / name)]
               for point in data["points"] if point["scenario"] == "server"]

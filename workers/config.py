@@ -48,6 +48,11 @@ class EngineConfig(BaseModel):
         "a per-layer k_scale/v_scale (the checkpoint's self_attn k_scale/v_scale tensors where present, else 1.0), "
         "which holds about twice the tokens in the same memory."
     )
+    step_trace_dir: str | None = Field(
+        None, description="Write one JSON line per engine step (what it computed and its wall time) to "
+        "DIR/steps-<pid>.jsonl: the product path's own step timings, which workers/sim/step_fit.py fits the step "
+        "model on (scripts/plan_layout.py --fit-steps). None: no trace."
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV blocks in the pool; None sizes it from free memory on CUDA "

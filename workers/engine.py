@@ -29,6 +29,8 @@ from workers.executor.model_runner import ModelRunner
 from workers.inputs.request_inputs import ModelInputs
 from workers.core.scheduler import Scheduler, SchedulerLimits
 from workers.core.sequence import Sequence
+from workers.core.step_trace import StepTrace
+from workers.core.step_work import step_work
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
+        self._vision_depth = vision.depth
+        self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
 
     def _vision_cost(self) -> VisionCost:
         """How the scheduler costs this model's vision tower (nothing to cost without one)."""
@@ -103,6 +107,7 @@ class LLMEngine:
         from PIL import Image
 
         t0 = time.perf_counter()
+        trace, self._step_trace = self._step_trace, None  # throw-away steps stay out of the step trace
         mc, sizes = self.model_config, self.config.warm_up_image_sizes if self.runner.vision is not None else ()
         text = [1000 + i for i in range(WARM_UP_TEXT_TOKENS)]
         prompts = []
@@ -128,6 +133,7 @@ class LLMEngine:
             raise RuntimeError(f"engine warm-up: request {failed[0].request_id} failed: {failed[0].error}")
         self._arrivals, self._steps = itertools.count(), 0
         self.scheduler.num_preemptions = 0
+        self._step_trace = trace
         report = {"requests": len(prompts), "steps": steps, "seconds": round(time.perf_counter() - t0, 2)}
         log.info("warm-up: %d throw-away requests in %d steps, %.1f s", len(prompts), steps, report["seconds"])
         return report
@@ -227,8 +233,11 @@ class LLMEngine:
         return self.executor.export_kv(seq, on_device)
 
     def close(self) -> None:
-        """Frees the decode graphs and stops the other ranks of a multi-GPU instance (the executor's close)."""
+        """Frees the decode graphs and stops the other ranks of a multi-GPU instance (the executor's close); closes
+        the step trace."""
         self.executor.close()
+        if self._step_trace is not None:
+            self._step_trace.close()
 
     def release(self, request_id: str) -> bool:
         """Frees the KV blocks of a finished prefill_only request."""
@@ -256,6 +265,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one batch; returns outputs of requests that got tokens or finished."""
         outputs, self._pending = self._pending, []
+        started = time.monotonic()
         out = self.scheduler.schedule()
         changed = list(out.rejected)
         if out.is_empty:
@@ -268,6 +278,9 @@ class LLMEngine:
                 changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
             else:
                 changed += self.scheduler.update(out, sampled)
+            if self._step_trace is not None:
+                self._step_trace.record(started, time.monotonic(), step_work(out, self._vision_depth),
+                                        len(self.scheduler.waiting), len(self.scheduler.running))
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)

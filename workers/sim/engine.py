@@ -23,7 +23,8 @@ from workers.inputs.mm_inputs import PromptError
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
 from workers.sim.config import SimulationConfig
-from workers.sim.step_model import StepModel, StepWork
+from workers.core.step_work import StepWork, step_work
+from workers.sim.step_model import StepModel
 from workers.sim.trace import RequestTrace
 
 VOCAB = 150_000  # generated ids stay below Qwen's special ids
@@ -99,21 +100,7 @@ class SimulatedExecutor:
     def work(self, out: SchedulerOutput) -> StepWork:
         """What the step model charges for a scheduled batch: its chunks, and the images the scheduler has the
         vision tower encode in it (now and ahead), as the real engine's runner carries them out."""
-        work = StepWork(num_seqs=len(out.chunks))
-        for chunk in out.chunks:
-            seq = chunk.seq
-            prompt_end = seq.num_context_tokens - (seq.kv_import is not None)
-            prefill = max(min(chunk.start + chunk.num_tokens, prompt_end) - chunk.start, 0)
-            if prefill == 0:
-                work.decode_context_tokens += chunk.start
-                continue
-            work.prefill_tokens += prefill
-            for image in seq.images:
-                work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
-        encodes = (*out.encode_now, *out.encode_ahead)
-        work.vision_patches = [encode.image.num_tokens * 4 for encode in encodes]
-        work.vision_shares = [encode.num_blocks / self.vision_depth if encode.num_blocks else 1.0 for encode in encodes]
-        return work
+        return step_work(out, self.vision_depth)
 
     def _sample(self, out: SchedulerOutput) -> dict[str, int]:
         sampled = {}

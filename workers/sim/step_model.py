@@ -20,13 +20,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from workers.core.step_work import StepWork
 
 REPO = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO / "mlperf_configs" / "hardware"
@@ -224,17 +226,22 @@ class Calibration:
         return ys[i - 1] + (ys[i] - ys[i - 1]) * f
 
 
-@dataclass
-class StepWork:
-    """What one engine step computes."""
+@dataclass(frozen=True)
+class StepCorrection:
+    """A fit of the step model on measured steps (workers/sim/step_fit.py): measured ms ~ text_scale x the model's
+    text part (token curve, attention, visual excess) + vision_scale x its vision part + step_overhead_ms per step
+    that does anything (the host's scheduling, launches and sync, which the micro-benchmarks' CUDA graphs hide)."""
 
-    num_seqs: int = 0                  # sequences in the step (prefill chunks + decodes)
-    prefill_tokens: int = 0            # prompt tokens computed this step
-    visual_prefill_tokens: int = 0     # of which image tokens
-    decode_context_tokens: int = 0     # context read by the step's decoding sequences
-    vision_patches: list[int] = field(default_factory=list)  # pre-merge patches of images encoded this step
-    vision_shares: list[float] = field(default_factory=list)  # of each, the share of the tower's blocks run (1.0)
-    vision_plans: int = 0              # of their image sizes, those the engine has not encoded before
+    text_scale: float = 1.0
+    vision_scale: float = 1.0
+    step_overhead_ms: float = 0.0
+    source: str = "none"
+
+    @classmethod
+    def load(cls, path: Path) -> StepCorrection:
+        data = json.loads(Path(path).read_text())["correction"]
+        return cls(float(data["text_scale"]), float(data["vision_scale"]), float(data["step_overhead_ms"]),
+                   source=Path(path).name)
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,7 @@ class StepModel:
     tp: int = 1
     tp_efficiency: float = 0.85  # assumed: all-reduce / all-to-all cost of TP+EP is not measured here
     calibration_hardware: HardwareProfile | None = None
+    correction: StepCorrection = StepCorrection()
 
     @classmethod
     def build(cls, hardware: str, model: str = "qwen3-vl-30b-a3b", weights: Precision = "bf16",
@@ -293,9 +301,16 @@ class StepModel:
         return (c.vision_ms_per_patch * patches + c.vision_ms_per_patch_sq * patches * patches) * self.vision_scale
 
     def step_ms(self, work: StepWork) -> float:
-        """Duration of one step, in milliseconds."""
+        """Duration of one step, in milliseconds (self.correction applied)."""
         if work.num_seqs == 0 and not work.vision_patches:
             return 0.0
+        text, vision = self.step_parts_ms(work)
+        c = self.correction
+        return text * c.text_scale + vision * c.vision_scale + c.step_overhead_ms
+
+    def step_parts_ms(self, work: StepWork) -> tuple[float, float]:
+        """The uncorrected model's (text, vision) milliseconds of one step: the token curve, decode attention and
+        visual excess; the tower's passes and plans."""
         c, share = self.calibration, self.model.expert_share
         ms = 0.0
         if work.num_seqs:  # weight reads up to the largest decode batch, compute per token past it
@@ -306,9 +321,9 @@ class StepModel:
         ms += c.attention_ms_per_context_token * work.decode_context_tokens * self.attention_scale
         ms += c.visual_token_extra_ms * work.visual_prefill_tokens * self.compute_scale
         shares = work.vision_shares or [1.0] * len(work.vision_patches)
-        ms += sum(self.vision_ms(p) * share for p, share in zip(work.vision_patches, shares))
-        ms += c.vision_plan_ms * work.vision_plans  # plan building, assumed host-bound: not scaled with the hardware
-        return ms
+        vision = sum(self.vision_ms(p) * share for p, share in zip(work.vision_patches, shares))
+        vision += c.vision_plan_ms * work.vision_plans  # plan building, assumed host-bound: not scaled with the hardware
+        return ms, vision
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9) -> int:
         """KV tokens that fit beside the weights on tp GPUs."""

@@ -1,0 +1,103 @@
+"""The step trace (EngineConfig.step_trace_dir) and the step-model fit on it (issue 19, item 4): the real engine
+writes one line per step with the work the simulated engine would charge for that step and its measured wall time;
+plan_layout's fit finds the correction that maps the step model onto measured steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from test_sim_engine_scheduling import ARRIVALS, LIMITS, run
+from workers.config import EngineConfig
+from workers.core.step_trace import StepTrace, read_steps
+from workers.core.step_work import StepWork
+from workers.engine import LLMEngine
+from workers.sim.config import SimulationConfig
+from workers.sim.engine import SimulatedEngine
+from workers.sim.step_fit import fit_steps
+from workers.sim.step_model import StepCorrection, StepModel
+
+
+def traced_work(directory: Path) -> list[dict]:
+    return [dataclasses.asdict(work) for work, _ in read_steps(directory)]
+
+
+def test_the_real_engine_traces_each_step_with_the_work_the_simulated_engine_charges(tiny_moe_checkpoint, tmp_path):
+    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    sim = SimulatedEngine(
+        EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **LIMITS),
+        SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000),
+        StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False, vision=real.scheduler.limits.vision,
+    )
+    real_steps, _ = run(real)
+    run(sim)
+    real.close()
+    sim.close()
+    work = traced_work(tmp_path / "real")
+    assert work == traced_work(tmp_path / "sim")
+    assert len(work) == len(real_steps)  # every step did something on this trace: one line each
+    # every prompt token is prefilled once, every image encoded (the 20-row one over two steps, half a tower each...)
+    assert sum(w["prefill_tokens"] for w in work) == sum(len(p.token_ids) for _, _, p in ARRIVALS)
+    assert sum(w["visual_prefill_tokens"] for w in work) == sum(p.token_ids.count(151655) for _, _, p in ARRIVALS)
+    assert sum(sum(w["vision_shares"]) for w in work) == pytest.approx(sum(len(p.images) for _, _, p in ARRIVALS))
+    # ... and each image size's first encode is a new cuDNN plan
+    sizes = {patches for w in work for patches in w["vision_patches"]}
+    assert sum(w["vision_plans"] for w in work) == len(sizes)
+    assert all(ms > 0 for _, ms in read_steps(tmp_path / "real"))
+
+
+def steps_of(model: StepModel) -> list[tuple[StepWork, float]]:
+    """A spread of steps (decodes, prefill chunks, images whole and in part) timed by `model`."""
+    works = []
+    for i in range(40):
+        works.append(StepWork(num_seqs=1 + i * 6, decode_context_tokens=(1 + i * 6) * 900))
+        works.append(StepWork(num_seqs=4 + i % 5, prefill_tokens=500 + 190 * i, visual_prefill_tokens=100 * (i % 7),
+                              decode_context_tokens=3 * 1200, vision_patches=[1024 * (1 + i % 4)] if i % 3 else [],
+                              vision_shares=[1.0 if i % 2 else 0.25] if i % 3 else []))
+    works.append(StepWork(vision_patches=[16384], vision_shares=[0.5]))  # a step of tower blocks alone
+    return [(w, model.step_ms(w)) for w in works]
+
+
+def test_the_fit_recovers_the_correction_that_timed_the_steps():
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    truth = StepCorrection(text_scale=1.7, vision_scale=0.6, step_overhead_ms=3.5)
+    report = fit_steps(model, steps_of(dataclasses.replace(model, correction=truth)))
+    assert report["correction"] == pytest.approx({"text_scale": 1.7, "vision_scale": 0.6, "step_overhead_ms": 3.5},
+                                                 rel=1e-3)
+    assert report["after"]["step_rel_error_p90"] < 1e-3 < report["before"]["step_rel_error_p50"]
+    assert report["after"]["predicted_busy_s"] == pytest.approx(report["measured_busy_s"], rel=1e-3)
+
+
+def test_a_negative_overhead_is_held_at_zero_and_the_scales_refitted():
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    faster = dataclasses.replace(model, correction=StepCorrection(text_scale=0.9, vision_scale=1.2))
+    steps = [(w, max(ms - 0.5, 0.01)) for w, ms in steps_of(faster)]  # less than no overhead at all
+    correction = fit_steps(model, steps)["correction"]
+    assert correction["step_overhead_ms"] == 0.0
+    assert correction["text_scale"] == pytest.approx(0.9, rel=0.05)
+
+
+def test_the_correction_applies_to_every_busy_step_and_round_trips_through_its_json(tmp_path):
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    report = fit_steps(model, steps_of(dataclasses.replace(model, correction=StepCorrection(2.0, 1.0, 5.0))))
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(report))
+    corrected = dataclasses.replace(model, correction=StepCorrection.load(path))
+    decode = StepWork(num_seqs=64, decode_context_tokens=64 * 1024)
+    assert corrected.step_ms(decode) == pytest.approx(2.0 * model.step_ms(decode) + 5.0, rel=1e-3)
+    assert corrected.step_ms(StepWork()) == 0.0  # an idle step costs nothing
+
+
+def test_a_malformed_trace_line_is_named_by_file_and_line(tmp_path):
+    trace = StepTrace(tmp_path)
+    trace.record(0.0, 0.01, StepWork(num_seqs=1), waiting=0, running=1)
+    trace.close()
+    with trace.path.open("a") as f:
+        f.write('{"num_seqs": 2}\n')  # no "ms"
+    with pytest.raises(ValueError, match=rf"{trace.path.name}:2: not a step-trace line"):
+        read_steps(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no steps-"):
+        read_steps((tmp_path / "empty").mkdir() or tmp_path / "empty")

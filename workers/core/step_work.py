@@ -1,0 +1,46 @@
+"""What one scheduled step asks of the hardware, as counts (tensor-free): the simulated engine charges it through the
+step model, and the real engine records it beside each step's measured time (workers/core/step_trace.py), so that
+the step model can be fitted on the product path's own steps (workers/sim/step_fit.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepWork:
+    """What one engine step computes."""
+
+    num_seqs: int = 0                  # sequences in the step (prefill chunks + decodes)
+    prefill_tokens: int = 0            # prompt tokens computed this step
+    visual_prefill_tokens: int = 0     # of which image tokens
+    decode_context_tokens: int = 0     # context read by the step's decoding sequences
+    vision_patches: list[int] = field(default_factory=list)  # pre-merge patches of images encoded this step
+    vision_shares: list[float] = field(default_factory=list)  # of each, the share of the tower's blocks run (1.0)
+    vision_plans: int = 0              # of their image sizes, those the engine has not encoded before
+
+
+PATCHES_PER_VISUAL_TOKEN = 4  # Qwen3-VL merges 2 x 2 patches into one visual token
+
+
+def step_work(out: SchedulerOutput, vision_depth: int) -> StepWork:
+    """The work of a scheduled batch: its chunks (prompt tokens, of which visual, and decodes' context), and the images
+    the scheduler has the vision tower encode in it, now and ahead, with the share of the tower's `vision_depth`
+    blocks each runs (a pass spread over steps runs a few). vision_plans is left to the caller (it needs history)."""
+    work = StepWork(num_seqs=len(out.chunks))
+    for chunk in out.chunks:
+        seq = chunk.seq
+        prompt_end = seq.num_context_tokens - (seq.kv_import is not None)
+        prefill = max(min(chunk.start + chunk.num_tokens, prompt_end) - chunk.start, 0)
+        if prefill == 0:
+            work.decode_context_tokens += chunk.start
+            continue
+        work.prefill_tokens += prefill
+        for image in seq.images:
+            work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
+    encodes = (*out.encode_now, *out.encode_ahead)
+    work.vision_patches = [encode.image.num_tokens * PATCHES_PER_VISUAL_TOKEN for encode in encodes]
+    work.vision_shares = [encode.num_blocks / vision_depth if encode.num_blocks else 1.0 for encode in encodes]
+    return work

@@ -1,0 +1,84 @@
+"""Fits the step model on an engine's own steps (issue 19, item 4): a step trace of the product path
+(EngineConfig.step_trace_dir, workers/core/step_trace.py) gives each step's work and measured wall time; the fit
+finds the StepCorrection (text_scale, vision_scale, step_overhead_ms) that minimises the squared error of
+  measured_ms ~ text_scale * text_ms + vision_scale * vision_ms + step_overhead_ms
+over the steps, text_ms and vision_ms being the uncorrected model's parts (StepModel.step_parts_ms). A coefficient
+that comes out negative is held at its floor (0 for the overhead, and the term dropped for a scale) and the rest
+refitted. Plain least squares on three unknowns: normal equations, solved here without numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from workers.core.step_work import StepWork
+from workers.sim.step_model import StepCorrection, StepModel
+from workers.stats import percentile
+
+TERMS = ("text_scale", "vision_scale", "step_overhead_ms")
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """a x = b by Gaussian elimination with partial pivoting; None when a is singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _least_squares(rows: list[tuple[float, ...]], ys: list[float], free: Sequence[int]) -> dict[int, float]:
+    a = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
+    b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in free]
+    x = _solve(a, b)
+    if x is None:
+        raise ValueError("step fit: the steps do not determine the terms "
+                         f"{[TERMS[i] for i in free]} (e.g. no step encoded an image)")
+    return dict(zip(free, x))
+
+
+def fit_steps(model: StepModel, steps: Sequence[tuple[StepWork, float]], source: str = "trace") -> dict:
+    """The StepCorrection fitted on (work, measured ms) steps for `model` (its own correction ignored), with how well
+    the model predicts the steps before and after: median and p90 relative error per step, total predicted against
+    measured busy time."""
+    base = dataclasses.replace(model, correction=StepCorrection())
+    steps = [(w, ms) for w, ms in steps if w.num_seqs or w.vision_patches]
+    if len(steps) < 3:
+        raise ValueError(f"step fit: {len(steps)} non-empty steps, need at least 3")
+    parts = [base.step_parts_ms(w) for w, _ in steps]
+    rows = [(text, vision, 1.0) for text, vision in parts]
+    ys = [ms for _, ms in steps]
+    free = [i for i in range(3) if any(r[i] for r in rows)]
+    while True:
+        x = _least_squares(rows, ys, free)
+        negative = [i for i in free if x[i] < 0]
+        if not negative:
+            break
+        free.remove(min(negative, key=lambda i: x[i]))
+        if not free:
+            raise ValueError("step fit: no non-negative fit")
+    coef = [x.get(i, 0.0) for i in range(3)]
+    correction = StepCorrection(*coef, source=source)
+    fitted = dataclasses.replace(model, correction=correction)
+    return {
+        "source": source,
+        "steps": len(steps),
+        "correction": {name: round(value, 4) for name, value in zip(TERMS, coef)},
+        "measured_busy_s": round(sum(ys) / 1e3, 3),
+        "before": _errors(base, steps),
+        "after": _errors(fitted, steps),
+    }
+
+
+def _errors(model: StepModel, steps: Sequence[tuple[StepWork, float]]) -> dict:
+    predicted = [model.step_ms(w) for w, _ in steps]
+    rel = [abs(p - ms) / ms for p, (_, ms) in zip(predicted, steps) if ms > 0]
+    return {"predicted_busy_s": round(sum(predicted) / 1e3, 3),
+            "step_rel_error_p50": round(percentile(rel, 0.5), 3), "step_rel_error_p90": round(percentile(rel, 0.9), 3)}
