@@ -19,7 +19,7 @@ from workers.core.step_work import StepWork
 class StepTrace:
     """Appends steps to DIR/steps-<pid>.jsonl, flushed every `flush_every` steps and on close."""
 
-    def __init__(self, directory: str | Path, flush_every: int = 64):
+    def __init__(self, directory: str | Path, flush_every: int = 8):
         self.path = Path(directory) / f"steps-{os.getpid()}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
