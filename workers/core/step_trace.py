@@ -7,6 +7,7 @@ real engine when EngineConfig.step_trace_dir is set, one file per engine process
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import time
@@ -54,8 +55,8 @@ class StepTrace:
 
 
 def read_steps(path: str | Path) -> list[tuple[StepWork, float]]:
-    """(work, measured ms) of every step in a trace file or in every steps-*.jsonl of a directory; a malformed line
-    raises naming its file and line."""
+    """(work, measured ms) of every step in a trace file (.jsonl, or .jsonl.gz as benchmarks/ keeps them) or in every
+    steps-*.jsonl of a directory; a malformed line raises naming its file and line."""
     path = Path(path)
     files = sorted(path.glob("steps-*.jsonl")) if path.is_dir() else [path]
     if not files:
@@ -63,7 +64,8 @@ def read_steps(path: str | Path) -> list[tuple[StepWork, float]]:
     fields = {f.name for f in dataclasses.fields(StepWork)}
     steps = []
     for file in files:
-        for n, text in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        data = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+        for n, text in enumerate(data.decode("utf-8").splitlines(), 1):
             if not text.strip():
                 continue
             try:
