@@ -12,7 +12,7 @@ import pytest
 
 from test_sim_engine_scheduling import ARRIVALS, LIMITS, run
 from workers.config import EngineConfig
-from workers.core.step_trace import StepTrace, read_steps
+from workers.core.step_trace import StepTrace, read_requests, read_steps
 from workers.core.step_work import StepWork
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
@@ -112,3 +112,47 @@ def test_a_malformed_trace_line_is_named_by_file_and_line(tmp_path):
         read_steps(tmp_path)
     with pytest.raises(FileNotFoundError, match="no steps-"):
         read_steps((tmp_path / "empty").mkdir() or tmp_path / "empty")
+
+
+def test_every_request_gets_one_line_with_its_times_in_order(tiny_moe_checkpoint, tmp_path):
+    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    run(engine)
+    engine.close()
+    lines = {line["request"]: line for line in read_requests(tmp_path)}
+    assert set(lines) == {rid for _, rid, _ in ARRIVALS}
+    for _, rid, prompt in ARRIVALS:
+        line = lines[rid]
+        assert line["prompt_tokens"] == len(prompt.token_ids)
+        assert line["visual_tokens"] == prompt.token_ids.count(151655)
+        assert line["submitted_s"] is None  # driven directly, not through a serving engine
+        times = [line[k] for k in ("prepare_started_s", "prepared_s", "admitted_s", "first_scheduled_s",
+                                   "first_token_s", "finished_s")]
+        assert times == sorted(times), (rid, times)
+        assert line["generated_tokens"] == 4 and line["finish_reason"] == "length"
+    assert len(read_steps(tmp_path)) > 0  # the request lines do not disturb the steps
+
+
+def test_a_served_request_records_its_wait_for_a_preparation_thread_and_an_abort_its_own_line(
+        tiny_moe_checkpoint, tmp_path):
+    import asyncio
+
+    from contract.types import PromptInput, SamplingParams
+    from workers.serve.async_engine import AsyncEngine
+
+    served = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128,
+                                                step_trace_dir=str(tmp_path))))
+
+    async def main():
+        done = [o async for o in served.generate("whole", PromptInput([1, 2, 3]), SamplingParams(max_tokens=3))]
+        async for _ in served.generate("left", PromptInput([4, 5]), SamplingParams(max_tokens=50)):
+            break  # leaving the stream aborts the request
+        return done
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        served.shutdown()
+    assert done[-1].finished
+    lines = {line["request"]: line for line in read_requests(tmp_path)}
+    assert lines["whole"]["submitted_s"] <= lines["whole"]["prepare_started_s"] <= lines["whole"]["prepared_s"]
+    assert lines["whole"]["finish_reason"] == "length" and lines["left"]["finish_reason"] == "abort"

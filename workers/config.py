@@ -49,9 +49,10 @@ class EngineConfig(BaseModel):
         "which holds about twice the tokens in the same memory."
     )
     step_trace_dir: str | None = Field(
-        None, description="Write one JSON line per engine step (what it computed and its wall time) to "
-        "DIR/steps-<pid>.jsonl: the product path's own step timings, which workers/sim/step_fit.py fits the step "
-        "model on (scripts/plan_layout.py --fit-steps). None: no trace."
+        None, description="Write one JSON line per engine step (what it computed and its wall time) and one per "
+        "finished request (when it was submitted, prepared, admitted, first scheduled, got its first token, finished) "
+        "to DIR/steps-<pid>.jsonl: the product path's own timings, which workers/sim/step_fit.py fits the step model "
+        "on (scripts/plan_layout.py --fit-steps). None: no trace."
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(

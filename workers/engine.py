@@ -160,14 +160,14 @@ class LLMEngine:
         kv_import: KvExport | None = None,
     ) -> PreparedRequest:
         """Validates the request and does its CPU preprocessing; touches no engine state."""
+        started = time.monotonic()
         try:
-            return PreparedRequest(
-                request_id,
-                self.inputs.make_sequence(request_id, prompt, sampling, resume_token_ids, prefill_only, kv_import),
-                num_prompt_tokens=len(prompt.token_ids),
-            )
+            seq = self.inputs.make_sequence(request_id, prompt, sampling, resume_token_ids, prefill_only, kv_import)
         except PromptError as exc:
-            return PreparedRequest(request_id, None, str(exc), len(prompt.token_ids))
+            return PreparedRequest(request_id, None, str(exc), len(prompt.token_ids), prepare_started=started,
+                                   prepare_ended=time.monotonic())
+        return PreparedRequest(request_id, seq, num_prompt_tokens=len(prompt.token_ids), prepare_started=started,
+                               prepare_ended=time.monotonic())
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
@@ -185,6 +185,9 @@ class LLMEngine:
             return
         seq.arrival = next(self._arrivals)
         self.scheduler.add(seq)
+        if self._step_trace is not None:
+            self._step_trace.admitted(seq, prepared.submitted, prepared.prepare_started, prepared.prepare_ended,
+                                      time.monotonic())
 
     def add_request(
         self,
@@ -220,6 +223,8 @@ class LLMEngine:
         was_running = not seq.is_finished
         self.scheduler.abort(request_id)
         self.executor.release(request_id)
+        if self._step_trace is not None:
+            self._step_trace.aborted(seq, time.monotonic())
         if was_running:
             self._pending.append(self._output(seq))
         return True
@@ -279,8 +284,10 @@ class LLMEngine:
             else:
                 changed += self.scheduler.update(out, sampled)
             if self._step_trace is not None:
-                self._step_trace.record(started, time.monotonic(), step_work(out, self._vision_depth),
+                ended = time.monotonic()
+                self._step_trace.record(started, ended, step_work(out, self._vision_depth),
                                         len(self.scheduler.waiting), len(self.scheduler.running))
+                self._step_trace.progress(out, changed, started, ended)
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)

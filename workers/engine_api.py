@@ -40,6 +40,11 @@ class PreparedRequest:
     sequence: Sequence | None
     error: str | None = None
     num_prompt_tokens: int = 0
+    # time.monotonic() seconds: when the request was handed to preparation (by the serving side, which may queue it
+    # for a preparation thread; None: not known) and when its preparation began and ended (the step trace's)
+    submitted: float | None = None
+    prepare_started: float = 0.0
+    prepare_ended: float = 0.0
 
 
 @runtime_checkable

@@ -12,13 +12,19 @@ import json
 import os
 import time
 from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import IO
 
+from workers.core.scheduler import SchedulerOutput
+from workers.core.sequence import Sequence
 from workers.core.step_work import StepWork
 
 
 class StepTrace:
-    """Appends steps to DIR/steps-<pid>.jsonl, flushed every `flush_every` steps and on close."""
+    """Appends steps to DIR/steps-<pid>.jsonl, flushed every `flush_every` steps and on close; and, as each request
+    finishes, one line for it ({"request": id, ...}: when it was submitted for preparation, prepared, admitted, first
+    scheduled, got its first token and finished, in seconds on the trace's clock), so that a request's latency can be
+    placed: preparation, waiting, tower passes, prefill, decodes."""
 
     def __init__(self, directory: str | Path, flush_every: int = 8):
         self.path = Path(directory) / f"steps-{os.getpid()}.jsonl"
@@ -28,6 +34,7 @@ class StepTrace:
         self._unflushed = 0
         self._t0 = time.monotonic()
         self._sizes: set[int] = set()  # image sizes (patches) encoded so far: a new one builds a cuDNN plan
+        self._requests: dict[str, dict] = {}  # admitted and not yet finished: their times so far
 
     def record(self, started: float, ended: float, work: StepWork, waiting: int, running: int) -> None:
         """A step that ran from `started` to `ended` (time.monotonic seconds), with the queue lengths after it;
@@ -38,10 +45,53 @@ class StepTrace:
         self._sizes.update(work.vision_patches)
         line = {"t_s": round(started - self._t0, 6), "ms": round((ended - started) * 1e3, 3),
                 "waiting": waiting, "running": running, **dataclasses.asdict(work)}
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._write(line)
         self._unflushed += 1
         if self._unflushed >= self._flush_every:
             self.flush()
+
+    def _t(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self._t0, 6)
+
+    def admitted(self, seq: Sequence, submitted: float | None, prepare_started: float, prepare_ended: float,
+                 now: float) -> None:
+        """A request entered the scheduler at `now`, after its preparation (workers/engine_api.PreparedRequest's
+        times: submitted None when not known)."""
+        self._requests[seq.request_id] = {
+            "submitted_s": self._t(submitted), "prepare_started_s": self._t(prepare_started),
+            "prepared_s": self._t(prepare_ended), "admitted_s": self._t(now),
+            "prompt_tokens": seq.num_prompt_tokens, "visual_tokens": sum(image.num_tokens for image in seq.images),
+            "first_scheduled_s": None, "first_token_s": None,
+        }
+
+    def progress(self, out: SchedulerOutput, changed: Iterable[Sequence], started: float, ended: float) -> None:
+        """After a step that ran from `started` to `ended`: first chunks, first tokens, finished requests."""
+        for chunk in out.chunks:
+            times = self._requests.get(chunk.seq.request_id)
+            if times is not None and times["first_scheduled_s"] is None:
+                times["first_scheduled_s"] = self._t(started)
+        for seq in changed:
+            times = self._requests.get(seq.request_id)
+            if times is None:
+                continue
+            if times["first_token_s"] is None and seq.num_generated_tokens > 0:
+                times["first_token_s"] = self._t(ended)
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+                self._write({"request": seq.request_id, **times, "finished_s": self._t(ended),
+                             "generated_tokens": seq.num_generated_tokens,
+                             "finish_reason": seq.finish_reason.value if seq.finish_reason else None})
+
+    def aborted(self, seq: Sequence, now: float) -> None:
+        """A request aborted outside a step (its caller left): its line, finish_reason "abort"."""
+        times = self._requests.pop(seq.request_id, None)
+        if times is not None:
+            self._write({"request": seq.request_id, **times, "finished_s": self._t(now),
+                         "generated_tokens": seq.num_generated_tokens, "finish_reason": "abort"})
+
+    def _write(self, line: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -54,23 +104,37 @@ class StepTrace:
             self._file = None
 
 
-def read_steps(path: str | Path) -> list[tuple[StepWork, float]]:
-    """(work, measured ms) of every step in a trace file (.jsonl, or .jsonl.gz as benchmarks/ keeps them) or in every
-    steps-*.jsonl of a directory; a malformed line raises naming its file and line."""
+def _lines(path: str | Path) -> Iterator[tuple[Path, int, dict]]:
+    """(file, line number, parsed line) of a trace file (.jsonl, or .jsonl.gz as benchmarks/ keeps them) or of every
+    steps-*.jsonl of a directory; a line that is not JSON raises naming its file and line."""
     path = Path(path)
     files = sorted(path.glob("steps-*.jsonl")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"no steps-*.jsonl in {path}")
-    fields = {f.name for f in dataclasses.fields(StepWork)}
-    steps = []
     for file in files:
         data = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
         for n, text in enumerate(data.decode("utf-8").splitlines(), 1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-                steps.append((StepWork(**{k: v for k, v in line.items() if k in fields}), float(line["ms"])))
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{file}:{n}: not a step-trace line ({err})") from err
+            if text.strip():
+                try:
+                    yield file, n, json.loads(text)
+                except ValueError as err:
+                    raise ValueError(f"{file}:{n}: not a step-trace line ({err})") from err
+
+
+def read_steps(path: str | Path) -> list[tuple[StepWork, float]]:
+    """(work, measured ms) of every step in a trace (_lines); a malformed step line raises naming its file and line."""
+    fields = {f.name for f in dataclasses.fields(StepWork)}
+    steps = []
+    for file, n, line in _lines(path):
+        if "request" in line:  # a finished request's line (read_requests)
+            continue
+        try:
+            steps.append((StepWork(**{k: v for k, v in line.items() if k in fields}), float(line["ms"])))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{file}:{n}: not a step-trace line ({err!r})") from err
     return steps
+
+
+def read_requests(path: str | Path) -> list[dict]:
+    """The finished (and aborted) requests' lines of a trace, in the order they finished."""
+    return [line for _, _, line in _lines(path) if "request" in line]

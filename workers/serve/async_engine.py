@@ -12,6 +12,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -72,6 +73,7 @@ class AsyncEngine:
         """Streams the request's outputs until one has finished=True. Leaving the loop early (or the
         caller being cancelled) aborts the request."""
         loop = asyncio.get_running_loop()
+        submitted = time.monotonic()
         prepared = await loop.run_in_executor(
             self._prepare_pool,
             functools.partial(
@@ -79,6 +81,7 @@ class AsyncEngine:
                 resume_token_ids=resume_token_ids, prefill_only=prefill_only, kv_import=kv_import,
             ),
         )
+        prepared.submitted = submitted  # the wait for a preparation thread, for the step trace
         stream = _Stream(loop)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already being generated")
