@@ -42,7 +42,7 @@ def check_weight_format(model: ModelSection, checkpoint: Path) -> None:
         fmt = weight_format(json.loads(config_json.read_text()), str(config_json))
     except (ValueError, QuantizationConfigError) as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
-    found = "fp8" if fmt.is_fp8 else "bf16"
+    found = fmt.checkpoint_weights
     if found != model.weights:
         raise ConfigError(
             f"model.weights: {model.weights!r}, but {config_json} declares {fmt.label} ({found!r}); set model.weights "

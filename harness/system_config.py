@@ -98,7 +98,8 @@ class GeneratedCheckpointSection(_Strict):
     def config_json(self, weights: str = "bf16") -> dict[str, Any]:
         """The config.json this spec writes (ValueError naming an unknown preset or override key); weights "fp8"
         adds the quantization_config of fp8_layout (Qwen's released block FP8, or FP8-dynamic per channel), so the
-        random weights are FP8 in that layout."""
+        random weights are FP8 in that layout; "nvfp4" adds ModelOpt's NVFP4 one (random weights as the engine holds
+        an NVFP4 checkpoint: FP8 per channel)."""
         from workers.fp8_checkpoint import released_quantization_config
         from workers.tiny_checkpoint import released_config
 
@@ -108,6 +109,8 @@ class GeneratedCheckpointSection(_Strict):
             raise ValueError(exc.args[0]) from None
         if weights == "fp8":
             config["quantization_config"] = released_quantization_config(self.fp8_layout, config)
+        elif weights == "nvfp4":
+            config["quantization_config"] = released_quantization_config("nvfp4", config)
         return config
 
 
@@ -119,9 +122,10 @@ class ModelSection(_Strict):
     checkpoint: str | None = Field(None, min_length=1)
     generate: GeneratedCheckpointSection | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
-    weights: Literal["bf16", "fp8"] = Field(
-        "bf16", description="The checkpoint format this system expects: 'bf16' (float weights, no quantization_config) "
-        "or 'fp8' (config.json's quantization_config: Qwen's block FP8 or compressed-tensors FP8-dynamic). Checked "
+    weights: Literal["bf16", "fp8", "nvfp4"] = Field(
+        "bf16", description="The checkpoint format this system expects: 'bf16' (float weights, no quantization_config), "
+        "'fp8' (config.json's quantization_config: Qwen's block FP8 or compressed-tensors FP8-dynamic) or 'nvfp4' "
+        "(ModelOpt NVFP4, NVIDIA's MLPerf checkpoints; converted to FP8 per channel at load on Hopper). Checked "
         "against the checkpoint's config.json before anything starts."
     )
 

@@ -12,6 +12,12 @@ Facts used, with their public sources:
   "channel", symmetric} and `input_activations` {strategy "token", dynamic true}, `ignore` (names or `re:` regexes).
   Tensors: `<module>.weight` float8_e4m3fn and `<module>.weight_scale` [N, 1]: one dequantisation scale per output
   row. That is a block of 1 row x all columns, so both formats load into one representation (workers/model/fp8.py).
+* modelopt NVFP4 (vLLM `ModelOptNvFp4Config.from_config`, the flat form config.json carries): `quant_method:
+  "modelopt"`, `quant_algo: "NVFP4"`, `group_size: 16`, `exclude_modules` (names with `*` wildcards, matched
+  against whole module names), `kv_cache_quant_algo` ("FP8" or null). Tensors: workers/model/nvfp4.py. Hopper has no
+  FP4 tensor cores, so the loader converts each NVFP4 weight to e4m3 with one scale per output row at load, and the
+  engine serves it as it serves FP8-dynamic (per-token activations, row-wise FP8 GEMMs): 4-bit weights on disk,
+  8-bit in memory, with e4m3's rounding on top of the checkpoint's own.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ class QuantizationConfigError(ValueError):
 class WeightFormat:
     """How the checkpoint stores its quantised linears. method "none": every tensor is a float tensor."""
 
-    method: Literal["none", "fp8_block", "fp8_channel"] = "none"
-    block: BlockShape | None = None  # the checkpoint's scale granularity
+    method: Literal["none", "fp8_block", "fp8_channel", "nvfp4"] = "none"
+    block: BlockShape | None = None  # the scale granularity the engine loads (nvfp4: per row, after conversion)
     scale_suffix: str = ""  # the scale tensor's name: "<module>." + scale_suffix
     skip: tuple[str, ...] = ()  # module names (or "re:" patterns) the checkpoint leaves unquantised
+    group: int = 0  # nvfp4: columns per weight_scale entry on disk
 
     @property
     def is_fp8(self) -> bool:
@@ -50,7 +57,15 @@ class WeightFormat:
             return f"fp8 e4m3 weights in {self.block.n}x{self.block.k} blocks, dynamic per-token-group activations"
         if self.method == "fp8_channel":
             return "fp8 e4m3 weights per output channel, dynamic per-token activations"
+        if self.method == "nvfp4":
+            return (f"nvfp4 weights (e2m1, e4m3 scales per {self.group} columns) served as fp8 e4m3 per output "
+                    "channel, dynamic per-token activations")
         return "bfloat16 weights"
+
+    @property
+    def checkpoint_weights(self) -> Literal["bf16", "fp8", "nvfp4"]:
+        """The format a system config names for this checkpoint (model.weights)."""
+        return "nvfp4" if self.method == "nvfp4" else "fp8" if self.is_fp8 else "bf16"
 
     def skips(self, module: str) -> bool:
         """Whether the checkpoint names `module` (full name, e.g. model.language_model.layers.0.mlp.gate) as left
@@ -74,7 +89,24 @@ def weight_format(raw_config: dict, where: str = "config.json") -> WeightFormat:
         return _fp8_block(q, where)
     if method == "compressed-tensors":
         return _compressed_tensors(q, where)
-    raise QuantizationConfigError(f"{where}: quantization_config.quant_method {method!r} is not one of 'fp8', 'compressed-tensors'")
+    if method == "modelopt":
+        return _modelopt(q, where)
+    raise QuantizationConfigError(
+        f"{where}: quantization_config.quant_method {method!r} is not one of 'fp8', 'compressed-tensors', 'modelopt'")
+
+
+def _modelopt(q: dict, where: str) -> WeightFormat:
+    key = f"{where}: quantization_config"
+    if q.get("quant_algo") != "NVFP4":
+        raise QuantizationConfigError(f"{key}.quant_algo {q.get('quant_algo')!r}: only 'NVFP4' is supported")
+    group = q.get("group_size", 16)
+    if not (isinstance(group, int) and group > 0 and group % 2 == 0):
+        raise QuantizationConfigError(f"{key}.group_size {group!r}: expected a positive even integer (16)")
+    patterns = q.get("exclude_modules") or []
+    if not isinstance(patterns, list):
+        raise QuantizationConfigError(f"{key}.exclude_modules: expected a list of module names")
+    skip = tuple("re:" + re.escape(p).replace(r"\*", ".*") + "$" if "*" in p else p for p in patterns)
+    return WeightFormat("nvfp4", BlockShape(1, WHOLE_ROW), "weight_scale", skip, group)
 
 
 def _fp8_block(q: dict, where: str) -> WeightFormat:

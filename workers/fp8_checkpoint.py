@@ -6,8 +6,11 @@ with a float32 `weight_scale_inv` per block; MoE experts one module per expert (
 qwen3_vl_moe: huggingface/transformers#44230); lm_head, the routers (`mlp.gate`) and the vision tower left in the
 source dtype and named in `quantization_config.modules_to_not_convert`. Or (--layout channel) the FP8-dynamic
 layout llm-compressor writes: the same tensors with one float32 `weight_scale` [N, 1] per output row and a
-compressed-tensors quantization_config. Usage: tests, and
-`python -m workers.fp8_checkpoint SRC OUT [--block 128 128 | --layout channel]` for a submitter's own bf16 weights.
+compressed-tensors quantization_config. Or (--layout nvfp4) NVIDIA ModelOpt's NVFP4 layout (workers/model/nvfp4.py:
+packed e2m1 `weight`, e4m3 `weight_scale` per 16 columns, float32 `weight_scale_2` and `input_scale`), with its
+quantization_config; quantised here by ModelOpt's max recipe, not its calibration, so for tests and experiments.
+Usage: tests, and `python -m workers.fp8_checkpoint SRC OUT [--block 128 128 | --layout channel | --layout nvfp4]` for
+a submitter's own bf16 weights.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from workers.model import nvfp4
 from workers.model.fp8 import BlockShape, quantize_weight_blocks
 from workers.weights import TEXT_PREFIX, CheckpointError, checkpoint_files
 
@@ -62,11 +66,23 @@ def channel_quantization_config() -> dict:
     }
 
 
-def released_quantization_config(layout: Literal["block", "channel"], config: dict) -> dict:
-    """The quantization_config a released FP8 checkpoint of `config`'s model has: Qwen's 128x128 block layout
-    (quantization_config) or the FP8-dynamic one (channel_quantization_config)."""
+def nvfp4_quantization_config() -> dict:
+    """config.json's quantization_config of a ModelOpt NVFP4 checkpoint (the flat form; keys as
+    workers/checkpoint_quant.py reads them). Left in the source dtype: lm_head, the vision tower, the MoE routers."""
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": nvfp4.GROUP, "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head", "model.visual*", "*mlp.gate"]}
+
+
+Layout = Literal["block", "channel", "nvfp4"]
+
+
+def released_quantization_config(layout: Layout, config: dict) -> dict:
+    """The quantization_config a released quantised checkpoint of `config`'s model has: Qwen's 128x128 block layout
+    (quantization_config), the FP8-dynamic one (channel_quantization_config) or NVFP4 (nvfp4_quantization_config)."""
     if layout == "channel":
         return channel_quantization_config()
+    if layout == "nvfp4":
+        return nvfp4_quantization_config()
     return quantization_config(RELEASED_BLOCK, config["text_config"]["num_hidden_layers"],
                                config["model_type"] == "qwen3_vl_moe")
 
@@ -76,26 +92,30 @@ def is_quantised_linear(name: str) -> bool:
             and ".mlp.gate." not in name)
 
 
-def _quantize(tensor: torch.Tensor, block: BlockShape | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """block None: one scale per output row (the FP8-dynamic layout's [N, 1] weight_scale)."""
-    return quantize_weight_blocks(tensor, block or BlockShape(1, tensor.shape[-1]))
+def _quantized(tensor: torch.Tensor, layout: Layout, block: BlockShape) -> dict[str, torch.Tensor]:
+    """One weight [N, K] in `layout`, as {tensor name after "<module>.": tensor}."""
+    if layout == "nvfp4":
+        packed, scale, global_scale = nvfp4.quantize_nvfp4(tensor)
+        return {"weight": packed, "weight_scale": scale, "weight_scale_2": global_scale.float(),
+                "input_scale": torch.tensor(1.0)}  # a static FP4 activation scale: read by FP4 engines, not this one
+    if layout == "channel":
+        q, scale = quantize_weight_blocks(tensor, BlockShape(1, tensor.shape[-1]))
+        return {"weight": q, "weight_scale": scale}
+    q, scale = quantize_weight_blocks(tensor, block)
+    return {"weight": q, "weight_scale_inv": scale}
 
 
-def _fp8_tensors(name: str, tensor: torch.Tensor, block: BlockShape | None, text: dict) -> dict[str, torch.Tensor]:
-    """The FP8 checkpoint's tensors for one source tensor (block None: per channel, scales named weight_scale)."""
+def _checkpoint_tensors(name: str, tensor: torch.Tensor, layout: Layout, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
+    """The quantised checkpoint's tensors for one source tensor."""
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-        return _per_expert(name, tensor, block, text)
+        return _per_expert(name, tensor, layout, block, text)
     if is_quantised_linear(name):
-        q, scale = _quantize(tensor, block)
-        return {name: q, name.removesuffix("weight") + _scale_suffix(block): scale}
+        module = name.removesuffix("weight")
+        return {module + suffix: t for suffix, t in _quantized(tensor, layout, block).items()}
     return {name: tensor}
 
 
-def _scale_suffix(block: BlockShape | None) -> str:
-    return "weight_scale_inv" if block is not None else "weight_scale"
-
-
-def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape | None, text: dict) -> dict[str, torch.Tensor]:
+def _per_expert(name: str, tensor: torch.Tensor, layout: Layout, block: BlockShape, text: dict) -> dict[str, torch.Tensor]:
     """Fused experts (released [E, H, 2I] / [E, I, H] or transformers' [E, 2I, H] / [E, H, I]) as one quantised
     gate_proj [I, H], up_proj [I, H] and down_proj [H, I] per expert."""
     hidden, inter = text["hidden_size"], text["moe_intermediate_size"]
@@ -108,18 +128,16 @@ def _per_expert(name: str, tensor: torch.Tensor, block: BlockShape | None, text:
         parts = {"down_proj": tensor if tensor.shape[1:] == (hidden, inter) else tensor.transpose(1, 2)}
     for proj, weights in parts.items():
         for e in range(weights.shape[0]):
-            q, scale = _quantize(weights[e].contiguous(), block)
-            out[f"{prefix}{e}.{proj}.weight"] = q
-            out[f"{prefix}{e}.{proj}.{_scale_suffix(block)}"] = scale
+            for suffix, t in _quantized(weights[e].contiguous(), layout, block).items():
+                out[f"{prefix}{e}.{proj}.{suffix}"] = t
     return out
 
 
-def quantize_checkpoint(
-    src: Path, out: Path, block: tuple[int, int] = RELEASED_BLOCK, layout: Literal["block", "channel"] = "block",
-) -> Path:
+def quantize_checkpoint(src: Path, out: Path, block: tuple[int, int] = RELEASED_BLOCK, layout: Layout = "block") -> Path:
     """Writes out/ (built aside and renamed into place): config.json with quantization_config, the side configs, and
     the weights shard by shard with an index. layout "block": Qwen's released layout in `block`s; "channel": the
-    FP8-dynamic one (one scale per output row, channel_quantization_config). Refuses a source already quantised."""
+    FP8-dynamic one (one scale per output row, channel_quantization_config); "nvfp4": ModelOpt's NVFP4
+    (nvfp4_quantization_config). Refuses a source already quantised."""
     src, out = Path(src), Path(out)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
@@ -127,13 +145,13 @@ def quantize_checkpoint(
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     text = config["text_config"]
-    shape = BlockShape(*block) if layout == "block" else None
+    shape = BlockShape(*block)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     config["quantization_config"] = (
         quantization_config(block, text["num_hidden_layers"], config["model_type"] == "qwen3_vl_moe") if layout == "block"
-        else channel_quantization_config())
+        else released_quantization_config(layout, config))
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for side in _SIDE_FILES:
         if (src / side).exists():
@@ -145,7 +163,7 @@ def quantize_checkpoint(
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                tensors.update(_fp8_tensors(name, f.get_tensor(name), shape, text))
+                tensors.update(_checkpoint_tensors(name, f.get_tensor(name), layout, shape, text))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / filename), metadata={"format": "pt"})
         weight_map.update({name: filename for name in tensors})
     if len(files) > 1:
@@ -160,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("src", type=Path, help="a float (bf16/fp32) Qwen3-VL checkpoint directory")
     parser.add_argument("out", type=Path, help="where to write the FP8 copy (must not exist)")
     parser.add_argument("--block", type=int, nargs=2, default=list(RELEASED_BLOCK), metavar=("ROWS", "COLS"))
-    parser.add_argument("--layout", choices=("block", "channel"), default="block", help="block: Qwen's released FP8 "
-                        "layout; channel: FP8-dynamic (compressed-tensors, one scale per output channel)")
+    parser.add_argument("--layout", choices=("block", "channel", "nvfp4"), default="block", help="block: Qwen's "
+                        "released FP8 layout; channel: FP8-dynamic (compressed-tensors, one scale per output channel); "
+                        "nvfp4: ModelOpt NVFP4")
     args = parser.parse_args(argv)
     print(quantize_checkpoint(args.src, args.out, tuple(args.block), args.layout))
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from workers.checkpoint_quant import QuantizationConfigError, WeightFormat, weight_format
+from workers.model import fp8, nvfp4
 from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape, dequantize_weight_blocks
 from workers.model.layers import rows_scale
 
@@ -199,6 +200,29 @@ class CheckpointIndex:
     def is_fp8(self, name: str) -> bool:
         return name in self._file_of and self._handle(name).get_slice(name).get_dtype() == "F8_E4M3"
 
+    def is_quantized(self, name: str, fmt: WeightFormat) -> bool:
+        """Whether `name` is a quantised weight of `fmt`: float8_e4m3fn, or (nvfp4) uint8 packed e2m1 codes."""
+        if fmt.method == "nvfp4":
+            return name in self._file_of and self._handle(name).get_slice(name).get_dtype() == "U8"
+        return self.is_fp8(name)
+
+
+NVFP4_SIDE_SUFFIXES = ("weight_scale_2", "input_scale")  # an NVFP4 weight's global and (unused) activation scales
+
+
+def side_tensors(index: CheckpointIndex, names: list[str], fmt: WeightFormat) -> set[str]:
+    """The tensors that travel with the quantised weights among `names` (their scales; for nvfp4 also the global
+    weight_scale_2 and the input_scale), read with their weight and never loaded on their own."""
+    if not fmt.is_fp8:
+        return set()
+    out = set()
+    for name in names:
+        if index.is_quantized(name, fmt):
+            out.add(scale_name(name, fmt))
+            if fmt.method == "nvfp4":
+                out.update(name.removesuffix("weight") + suffix for suffix in NVFP4_SIDE_SUFFIXES)
+    return out
+
 
 def scale_name(weight_name: str, fmt: WeightFormat) -> str:
     """The checkpoint name of a quantised tensor's scale: <module>.weight_scale_inv (fp8) or <module>.weight_scale
@@ -223,8 +247,13 @@ class QuantTensor:
 
 
 def read_weight(index: CheckpointIndex, name: str, fmt: WeightFormat) -> torch.Tensor | QuantTensor:
-    """A checkpoint tensor; an FP8 one with its scale, checked against the format's block shape."""
+    """A checkpoint tensor; an FP8 one with its scale, checked against the format's block shape; an NVFP4 one
+    converted to e4m3 with one scale per row (_read_nvfp4)."""
     tensor = index.get(name)
+    if tensor.dtype == torch.uint8:
+        if fmt.method != "nvfp4":
+            raise CheckpointError(f"{name} is uint8 (packed FP4?) but config.json declares no NVFP4 quantization_config")
+        return _read_nvfp4(index, name, tensor, fmt)
     if tensor.dtype != FP8_DTYPE:
         return tensor
     if not fmt.is_fp8:
@@ -245,6 +274,29 @@ def read_weight(index: CheckpointIndex, name: str, fmt: WeightFormat) -> torch.T
     return QuantTensor(tensor, rows_scale(scale, fmt.block, rows), fmt.block.k)
 
 
+def _read_nvfp4(index: CheckpointIndex, name: str, packed: torch.Tensor, fmt: WeightFormat) -> QuantTensor:
+    """An NVFP4 weight (workers/model/nvfp4.py) dequantised exactly in float32, then as e4m3 with one float32 scale
+    per row (amax / 448): the FP8-dynamic representation the engine serves. Its scales are checked first, by name."""
+    module = name.removesuffix("weight")
+    scale_key, global_key = module + "weight_scale", module + "weight_scale_2"
+    for key in (scale_key, global_key):
+        if key not in index:
+            raise CheckpointError(f"{name} is NVFP4 (uint8) but its scale tensor {key} is missing")
+    scale, global_scale = index.get(scale_key), index.get(global_key)
+    cols = 2 * packed.shape[-1]
+    expected = (*packed.shape[:-1], -(-cols // fmt.group))
+    if scale.dtype != FP8_DTYPE or tuple(scale.shape) != expected:
+        raise CheckpointError(f"{scale_key}: {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn {expected} for "
+                              f"{name} (uint8 {tuple(packed.shape)}: {cols} columns in groups of {fmt.group})")
+    if global_scale.numel() != 1 or not bool(torch.isfinite(global_scale).all()) or float(global_scale) <= 0:
+        raise CheckpointError(f"{global_key}: expected one finite positive scale, got shape {tuple(global_scale.shape)}")
+    if not bool(torch.isfinite(scale.float()).all()):
+        raise CheckpointError(f"{scale_key}: scales must be finite")
+    weight = nvfp4.dequantize_nvfp4(packed, scale, global_scale.float().reshape(()), fmt.group)
+    q, row_scale = fp8.quantize_weight_blocks(weight, BlockShape(1, cols))
+    return QuantTensor(q, row_scale, fmt.block.k)
+
+
 def _join(parts: list, dim: int, name: str, new_dim: bool = False):
     """torch.cat (new_dim: torch.stack) of float tensors, or of QuantTensors (weights and per-row scales alike)."""
     join = torch.stack if new_dim else torch.cat
@@ -262,7 +314,7 @@ def iter_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None = None
     index = CheckpointIndex(checkpoint)
     fmt = weight_format(_read_json(checkpoint / "config.json"), str(checkpoint / "config.json"))
     names = index.names(prefix)
-    scales = {scale_name(n, fmt) for n in names if fmt.is_fp8 and index.is_fp8(n)}
+    scales = side_tensors(index, names, fmt)
     for name in names:
         if name in scales:
             continue
@@ -379,7 +431,7 @@ def text_precision(checkpoint: Path, fmt: WeightFormat, load_format: str) -> Cal
             candidates = (full + ".gate_up_proj", full + ".0.gate_proj.weight")
         else:
             candidates = (full + ".weight",)
-        return row_block if any(index.is_fp8(c) for c in candidates) else None
+        return row_block if any(index.is_quantized(c, fmt) for c in candidates) else None
 
     return precision
 
@@ -470,7 +522,7 @@ def load_text_weights(
         consumed.update(n for n in index.names(source) if _is_expert_tensor(n, source, which))
         put_weight(pname, f"{owner}.{which.replace('_proj', '_scale')}", source_name, tensor)
 
-    scales = {scale_name(n, fmt) for n in index.names(TEXT_PREFIX) if fmt.is_fp8 and index.is_fp8(n)}
+    scales = side_tensors(index, index.names(TEXT_PREFIX), fmt)
     for name in index.names(TEXT_PREFIX):
         if name in consumed or name in scales or name.endswith(KV_SCALE_SUFFIXES):
             continue  # (KV scales are the KV cache's, not text-tower parameters: load_kv_scales)
