@@ -54,7 +54,7 @@ def write_config(shape: str, num_layers: int | None, out_dir: Path, precision: s
     """config.json (+ side configs) of the shape; generation never stops at an EOS. precision "fp8" / "fp8-channel":
     the quantization_config of the released FP8 checkpoints (128x128 blocks / FP8-dynamic per channel), so the random
     weights are FP8 in that layout."""
-    from workers.fp8_checkpoint import released_quantization_config
+    from workers.quantized_checkpoint import released_quantization_config
     from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, write_side_configs
 
     overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}

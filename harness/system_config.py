@@ -100,7 +100,7 @@ class GeneratedCheckpointSection(_Strict):
         adds the quantization_config of fp8_layout (Qwen's released block FP8, or FP8-dynamic per channel), so the
         random weights are FP8 in that layout; "nvfp4" adds ModelOpt's NVFP4 one (random weights as the engine holds
         an NVFP4 checkpoint: FP8 per channel)."""
-        from workers.fp8_checkpoint import released_quantization_config
+        from workers.quantized_checkpoint import released_quantization_config
         from workers.tiny_checkpoint import released_config
 
         try:

@@ -48,13 +48,13 @@ TINY_FP8_BLOCK = (16, 16)
 
 @pytest.fixture(scope="session")
 def tiny_moe_fp8_checkpoint(tiny_moe_checkpoint, tmp_path_factory) -> Path:
-    from workers.fp8_checkpoint import quantize_checkpoint
+    from workers.quantized_checkpoint import quantize_checkpoint
 
     return quantize_checkpoint(tiny_moe_checkpoint, tmp_path_factory.mktemp("fp8") / "tiny-moe-fp8", TINY_FP8_BLOCK)
 
 
 @pytest.fixture(scope="session")
 def tiny_dense_fp8_checkpoint(tiny_dense_checkpoint, tmp_path_factory) -> Path:
-    from workers.fp8_checkpoint import quantize_checkpoint
+    from workers.quantized_checkpoint import quantize_checkpoint
 
     return quantize_checkpoint(tiny_dense_checkpoint, tmp_path_factory.mktemp("fp8") / "tiny-dense-fp8", TINY_FP8_BLOCK)

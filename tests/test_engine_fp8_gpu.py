@@ -26,7 +26,7 @@ def fp8_checkpoints(request, tmp_path_factory):
     """(the FP8 checkpoint in 128x128 blocks, its dequantized copy for transformers)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from workers.fp8_checkpoint import quantize_checkpoint
+    from workers.quantized_checkpoint import quantize_checkpoint
 
     src = request.getfixturevalue(f"tiny_{request.param}_checkpoint")
     fp8 = quantize_checkpoint(src, tmp_path_factory.mktemp("fp8-gpu") / request.param)  # 128x128 blocks

@@ -25,7 +25,7 @@ from workers.weights import load_model_config
 
 @pytest.fixture(scope="module")
 def tiny_moe_dynamic_checkpoint(tiny_moe_checkpoint, tmp_path_factory):
-    from workers.fp8_checkpoint import quantize_checkpoint
+    from workers.quantized_checkpoint import quantize_checkpoint
 
     return quantize_checkpoint(tiny_moe_checkpoint, tmp_path_factory.mktemp("fp8dyn") / "tiny-moe-fp8-dynamic", layout="channel")
 

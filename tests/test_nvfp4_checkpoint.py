@@ -19,7 +19,7 @@ from test_engine_equivalence import make_engine, run_to_completion, transformers
 from workers.checkpoint_quant import QuantizationConfigError, weight_format
 from workers.config import EngineConfig
 from workers.executor.model_runner import build_text_model
-from workers.fp8_checkpoint import channel_quantization_config, quantize_checkpoint
+from workers.quantized_checkpoint import channel_quantization_config, quantize_checkpoint
 from workers.model import fp8, nvfp4
 from workers.model.fp8 import FP8_DTYPE, BlockShape
 from workers.model.layers import Fp8Linear

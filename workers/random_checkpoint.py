@@ -33,7 +33,7 @@ _BF16_ONE = np.array([0x3F80], dtype=np.uint16)
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 TensorShapes = list[tuple[str, tuple[int, ...]]]  # (name, shape) in file order
-# FP8 layout (workers/fp8_checkpoint.py): e4m3 values ~N(0, 64^2) (bytes of a pattern), each tensor's scales INIT_STD/64.
+# FP8 layout (workers/quantized_checkpoint.py): e4m3 values ~N(0, 64^2) (bytes of a pattern), each tensor's scales INIT_STD/64.
 FP8_SPREAD = 64.0
 
 
@@ -62,7 +62,7 @@ class RandomCheckpointSpec:
             overrides["text_config.num_experts"] = self.num_experts
         config = released_config(self.preset, overrides)
         if self.precision != "bf16":
-            from workers.fp8_checkpoint import released_quantization_config
+            from workers.quantized_checkpoint import released_quantization_config
 
             config["quantization_config"] = released_quantization_config(
                 "channel" if self.precision == "fp8-dynamic" else "block", config)
@@ -81,7 +81,7 @@ def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
     """The FP8 layout of float shapes (memory-layout experts): per-expert gate/up/down, and after each quantised
     linear a weight_scale_inv [ceil(N/128), ceil(K/128)] (the released block layout) or a weight_scale [N, 1] (the
     FP8-dynamic layout, quant_method compressed-tensors)."""
-    from workers.fp8_checkpoint import is_quantised_linear
+    from workers.quantized_checkpoint import is_quantised_linear
     from workers.model.fp8 import BlockShape
 
     q = config["quantization_config"]
@@ -135,7 +135,7 @@ def _dtype(name: str, fp8: bool) -> tuple[str, int]:
         return "BF16", BYTES_PER_VALUE
     if name.endswith(("weight_scale_inv", "weight_scale")):
         return "F32", 4
-    from workers.fp8_checkpoint import is_quantised_linear
+    from workers.quantized_checkpoint import is_quantised_linear
 
     return ("F8_E4M3", 1) if is_quantised_linear(name) else ("BF16", BYTES_PER_VALUE)
 

@@ -1,4 +1,5 @@
-"""Writes an FP8 copy of a float Qwen3-VL checkpoint in the layout Qwen releases its `-FP8` checkpoints in.
+"""Writes a quantised copy of a float Qwen3-VL checkpoint: by default FP8 in the layout Qwen releases its `-FP8`
+checkpoints in (or FP8-dynamic, or NVFP4: below).
 
 The layout (workers/checkpoint_quant.py, workers/model/fp8.py): every text-tower linear's `weight` in float8_e4m3fn
 with a float32 `weight_scale_inv` per block; MoE experts one module per expert (`mlp.experts.{e}.gate_proj`, `up_proj`,
@@ -9,7 +10,7 @@ layout llm-compressor writes: the same tensors with one float32 `weight_scale` [
 compressed-tensors quantization_config. Or (--layout nvfp4) NVIDIA ModelOpt's NVFP4 layout (workers/model/nvfp4.py:
 packed e2m1 `weight`, e4m3 `weight_scale` per 16 columns, float32 `weight_scale_2` and `input_scale`), with its
 quantization_config; quantised here by ModelOpt's max recipe, not its calibration, so for tests and experiments.
-Usage: tests, and `python -m workers.fp8_checkpoint SRC OUT [--block 128 128 | --layout channel | --layout nvfp4]` for
+Usage: tests, and `python -m workers.quantized_checkpoint SRC OUT [--block 128 128 | --layout channel | --layout nvfp4]` for
 a submitter's own bf16 weights.
 """
 
