@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the predicted highest valid Server QPS (rebuilds the 1,500-sample catalogue: minutes)")
     parser.add_argument("--step-correction", type=Path, default=None, help="with --validate --product-path: the "
                         "step model corrected by this --fit-steps JSON")
+    parser.add_argument("--request-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's "
+                        "finished requests spent their time: preparation, queue, first token, decode (p50/p90/p99, "
+                        "and for the slowest 1%%)")
     parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (workers/sim/step_fit.py)")
@@ -102,12 +105,24 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
 def main(argv: list[str] | None = None) -> None:
     """Plans (or with --validate, validates) and prints one JSON object."""
     args = parse_args(argv)
+    if args.request_phases is not None:
+        from workers.core.step_trace import read_requests, request_phases
+
+        try:
+            print(json.dumps(request_phases(read_requests(args.request_phases)), indent=1))
+        except (ValueError, FileNotFoundError) as exc:
+            sys.exit(f"--request-phases {args.request_phases}: {exc}")
+        return
     if args.fit_steps is not None:
         from harness.planner_validation import product_path_model
         from workers.core.step_trace import read_steps
         from workers.sim.step_fit import fit_steps
 
-        print(json.dumps(fit_steps(product_path_model(), read_steps(args.fit_steps), source=str(args.fit_steps)), indent=1))
+        try:
+            report = fit_steps(product_path_model(), read_steps(args.fit_steps), source=str(args.fit_steps))
+        except (ValueError, FileNotFoundError) as exc:
+            sys.exit(f"--fit-steps {args.fit_steps}: {exc}")
+        print(json.dumps(report, indent=1))
         return
     if args.validate:
         from harness.planner_validation import product_path_model, product_path_rows, validate

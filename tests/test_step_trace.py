@@ -156,3 +156,26 @@ def test_a_served_request_records_its_wait_for_a_preparation_thread_and_an_abort
     lines = {line["request"]: line for line in read_requests(tmp_path)}
     assert lines["whole"]["submitted_s"] <= lines["whole"]["prepare_started_s"] <= lines["whole"]["prepared_s"]
     assert lines["whole"]["finish_reason"] == "length" and lines["left"]["finish_reason"] == "abort"
+
+
+def test_request_phases_split_each_request_at_its_trace_points(tiny_moe_checkpoint, tmp_path):
+    from workers.core.step_trace import PHASES, request_phases
+
+    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    run(engine)
+    engine.close()
+    lines = read_requests(tmp_path)
+    report = request_phases(lines)
+    assert report["requests"] == len(ARRIVALS) and report["aborted"] == 0
+    # no serving engine: no wait for a preparation thread; every other phase is timed, and they add up
+    assert set(report["phases"]) == {name for name, _, _ in PHASES} - {"prepare_wait_s"}
+    for line in lines:
+        assert sum(line[b] - line[a] for _, a, b in PHASES[1:]) == pytest.approx(line["finished_s"] - line["prepare_started_s"])
+    assert report["slowest_1pct"]["requests"] == 1
+
+
+def test_a_trace_without_request_lines_says_so(tmp_path):
+    from workers.core.step_trace import request_phases
+
+    with pytest.raises(ValueError, match="no request lines"):
+        request_phases([])

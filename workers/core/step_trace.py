@@ -138,3 +138,39 @@ def read_steps(path: str | Path) -> list[tuple[StepWork, float]]:
 def read_requests(path: str | Path) -> list[dict]:
     """The finished (and aborted) requests' lines of a trace, in the order they finished."""
     return [line for _, _, line in _lines(path) if "request" in line]
+
+
+PHASES = (  # (name, from, to): a finished request's time split at its trace points
+    ("prepare_wait_s", "submitted_s", "prepare_started_s"),
+    ("prepare_s", "prepare_started_s", "prepared_s"),
+    ("to_engine_s", "prepared_s", "admitted_s"),
+    ("queued_s", "admitted_s", "first_scheduled_s"),
+    ("to_first_token_s", "first_scheduled_s", "first_token_s"),
+    ("decode_s", "first_token_s", "finished_s"),
+)
+
+
+def request_phases(lines: list[dict]) -> dict:
+    """Where finished requests' time went: for each phase (PHASES), its p50 / p90 / p99 over the requests that have
+    both ends (a request driven without a serving engine has no submitted_s), and the same for the slowest 1% by
+    total time from submission (or preparation) to finish. Aborted requests are counted, not timed."""
+    from workers.stats import percentile
+
+    if not lines:
+        raise ValueError("no request lines in the trace (traces written before request lines existed have none)")
+    done = [line for line in lines if line.get("finish_reason") != "abort" and line.get("finished_s") is not None]
+    start = lambda line: line["submitted_s"] if line.get("submitted_s") is not None else line["prepare_started_s"]  # noqa: E731
+    total = sorted(done, key=lambda line: line["finished_s"] - start(line))
+    tail = total[int(0.99 * len(total)):] if total else []
+
+    def summary(group: list[dict]) -> dict:
+        out = {}
+        for name, a, b in PHASES:
+            values = [line[b] - line[a] for line in group if line.get(a) is not None and line.get(b) is not None]
+            if values:
+                out[name] = {q: round(percentile(values, v), 4) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+        return out
+
+    return {"requests": len(done), "aborted": len(lines) - len(done), "phases": summary(done),
+            "slowest_1pct": {"requests": len(tail), "phases": summary(tail),
+                             "visual_tokens_median": percentile([line["visual_tokens"] for line in tail], 0.5, None)}}
