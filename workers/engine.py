@@ -283,11 +283,12 @@ class LLMEngine:
                 changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
             else:
                 changed += self.scheduler.update(out, sampled)
-            if self._step_trace is not None:
-                ended = time.monotonic()
+        if self._step_trace is not None:
+            ended = time.monotonic()
+            if not out.is_empty:
                 self._step_trace.record(started, ended, step_work(out, self._vision_depth),
                                         len(self.scheduler.waiting), len(self.scheduler.running))
-                self._step_trace.progress(out, changed, started, ended)
+            self._step_trace.progress(out, changed, started, ended)  # also a rejection in an otherwise empty step
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)
