@@ -284,7 +284,9 @@ def _read_nvfp4(index: CheckpointIndex, name: str, packed: torch.Tensor, fmt: We
             raise CheckpointError(f"{name} is NVFP4 (uint8) but its scale tensor {key} is missing")
     scale, global_scale = index.get(scale_key), index.get(global_key)
     cols = 2 * packed.shape[-1]
-    expected = (*packed.shape[:-1], -(-cols // fmt.group))
+    if cols % fmt.group:
+        raise CheckpointError(f"{name}: {cols} columns are not a whole number of groups of {fmt.group}")
+    expected = (*packed.shape[:-1], cols // fmt.group)
     if scale.dtype != FP8_DTYPE or tuple(scale.shape) != expected:
         raise CheckpointError(f"{scale_key}: {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn {expected} for "
                               f"{name} (uint8 {tuple(packed.shape)}: {cols} columns in groups of {fmt.group})")
