@@ -246,9 +246,13 @@ class PeakFinder:
     """Runs a PeakSearch on a system and writes its report; `run()` returns the report's data."""
 
     def __init__(self, system: str, search: PeakSearch, output: Path, cache_dir: Path, report_path: Path,
-                 ray_address: str | None = None, show_progress: bool = False, commit: str | None = None) -> None:
+                 ray_address: str | None = None, show_progress: bool = False, commit: str | None = None,
+                 step_trace_dir: Path | None = None) -> None:
         self._system_path = system_config_path(system)
         self._raw = read_system_yaml(self._system_path)
+        if step_trace_dir is not None:  # every worker's engine writes its step trace there (engine.step_trace_dir)
+            self._raw = {**self._raw, "engine": {**(self._raw.get("engine") or {}),
+                                                 "step_trace_dir": str(Path(step_trace_dir).resolve())}}
         self.config = parse_system_config(self._raw, str(self._system_path))
         for name in search.scenarios:
             self.config.scenario(name)  # ConfigError now when a scenario is not configured

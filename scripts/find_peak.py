@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="where generated checkpoints and synthetic catalogues are made on first use")
     parser.add_argument("--ray-address", default=None, metavar="ADDR", help="join this Ray cluster")
     parser.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--step-trace-dir", type=Path, default=None, metavar="DIR", help="every engine writes its "
+                        "step trace (steps and requests, engine.step_trace_dir) into DIR: scripts/plan_layout.py "
+                        "--fit-steps DIR and --request-phases DIR read it")
     parser.add_argument("--progress", action="store_true", help="a progress bar per point")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     # The search's settings: PeakSearch's fields, its defaults where not given.
@@ -66,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         search = PeakSearch(**given)
         finder = PeakFinder(args.system, search, args.output, args.cache_dir, report_path, args.ray_address,
-                            show_progress=args.progress, commit=args.commit)
+                            show_progress=args.progress, commit=args.commit, step_trace_dir=args.step_trace_dir)
         report = finder.run()
     except ValidationError as exc:
         error = exc.errors()[0]

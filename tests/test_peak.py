@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
 from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
+from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
 from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
@@ -145,7 +146,8 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
     result = subprocess.run(
         [sys.executable, "scripts/find_peak.py", "--system", str(tiny_search_system(tmp_path)),
          "--json", str(report_path), "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
-         "--min-duration-ms", "1000", "--min-query-count", "4", "--steps", "2", "--commit", "abc123"],
+         "--min-duration-ms", "1000", "--min-query-count", "4", "--steps", "2", "--commit", "abc123",
+         "--step-trace-dir", str(tmp_path / "steps")],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -187,3 +189,11 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
         assert (tail["slowest"][0]["sample_index"], tail["slowest"][0]["latency_s"]) == (
             slowest.sample_index, round(slowest.latency_s, 3))
         assert tail["slowest"][0]["prompt_tokens"] > 0
+    # the engines' step trace of the same run: steps with their times, and a line for every request they served,
+    # each through the worker's serving engine (so with its wait for a preparation thread)
+    steps, requests = read_steps(tmp_path / "steps"), read_requests(tmp_path / "steps")
+    assert steps and all(ms > 0 for _, ms in steps)
+    assert len(requests) >= sum(p["queries"] for p in points if p["scenario"] != "offline")
+    for line in requests:
+        assert line["submitted_s"] <= line["prepare_started_s"] <= line["prepared_s"] <= line["admitted_s"]
+        assert line["finish_reason"] in ("length", "stop")
