@@ -25,6 +25,22 @@ def dequantize_by_index(weight: torch.Tensor, scale: torch.Tensor, block: tuple[
     return weight.float() * scale.float()[row_block][:, col_block]
 
 
+def read_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a one-file checkpoint (the tiny ones), by name."""
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def write_checkpoint(src_dir: Path, out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """out_dir: `config` as config.json, src_dir's generation and preprocessor configs, `tensors` in one file."""
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for side in ("generation_config.json", "preprocessor_config.json"):
+        shutil.copy(src_dir / side, out_dir / side)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
     """Writes out_dir: fp8_dir's weights (block or FP8-dynamic layout) dequantized to float32, per-expert tensors fused back into
     mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], and config.json without quantization_config."""
@@ -33,12 +49,7 @@ def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
     # the block layout names its block; the FP8-dynamic one (compressed-tensors) has one scale per row: [N, 1]
     block = tuple(q["weight_block_size"]) if q["quant_method"] == "fp8" else (1, 1 << 30)
     suffix = "weight_scale_inv" if q["quant_method"] == "fp8" else "weight_scale"
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for side in ("generation_config.json", "preprocessor_config.json"):
-        shutil.copy(fp8_dir / side, out_dir / side)
-    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
-        raw = {name: f.get_tensor(name) for name in f.keys()}
+    raw = read_tensors(fp8_dir)
     floats: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith(suffix):
@@ -55,8 +66,7 @@ def dequantized_checkpoint(fp8_dir: Path, out_dir: Path) -> Path:
         floats[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
         floats[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
-    save_file({k: v.contiguous() for k, v in floats.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    return write_checkpoint(fp8_dir, out_dir, config, floats)
 
 
 def quantized_weight_names(fp8_dir: Path) -> set[str]:

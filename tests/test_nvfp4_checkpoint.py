@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp8_reference import dequantized_checkpoint
+from fp8_reference import dequantized_checkpoint, read_tensors, write_checkpoint
 from image_fixtures import png
 from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.checkpoint_quant import QuantizationConfigError, weight_format
@@ -94,12 +94,7 @@ def served_copy(nvfp4_dir, out_dir):
     with one scale per row (fp8.quantize_weight_blocks, checked by test_fp8_checkpoint)."""
     config = json.loads((nvfp4_dir / "config.json").read_text())
     config["quantization_config"] = channel_quantization_config()
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for side in ("generation_config.json", "preprocessor_config.json"):
-        shutil.copy(nvfp4_dir / side, out_dir / side)
-    with safe_open(str(nvfp4_dir / "model.safetensors"), framework="pt") as f:
-        raw = {name: f.get_tensor(name) for name in f.keys()}
+    raw = read_tensors(nvfp4_dir)
     tensors = {}
     for name, tensor in raw.items():
         if name.endswith(("weight_scale", "weight_scale_2", "input_scale")):
@@ -110,8 +105,7 @@ def served_copy(nvfp4_dir, out_dir):
             tensors[name], tensors[module + "weight_scale"] = fp8.quantize_weight_blocks(w, BlockShape(1, w.shape[1]))
         else:
             tensors[name] = tensor
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    return write_checkpoint(nvfp4_dir, out_dir, config, tensors)
 
 
 def test_loading_holds_each_weight_as_e4m3_per_row_of_its_exact_dequantisation(tiny_moe_nvfp4_checkpoint, tmp_path):
@@ -142,8 +136,7 @@ def test_engine_on_the_nvfp4_checkpoint_matches_transformers_on_the_weights_it_s
 def _rewritten(checkpoint, out, edit):
     shutil.copytree(checkpoint, out)
     path = out / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors = read_tensors(out)
     edit(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return out
