@@ -89,7 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (workers/sim/step_fit.py)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.step_correction is not None and not (args.validate and args.product_path):
+        parser.error("--step-correction goes with --validate --product-path")
+    return args
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:

@@ -179,3 +179,12 @@ def test_a_trace_without_request_lines_says_so(tmp_path):
 
     with pytest.raises(ValueError, match="no request lines"):
         request_phases([])
+
+
+def test_a_step_correction_without_the_product_path_replay_is_refused_not_ignored(capsys):
+    from harness.layout_plan import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--step-correction", "fit.json"])
+    assert exit_info.value.code == 2
+    assert "--step-correction goes with --validate --product-path" in capsys.readouterr().err
