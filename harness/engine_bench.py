@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
+    p.add_argument("--mixed-step-graphs", choices=["on", "off", "both"], default="on", help="steps with prompt "
+                   "chunks through piecewise CUDA graphs (engine.mixed_step_graphs); both: each precision twice, off "
+                   "(keys ..._eager_steps) then on, in the same call")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
@@ -129,21 +132,25 @@ def main(argv=None) -> dict:
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k not in ("out", "part", "config_dir")},
             }
+            graph_modes = ["off", "on"] if args.mixed_step_graphs == "both" else [args.mixed_step_graphs]
             for precision in args.precisions.split(","):
-                key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
                 weights, compute = PRECISIONS[precision]
                 part_dir = config_dir / precision
                 part_dir.mkdir(exist_ok=True)
                 write_config(args.shape, args.num_layers, part_dir, weights)
                 kv = "fp8" if weights.startswith("fp8") and args.fp8_kv_cache else "auto"
-                if args.device.startswith("cuda"):
-                    part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute]
-                    result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
-                    if args.out is not None:  # keep ours even if the baseline never finishes
-                        args.out.write_text(json.dumps(result, indent=1) + "\n")
-                else:
-                    args.kv_cache_dtype = kv
-                    result[key] = bench_ours(args, w, part_dir)
+                for graphs in graph_modes:
+                    key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
+                    key += "_eager_steps" if graphs == "off" and len(graph_modes) > 1 else ""
+                    if args.device.startswith("cuda"):
+                        part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute,
+                                     "--mixed-step-graphs", graphs]
+                        result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
+                        if args.out is not None:  # keep ours even if the baseline never finishes
+                            args.out.write_text(json.dumps(result, indent=1) + "\n")
+                    else:
+                        args.kv_cache_dtype, args.mixed_step_graphs = kv, graphs
+                        result[key] = bench_ours(args, w, part_dir)
             if not args.skip_baseline:
                 if args.device.startswith("cuda"):
                     result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir / "bf16", args.part_timeout)

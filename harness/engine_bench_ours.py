@@ -122,6 +122,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        mixed_step_graphs=args.mixed_step_graphs != "off",
         encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
         **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
@@ -134,6 +135,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
                     "block_size": cfg.block_size, "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size,
                     "weights": engine.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
+                    "mixed_step_graphs": engine.runner.step_graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731

@@ -75,6 +75,11 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs (by default decode-only steps on CUDA replay graphs captured "
         "at bucketed batch sizes up to max_num_seqs)."
     )
+    mixed_step_graphs: bool = Field(
+        True, description="On CUDA (unless enforce_eager), steps that carry prompt chunks replay piecewise CUDA graphs: "
+        "everything between two layers' attention captured at bucketed token counts up to max_num_batched_tokens, "
+        "attention eager between them (workers/executor/step_graphs.py). Off: such steps run eagerly, launch by launch."
+    )
     max_num_prefill_tokens: int | None = Field(
         None, ge=1, description="Prompt tokens per step, decodes aside (None: the whole max_num_batched_tokens). A "
         "smaller cap keeps the steps that carry decodes short, at some cost in throughput."

@@ -22,6 +22,7 @@ from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport, cache_dtype
 from workers.inputs.image_processing import normalise_patches
 from workers.executor.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
+from workers.executor.step_graphs import MixedStepGraphs, step_graph_sizes
 from workers.model import fused_moe
 from workers.inputs.mm_inputs import MultiModalInput
 from workers.model.moe import SparseMoeBlock
@@ -89,6 +90,12 @@ def probe_fp8_paths(device: torch.device) -> dict[str, bool]:
     return paths
 
 
+def num_deepstack(model_config: ModelConfig) -> int:
+    """How many first text layers take the vision tower's DeepStack features after them."""
+    vision = getattr(model_config.hf_config, "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or [])
+
+
 class ModelRunner:
     """tp None: a single-process engine, or rank 0 of a multi-GPU instance (it starts the other ranks).
     tp given: rank tp.rank >= 1, driven by rank 0's messages (rank_group._rank_main)."""
@@ -132,6 +139,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.kv, min(config.max_num_seqs, MAX_GRAPH_BATCH),
                 cdiv(config.max_model_len, self.block_size), scratch_block=num_blocks,
+            )
+        self.step_graphs: MixedStepGraphs | None = None
+        if self.graphs is not None and config.mixed_step_graphs:
+            self.step_graphs = MixedStepGraphs(
+                self.model, self.kv, step_graph_sizes(config.max_num_batched_tokens),
+                num_deepstack(model_config), scratch_block=num_blocks,
             )
         self.warm_up_report: dict | None = self.warm_up() if config.is_cuda and config.warm_up else None
         log.info("model runner ready: %s %s, KV pool of %d tokens (%d blocks of %d) in %s", self.device, self.dtype,
@@ -217,8 +230,11 @@ class ModelRunner:
                 logits = logits[to_device(torch.tensor(rows), self.device)]
             return logits
         meta = batch.metadata(self.device, self.block_size)
-        ids, positions = to_device(batch.input_ids, self.device), to_device(batch.positions, self.device)
-        hidden = self.model(ids, positions, meta, self.kv.layers, visual)
+        if self.step_graphs is not None and self.step_graphs.fits(batch, visual):
+            hidden = self.step_graphs.run(batch, meta, visual)
+        else:
+            ids, positions = to_device(batch.input_ids, self.device), to_device(batch.positions, self.device)
+            hidden = self.model(ids, positions, meta, self.kv.layers, visual)
         if not rows:
             return None
         return self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
@@ -367,10 +383,10 @@ class ModelRunner:
         return torch.cat(parts, dim=3)
 
     def close(self) -> None:
-        """Frees the decode CUDA graphs first (under tensor parallelism they hold captured NCCL work, and tearing
+        """Frees the decode and mixed-step CUDA graphs first (under tensor parallelism they hold captured NCCL work, and tearing
         the communicator down under live graphs can wait forever), then stops the other ranks (rank 0 only)."""
         if self.graphs is not None:
-            self.graphs = None
+            self.graphs = self.step_graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)
         if self.ranks is not None:

@@ -75,10 +75,13 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, head_dim], this step's k/v [T, kv_heads, head_dim] (already in the cache) -> [T, heads,
-    head_dim]; causal within each sequence's context. k_scale/v_scale: an FP8 cache's dequantisation scales."""
-    out = torch.empty_like(q)
+    head_dim]; causal within each sequence's context. k_scale/v_scale: an FP8 cache's dequantisation scales.
+    out: rows like q's to write into (default a new tensor)."""
+    if out is None:
+        out = torch.empty_like(q)
     if not paged_decode.supports(q, k_cache):
         sdpa_attention(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
         return out

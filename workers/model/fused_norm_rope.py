@@ -139,11 +139,19 @@ if triton is not None:
             _store_kv(v_cache_ptr + off_slot + HALF, v2, h_mask, v_scale, FP8_CACHE)
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+          out: torch.Tensor | None = None, res_out: torch.Tensor | None = None):
+    """out / res_out: where to write (row-contiguous [T, hidden]; res_out may be residual itself: each program reads
+    its row whole before it writes it). None: new tensors."""
     if x.stride(-1) != 1 or x.dim() != 2:
         raise ValueError(f"rms_norm needs [T, hidden] rows with a contiguous last dim, got shape {tuple(x.shape)}")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out) if residual is not None else out
+    for given in (out, res_out):
+        if given is not None and (given.shape != x.shape or given.stride(-1) != 1):
+            raise ValueError(f"rms_norm output of shape {tuple(given.shape)} for rows of shape {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if res_out is None:
+        res_out = torch.empty_like(out) if residual is not None else out
     r = residual if residual is not None else x
     n = x.shape[1]
     block = triton.next_power_of_2(n)
@@ -155,18 +163,20 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, hidden] -> RMSNorm(x) * weight, in x.dtype."""
-    return _norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> RMSNorm(x) * weight, in x.dtype (into out if given)."""
+    return _norm(x, None, weight, eps, out)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None, res_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual); the sum rounded to x.dtype first, as transformers adds."""
+    """(RMSNorm(x + residual) * weight, x + residual); the sum rounded to x.dtype first, as transformers adds.
+    out / res_out: where to write them (res_out may be residual: the sum replaces it in place)."""
     if residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError(f"residual of shape {tuple(residual.shape)} for rows of shape {tuple(x.shape)}")
-    return _norm(x, residual, weight, eps)
+    return _norm(x, residual, weight, eps, out, res_out)
 
 
 def qk_norm_rope_write_kv(
@@ -183,11 +193,13 @@ def qk_norm_rope_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (heads + 2 kv_heads) * head_dim] (the fused projection) -> q [T, heads, head_dim], k, v [T,
     kv_heads, head_dim]: per-head RMSNorm then RoPE (cos/sin [T, head_dim]) on q and k; k and v also written
     to slot_mapping's rows of the caches ([num_blocks, block_size, kv_heads, head_dim], contiguous; in qkv's
-    dtype, or float8_e4m3fn holding quantize_fp8(k, k_scale) and quantize_fp8(v, v_scale))."""
+    dtype, or float8_e4m3fn holding quantize_fp8(k, k_scale) and quantize_fp8(v, v_scale)). out: contiguous
+    (q, k, v) to write into instead of new tensors."""
     t = qkv.shape[0]
     head_dim = cos.shape[-1]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -196,9 +208,16 @@ def qk_norm_rope_write_kv(
         raise ValueError("qk_norm_rope_write_kv needs a power-of-two head_dim and contiguous K/V caches")
     if k_cache.shape[-2:] != (num_kv_heads, head_dim) or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"K cache rows {tuple(k_cache.shape[-2:])} / cos-sin layout do not fit ({num_kv_heads}, {head_dim})")
-    q = qkv.new_empty(t, num_heads, head_dim)
-    k = qkv.new_empty(t, num_kv_heads, head_dim)
-    v = qkv.new_empty(t, num_kv_heads, head_dim)
+    if out is None:
+        q = qkv.new_empty(t, num_heads, head_dim)
+        k = qkv.new_empty(t, num_kv_heads, head_dim)
+        v = qkv.new_empty(t, num_kv_heads, head_dim)
+    else:
+        q, k, v = out
+        if (q.shape, k.shape, v.shape) != ((t, num_heads, head_dim), (t, num_kv_heads, head_dim), (t, num_kv_heads, head_dim)) \
+                or not all(o.is_contiguous() for o in out):
+            raise ValueError(f"qk_norm_rope_write_kv outputs {[tuple(o.shape) for o in out]} are not contiguous "
+                             f"[{t}, {num_heads}/{num_kv_heads}, {head_dim}]")
     if t:
         blocks = triton.cdiv(num_heads, HEADS_PER_PROGRAM) + triton.cdiv(num_kv_heads, HEADS_PER_PROGRAM)
         _qk_norm_rope_kernel[(t, blocks)](

@@ -27,18 +27,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * weight; out: [T, hidden] rows to write it into."""
         if fused_norm_rope.supports(x):
-            return fused_norm_rope.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        return rms_norm_reference(x, self.weight, self.eps)
+            flat = x.reshape(-1, x.shape[-1])
+            return fused_norm_rope.rms_norm(flat, self.weight, self.eps, out).view(x.shape)
+        normed = rms_norm_reference(x, self.weight, self.eps)
+        return normed if out is None else out.copy_(normed)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None, res_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, hidden] -> (norm(x + residual), x + residual); the sum is rounded to the activation
-        dtype before the norm reads it, as transformers' residual add does."""
+        dtype before the norm reads it, as transformers' residual add does. out / res_out: rows to write them into
+        (res_out may be residual itself: the sum replaces it)."""
         if fused_norm_rope.supports(x):
-            return fused_norm_rope.add_rms_norm(x, residual, self.weight, self.eps)
+            return fused_norm_rope.add_rms_norm(x, residual, self.weight, self.eps, out, res_out)
         total = residual + x
-        return self(total), total
+        if res_out is not None:
+            total = res_out.copy_(total)
+        return self(total, out), total
 
 
 class MRotaryEmbedding:

@@ -79,22 +79,43 @@ class Attention(nn.Module):
         kv_cache: KvLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.qkv_to_cache(x, cos, sin, kv_cache, meta.slot_mapping)
+        return self.project_out(self.attend(q, k, v, kv_cache, meta))
+
+    def qkv_to_cache(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KvLayer, slot_mapping: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The part before attention: q, k, v [T, heads or kv_heads, head_dim] normed and rotated, k and v written to
+        slot_mapping's cache rows. out: contiguous (q, k, v) to write into."""
         t = x.shape[0]
         qkv = self.project_qkv(x)
         k_cache, v_cache, k_scale, v_scale = kv_cache
         if fused_norm_rope.supports(qkv):  # one kernel: both norms, RoPE, and the K/V cache write
-            q, k, v = fused_norm_rope.qk_norm_rope_write_kv(
+            return fused_norm_rope.qk_norm_rope_write_kv(
                 qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
+                self.num_heads, self.num_kv_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale, out,
             )
-        else:
-            q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
-            q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
+        q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
+        q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if out is not None:
+            q, k, v = (o.copy_(part) for o, part in zip(out, (q, k, v)))
+        write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvLayer, meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over the paged cache (this step's k/v already in it) -> [T, heads, head_dim] (into out)."""
+        k_cache, v_cache, k_scale, v_scale = kv_cache
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, k_scale, v_scale, out)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The part after attention: o_proj (all-reduced under tensor parallelism)."""
+        return self.tp.all_reduce(self.o_proj(o.reshape(o.shape[0], -1)))
 
 
 class DecoderLayer(nn.Module):
