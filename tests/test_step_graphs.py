@@ -145,8 +145,11 @@ def reference_free_prompt(image, text_ids):
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-channel"])
 def test_on_cuda_the_30b_shapes_graphed_steps_equal_its_eager_forward_within_bf16_rounding(tmp_path, weights):
     """The real shape (4 of its 48 layers, random weights) in each precision: every step with prompt chunks, replayed
-    from the captured graphs, against the plain eager forward on the same inputs (cuBLAS and the MoE tiles may pick
-    other kernels at the padded row count, so bf16 rounding apart, not bit for bit)."""
+    from the captured graphs, against the plain eager forward on the same inputs. Not bit for bit: at the padded row
+    count cuBLAS and the MoE tiles may pick other kernels, so bf16 rounding apart (2%). Block FP8 further: its dense
+    layers take torch._scaled_mm's blockwise recipe only at row counts divisible by 4 (every graph size) and the Triton
+    W8A8 GEMM elsewhere, whose activations round across other e4m3 boundaries; over 4 layers that measured 2.6-2.9% on
+    the H200 (run61), so 5% there. A graph that read a stale or wrong buffer is off by order 1."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from contract.types import PromptInput, SamplingParams
@@ -183,4 +186,4 @@ def test_on_cuda_the_30b_shapes_graphed_steps_equal_its_eager_forward_within_bf1
         engine.step()
     engine.close()
     del engine, runner, graphs
-    assert len(errors) >= 5 and max(errors) < 2e-2, errors
+    assert len(errors) >= 5 and max(errors) < (5e-2 if weights == "fp8" else 2e-2), errors
