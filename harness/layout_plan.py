@@ -13,6 +13,7 @@ import yaml
 
 from harness.simulated_system import simulated_system
 from workers.sim.planner import SPLITS, Plan, PlanRequest, search
+from workers.sim.step_model import PRODUCT_PATH_FIT
 
 CLI_DESCRIPTION = """Searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a hardware profile and a
 scenario with the step model (virtual clock, no sleeping) and writes the system YAML it recommends, the
@@ -46,9 +47,12 @@ def plan_text(plans: list[Plan], request: PlanRequest, checkpoint: str | None = 
     """The YAML of the best of `plans` behind a comment header: the request, the prediction, the ranking."""
     best = plans[0]
     r = request
+    shape = (f"{len(r.prompts)} catalogue prompts in turn" if r.prompts else
+             f"{r.prompt_tokens} prompt tokens ({r.image_tokens} visual)")
+    fit = r.step_correction.name if r.step_correction else "none"
     header = [f"# plan_layout.py: {r.hardware} x {r.gpus} GPUs, scenario {r.scenario}, model {r.model} "
-              f"({r.weights} weights, {r.kv_dtype} KV), workload {r.prompt_tokens} prompt tokens "
-              f"({r.image_tokens} visual) + {r.output_tokens} output tokens.",
+              f"({r.weights} weights, {r.kv_dtype} KV), workload {shape} + {r.output_tokens} output tokens; "
+              f"step correction {fit}.",
               f"# Predicted (step model, virtual clock): {best.qps:.1f} {'samples/s' if r.scenario == 'offline' else 'QPS'}"
               f" with p99 {best.p99_s:.2f} s; target_qps set to 95% of it.",
               "# Layouts ranked (qps, tp, layout, policy):"]
@@ -81,8 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--product-path", action="store_true", help="with --validate: the product path's LoadGen "
                         "Server points (benchmarks/planner-validation-runs.json product_path) beside their replay and "
                         "the predicted highest valid Server QPS (rebuilds the 1,500-sample catalogue: minutes)")
-    parser.add_argument("--step-correction", type=Path, default=None, help="with --validate --product-path: the "
-                        "step model corrected by this --fit-steps JSON")
+    parser.add_argument("--step-correction", default=None, metavar="FIT|none", help="the step model corrected by "
+                        "this --fit-steps JSON, or 'none'; a search uses the product path's own fit by default "
+                        f"({PRODUCT_PATH_FIT.name}), --validate --product-path none")
+    parser.add_argument("--workload", choices=["shape", "realistic"], default="shape", help="shape: every request "
+                        "is --prompt-tokens with --image-tokens visual; realistic: the realistic synthetic catalogue's "
+                        "prompts in turn (the real dataset's image sizes and text lengths; made first: a minute)")
+    parser.add_argument("--workload-samples", type=int, default=500, help="prompts of the realistic workload")
     parser.add_argument("--request-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's "
                         "finished requests spent their time: preparation, queue, first token, decode (p50/p90/p99, "
                         "and for the slowest 1%%)")
@@ -90,19 +99,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (workers/sim/step_fit.py)")
     args = parser.parse_args(argv)
-    if args.step_correction is not None and not (args.validate and args.product_path):
-        parser.error("--step-correction goes with --validate --product-path")
+    if args.step_correction is not None and args.validate and not args.product_path:
+        parser.error("--step-correction goes with --validate --product-path or a search, not the bench validation")
+    if args.step_correction is not None:
+        args.step_correction = None if args.step_correction == "none" else Path(args.step_correction)
+        if args.step_correction is not None and not args.step_correction.is_file():
+            parser.error(f"--step-correction {args.step_correction}: no such file")
+    elif not args.validate:
+        args.step_correction = PRODUCT_PATH_FIT
     return args
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
-    """The PlanRequest of parsed arguments (comma-separated lists split)."""
+    """The PlanRequest of parsed arguments (comma-separated lists split; the realistic workload's prompts made)."""
+    prompts: tuple = ()
+    if args.workload == "realistic":
+        from harness.catalogue_workload import realistic_catalogue
+
+        prompts = tuple(r.prompt for r in realistic_catalogue(args.workload_samples))
     return PlanRequest(hardware=args.hardware, gpus=args.gpus, scenario=args.scenario, model=args.model,
                        weights=args.weights, kv_dtype=args.kv_dtype, policies=tuple(args.policies.split(",")),
                        tp=tuple(int(t) for t in args.tp.split(",")), layouts=tuple(args.layouts.split(",")),
                        prompt_tokens=args.prompt_tokens, image_tokens=args.image_tokens,
                        output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, requests=args.requests)
+                       max_num_batched_tokens=args.max_num_batched_tokens, requests=args.requests, prompts=prompts,
+                       step_correction=args.step_correction)
 
 
 def main(argv: list[str] | None = None) -> None:

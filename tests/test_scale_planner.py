@@ -50,3 +50,48 @@ def test_a_growing_backlog_is_rejected_even_when_its_p99_and_drain_fit_the_bound
     assert p99 <= 12 and not ok  # p99 and the drain would pass; completions fall behind arrivals
     monkeypatch.undo()  # half the offline rate is sustainable over the planner's own horizon (15 s is too short
     assert plan_layout._meets(*args, 0.5 * offline)[0]  # to judge keeping up: one burst moves kept_up by 10%)
+
+
+def test_a_workload_mix_gives_each_arrival_its_own_prompt_in_turn():
+    from pathlib import Path
+
+    from contract.tokenizer import IMAGE_PAD_ID
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.step_model import StepModel
+    from workers.sim.virtual import VirtualCluster, Workload
+
+    small, large = (Workload(prompt_tokens=p, image_tokens=i).prompt() for p, i in ((200, 64), (9000, 8836)))
+    mix = Workload(prompts=(small, large))
+    assert [mix.prompt_for(i) for i in range(3)] == [small, large, small]
+    assert Workload(prompt_tokens=200, image_tokens=64).prompt_for(5) == small  # no mix: the one shape
+    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=16, max_num_batched_tokens=16384)
+    cluster = VirtualCluster(engine, SimulationConfig(model="qwen3-vl-30b-a3b"),
+                             {"aggregated": StepModel.build("h200", "qwen3-vl-30b-a3b")}, {"aggregated": 1})
+    sim_engine = cluster.pools["aggregated"][0].engine
+    seen, add = [], sim_engine.add_request
+
+    def spy(rid, prompt, *args, **kwargs):
+        seen.append((rid, prompt.token_ids.count(IMAGE_PAD_ID)))
+        return add(rid, prompt, *args, **kwargs)
+
+    sim_engine.add_request = spy
+    result = cluster.run([0.0, 5.0, 10.0, 15.0], mix)
+    assert seen == [("r0", 64), ("r1", 8836), ("r2", 64), ("r3", 8836)]
+    assert result.latencies_s[1] > 2 * result.latencies_s[0]  # the large image's request is the slow one
+
+
+def test_the_planners_step_correction_is_applied_to_every_layouts_model(tmp_path):
+    import dataclasses
+    import json
+
+    from workers.sim.planner import PlanRequest, search
+
+    request = PlanRequest(hardware="h200", gpus=1, scenario="offline", model="qwen3-vl-30b-a3b", tp=(1,),
+                          layouts=("aggregated",), policies=("round_robin",), requests=64, max_num_seqs=256,
+                          step_correction=None)
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"correction": {"text_scale": 2.0, "vision_scale": 2.0, "step_overhead_ms": 0.0}}))
+    plain = search(request)[0].qps
+    slower = search(dataclasses.replace(request, step_correction=fit))[0].qps
+    assert 0.4 * plain < slower < 0.6 * plain  # every step twice as long: about half the samples/s

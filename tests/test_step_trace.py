@@ -181,10 +181,25 @@ def test_a_trace_without_request_lines_says_so(tmp_path):
         request_phases([])
 
 
-def test_a_step_correction_without_the_product_path_replay_is_refused_not_ignored(capsys):
+def test_a_step_correction_with_the_bench_validation_or_of_a_missing_file_is_refused_not_ignored(capsys, tmp_path):
     from harness.layout_plan import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["--step-correction", "fit.json"])
+        main(["--validate", "--step-correction", "none"])
     assert exit_info.value.code == 2
-    assert "--step-correction goes with --validate --product-path" in capsys.readouterr().err
+    assert "--step-correction goes with --validate --product-path or a search" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--step-correction", str(tmp_path / "fit.json")])
+    assert exit_info.value.code == 2
+    assert "fit.json: no such file" in capsys.readouterr().err
+
+
+def test_a_search_takes_the_product_paths_own_fit_unless_told_none_and_the_replay_none_unless_given():
+    from harness.layout_plan import parse_args
+    from workers.sim.step_model import PRODUCT_PATH_FIT, StepCorrection
+
+    assert parse_args([]).step_correction == PRODUCT_PATH_FIT
+    assert parse_args(["--step-correction", "none"]).step_correction is None
+    assert parse_args(["--validate", "--product-path"]).step_correction is None
+    fit = StepCorrection.load(PRODUCT_PATH_FIT)  # the committed fit is a correction, not the identity
+    assert fit.text_scale > 1 and fit.vision_scale < 1 and fit.step_overhead_ms > 0

@@ -5,16 +5,18 @@ best one as a system YAML (harness/layout_plan.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.types import PromptInput
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import build_step_model
 from workers.sim.latency import BOUND_MS, KEPT_UP_MIN, kept_up
-from workers.sim.step_model import StepModel
+from workers.sim.step_model import PRODUCT_PATH_FIT, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import poisson_arrivals
 
@@ -26,7 +28,9 @@ MAX_REQUESTS = 6000
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan for: the hardware and how many GPUs, the scenario, the model and its precisions, the
-    layouts to try and the workload of one request (prompt tokens, of them visual, and output tokens)."""
+    layouts to try and the workload: one request shape (prompt tokens, of them visual, and output tokens), or
+    `prompts`, a catalogue's mix the arrivals take in turn. step_correction: the step model's fit on measured
+    product-path steps (workers/sim/step_fit.py's JSON; None: the micro-benchmark calibration alone)."""
 
     hardware: str = "h200"
     gpus: int = 8
@@ -43,6 +47,8 @@ class PlanRequest:
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
     requests: int = 400  # simulated requests per point
+    prompts: tuple[PromptInput, ...] = ()
+    step_correction: Path | None = PRODUCT_PATH_FIT
 
 
 @dataclass
@@ -110,12 +116,14 @@ def search(request: PlanRequest) -> list[Plan]:
                            output_tokens=request.output_tokens)
     engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=request.max_num_seqs,
                           max_num_batched_tokens=request.max_num_batched_tokens, max_model_len=32768)
-    workload = Workload(prompt_tokens=request.prompt_tokens, image_tokens=request.image_tokens)
+    workload = Workload(prompt_tokens=request.prompt_tokens, image_tokens=request.image_tokens,
+                        max_tokens=request.output_tokens, prompts=request.prompts)
+    correction = StepCorrection.load(request.step_correction) if request.step_correction else StepCorrection()
     plans = []
     for tp in request.tp:
         if request.gpus % tp:
             continue
-        model = build_step_model(request.hardware, sim, tp)
+        model = dataclasses.replace(build_step_model(request.hardware, sim, tp), correction=correction)
         if model.kv_capacity_tokens() < 4 * (request.prompt_tokens + 150):
             continue  # the weights do not fit with room for a few sequences
         instances = request.gpus // tp

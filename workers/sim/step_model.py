@@ -38,6 +38,10 @@ DEFAULT_BENCH = REPO / "benchmarks" / "2026-11-30-run21-30b-a3b.json"  # session
 # fit vision on their own two figures alone.
 VISION_SHAPES = {DEFAULT_BENCH.name: REPO / "benchmarks" / "2026-11-30-run18-vision-new-shapes.json"}
 CALIBRATION_HARDWARE = "h200"
+# The step model fitted on the product path's own steps (scripts/plan_layout.py --fit-steps on run60's Server trace:
+# LoadGen -> router -> Ray worker -> engine on one H200, engine code with the mixed-step CUDA graphs): how much more
+# (text) or less (vision) a real step costs than the micro-benchmarks of DEFAULT_BENCH say, and a host cost a step.
+PRODUCT_PATH_FIT = REPO / "benchmarks" / "2026-12-01-run60-step-fit.json"
 
 Precision = Literal["bf16", "fp8", "fp4"]
 GIB = 1 << 30

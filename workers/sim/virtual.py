@@ -21,16 +21,23 @@ Policy = Literal["round_robin", "least_loaded"]
 
 @dataclass(frozen=True)
 class Workload:
-    """One request shape (the bench_engine catalogue workload by default: 1,024-token image + 700 text tokens)."""
+    """The requests' prompts: one shape (the bench_engine catalogue workload by default: 1,024-token image + 700 text
+    tokens), or `prompts`, a mix the arrivals take in turn (a catalogue's size distribution, large images included)."""
 
     prompt_tokens: int = 1734
     image_tokens: int = 1024
     max_tokens: int = 150
+    prompts: tuple[PromptInput, ...] = ()
 
     def prompt(self) -> PromptInput:
+        """The one shape's prompt."""
         text = self.prompt_tokens - self.image_tokens
         head = [1000] * (text // 2)
         return PromptInput(head + [IMAGE_PAD_ID] * self.image_tokens + [1001] * (text - len(head)))
+
+    def prompt_for(self, request: int) -> PromptInput:
+        """Request number `request`'s prompt."""
+        return self.prompts[request % len(self.prompts)] if self.prompts else self.prompt()
 
 
 @dataclass
@@ -78,7 +85,7 @@ class VirtualCluster:
         return min(engines, key=cost)
 
     def run(self, arrivals: list[float], workload: Workload) -> Result:
-        prompt = workload.prompt()
+        prompts = {f"r{i}": workload.prompt_for(i) for i in range(len(arrivals))}
         sampling = SamplingParams(max_tokens=workload.max_tokens)
         events: list[tuple[float, int, str, str]] = [(t, i, "arrive", f"r{i}") for i, t in enumerate(arrivals)]
         heapq.heapify(events)
@@ -88,21 +95,21 @@ class VirtualCluster:
         seq_no = itertools.count(len(arrivals))
         first_role = "prefill" if self.disaggregated else "aggregated"
         while events:
-            self._drain_events(events, result, issued, seq_no, owners, prompt, sampling, first_role)
+            self._drain_events(events, result, issued, seq_no, owners, prompts, sampling, first_role)
             self._advance(float("inf"), result, issued, events, seq_no, owners)
         engines = [e for pool in self.pools.values() for e in pool]
         result.makespan_s = max(e.clock for e in engines) - (arrivals[0] if arrivals else 0.0)
         result.busy_s = sum(e.engine.busy_s for e in engines)
         return result
 
-    def _drain_events(self, events, result, issued, seq_no, owners, prompt, sampling, first_role) -> None:
+    def _drain_events(self, events, result, issued, seq_no, owners, prompts, sampling, first_role) -> None:
         while events:
             t, _, kind, rid = heapq.heappop(events)
             self._advance(t, result, issued, events, seq_no, owners)
             if kind == "arrive":
                 target = self._pick(first_role)
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompt, sampling, prefill_only=self.disaggregated)
+                target.engine.add_request(rid, prompts[rid], sampling, prefill_only=self.disaggregated)
                 owners[rid] = target
             else:  # a prefilled request's KV reaches a decode worker
                 source = owners[rid]
@@ -110,7 +117,7 @@ class VirtualCluster:
                 source.engine.release(rid)
                 target = self._pick("decode")
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompt, sampling, kv_import=kv)
+                target.engine.add_request(rid, prompts[rid], sampling, kv_import=kv)
                 owners[rid] = target
 
     def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
