@@ -8,6 +8,7 @@ equal share one running cluster, so workers start once per distinct engine confi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -242,17 +243,28 @@ def wait_for_released_gpus(timeout_s: float = GPU_RELEASE_TIMEOUT_S, poll_s: flo
         time.sleep(poll_s)
 
 
+def engine_setting(text: str) -> tuple[str, Any]:
+    """KEY=VALUE of the command line as (key, value), the value read as YAML (false, 16384, a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
 class PeakFinder:
     """Runs a PeakSearch on a system and writes its report; `run()` returns the report's data."""
 
     def __init__(self, system: str, search: PeakSearch, output: Path, cache_dir: Path, report_path: Path,
                  ray_address: str | None = None, show_progress: bool = False, commit: str | None = None,
-                 step_trace_dir: Path | None = None) -> None:
+                 step_trace_dir: Path | None = None, engine_overrides: dict[str, Any] | None = None) -> None:
+        """engine_overrides: settings over the system's `engine` section (a scenario's own engine settings still win),
+        validated with the rest, e.g. {"mixed_step_graphs": False} for the search without those graphs."""
         self._system_path = system_config_path(system)
         self._raw = read_system_yaml(self._system_path)
+        engine = {**(self._raw.get("engine") or {}), **(engine_overrides or {})}
         if step_trace_dir is not None:  # every worker's engine writes its step trace there (engine.step_trace_dir)
-            self._raw = {**self._raw, "engine": {**(self._raw.get("engine") or {}),
-                                                 "step_trace_dir": str(Path(step_trace_dir).resolve())}}
+            engine["step_trace_dir"] = str(Path(step_trace_dir).resolve())
+        self._raw = {**self._raw, "engine": engine}
         self.config = parse_system_config(self._raw, str(self._system_path))
         for name in search.scenarios:
             self.config.scenario(name)  # ConfigError now when a scenario is not configured

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from pydantic import ValidationError  # noqa: E402
 
 from harness.cli import DEFAULT_CACHE, DEFAULT_SYSTEM, OneLineParser  # noqa: E402
-from harness.peak import PeakFinder, PeakSearch, default_report_path  # noqa: E402
+from harness.peak import PeakFinder, PeakSearch, default_report_path, engine_setting  # noqa: E402
 from harness.pipeline import Interrupted  # noqa: E402
 from harness.system_config import ConfigError  # noqa: E402
 
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-trace-dir", type=Path, default=None, metavar="DIR", help="every engine writes its "
                         "step trace (steps and requests, engine.step_trace_dir) into DIR: scripts/plan_layout.py "
                         "--fit-steps DIR and --request-phases DIR read it")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", type=engine_setting,
+                        help="an engine setting over the system's engine section (repeatable; VALUE read as YAML, "
+                             "e.g. --engine mixed_step_graphs=false); a scenario's own engine settings still win")
     parser.add_argument("--progress", action="store_true", help="a progress bar per point")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     # The search's settings: PeakSearch's fields, its defaults where not given.
@@ -69,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         search = PeakSearch(**given)
         finder = PeakFinder(args.system, search, args.output, args.cache_dir, report_path, args.ray_address,
-                            show_progress=args.progress, commit=args.commit, step_trace_dir=args.step_trace_dir)
+                            show_progress=args.progress, commit=args.commit, step_trace_dir=args.step_trace_dir,
+                            engine_overrides=dict(args.engine))
         report = finder.run()
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -197,3 +197,35 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
     for line in requests:
         assert line["submitted_s"] <= line["prepare_started_s"] <= line["prepared_s"] <= line["admitted_s"]
         assert line["finish_reason"] in ("length", "stop")
+
+
+def test_engine_settings_from_the_command_line_go_over_the_systems_engine_and_a_bad_key_fails_before_anything_starts(tmp_path):
+    from harness.peak import PeakFinder, PeakSearch
+    from harness.system_config import ConfigError
+
+    system = tiny_search_system(tmp_path)
+    args = (PeakSearch(), tmp_path / "out", tmp_path / "cache", tmp_path / "peak.json")
+    finder = PeakFinder(str(system), *args, engine_overrides={"mixed_step_graphs": False, "max_num_batched_tokens": 512},
+                        step_trace_dir=tmp_path / "steps")
+    assert finder.config.engine["mixed_step_graphs"] is False
+    assert finder.config.engine["step_trace_dir"] == str((tmp_path / "steps").resolve())
+    assert finder.config.for_scenario("server").engine["max_num_batched_tokens"] == 512
+    assert finder.config.for_scenario("offline").engine["max_num_batched_tokens"] == 1024  # the scenario's own wins
+    with pytest.raises(ConfigError, match="mixed_step_graph"):
+        PeakFinder(str(system), *args, engine_overrides={"mixed_step_graph": False})
+
+
+def test_find_peak_reads_engine_settings_as_yaml_and_refuses_one_without_a_value():
+    import argparse
+
+    from harness.peak import engine_setting
+
+    assert engine_setting("mixed_step_graphs=false") == ("mixed_step_graphs", False)
+    assert engine_setting("max_num_batched_tokens=16384") == ("max_num_batched_tokens", 16384)
+    assert engine_setting("step_trace_dir=/tmp/a=b") == ("step_trace_dir", "/tmp/a=b")
+    for bad in ("mixed_step_graphs", "=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
+            engine_setting(bad)
+    result = subprocess.run([sys.executable, "scripts/find_peak.py", "--engine", "mixed_step_graphs"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr
