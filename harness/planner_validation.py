@@ -22,7 +22,7 @@ from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
 from workers.sim.step_model import Calibration, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
-from workers.stats import percentile, poisson_arrivals
+from workers.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
 
@@ -414,6 +414,13 @@ def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_
     return [f - t for f, t in zip(finish, arrivals)]
 
 
+def _verdict(latencies: list[float], bound_s: float) -> str:
+    """LoadGen's Server verdict on these latencies: p99 within the bound and early stopping met (enough queries for
+    those over it: none at all over below 459 queries, one below 662, ...)."""
+    ok = percentile(latencies, 0.99) <= bound_s and early_stopping_met(latencies, bound_s)
+    return "VALID" if ok else "INVALID"
+
+
 def _p(values: list[float], q: float) -> float:
     return round(percentile(values, q), 2)
 
@@ -428,7 +435,8 @@ def product_path_model(correction: Path | None = None) -> StepModel:
 def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRequest] | None = None,
                       bisect_steps: int = 6, runs: Iterable[str] | None = None) -> dict:
     """Each measured Server point of RUNS.product_path beside its replay (p50, p99, verdict), and the highest
-    Server QPS the replay calls valid (p99 within the point's bound; bisection) beside the measured bracket
+    Server QPS the replay calls valid (LoadGen's verdict on the point's query count: p99 within the bound and early
+    stopping met; bisection) beside the measured bracket
     (highest VALID, lowest INVALID). `requests`: the catalogue (default: the product path's, rebuilt: ~1.5 min)."""
     model = model or product_path_model()
     points = [(name, point, data["workload"]["scenarios"]["server"], data["workload"]["max_tokens"])
@@ -451,13 +459,13 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
             "run": f"{name} Server {point['target_qps']} QPS, {point['queries']} queries",
             "p50_s": {"measured": round(point["p50_s"], 2), "predicted": _p(latencies, 0.5)},
             "p99_s": {"measured": round(point["p99_s"], 2), "predicted": _p(latencies, 0.99)},
-            "verdict": {"measured": point["verdict"], "predicted": "VALID" if _p(latencies, 0.99) <= bound_s else "INVALID"},
+            "verdict": {"measured": point["verdict"], "predicted": _verdict(latencies, bound_s)},
         })
     queries, pool = points[0][1]["queries"], min(points[0][1]["performance_sample_count"], len(requests))
     lo, hi = 0.5, max(p[1]["target_qps"] for p in points) * 1.5
     for _ in range(bisect_steps):
         mid = (lo + hi) / 2
-        valid = percentile(server_latencies(model, requests, engine_config, mid, queries, pool), 0.99) <= bound_s
+        valid = _verdict(server_latencies(model, requests, engine_config, mid, queries, pool), bound_s) == "VALID"
         lo, hi = (mid, hi) if valid else (lo, mid)
     valid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] == "VALID"]
     invalid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] != "VALID"]

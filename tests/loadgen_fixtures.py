@@ -27,6 +27,7 @@ class LoadGenRunSpec:
     server_target_latency_ms: int | None = None
     load_config_twice: bool = False
     trace: bool = False  # also write mlperf_log_trace.json (per-sample events)
+    slow_queries: int = 0  # the first this many issued queries are answered 0.1 s late (over a small target latency)
 
 
 def run_loadgen(spec: LoadGenRunSpec, out_dir: Path) -> Path:
@@ -74,14 +75,21 @@ def append_detail_entry(path: Path, key: str, value: Any, *, is_error: bool = Fa
 def _run_in_this_process(spec: LoadGenRunSpec, out_dir: Path) -> None:
     import array
     import threading
+    import time
 
     import mlperf_loadgen as lg
 
     payload = array.array("B", RESPONSE.encode())
     address, _ = payload.buffer_info()
 
+    issued = iter(range(10**9))
+
     def issue_queries(samples):
+        late = next(issued) < spec.slow_queries
+
         def answer():
+            if late:
+                time.sleep(0.1)
             lg.QuerySamplesComplete(
                 [lg.QuerySampleResponse(s.id, address, len(payload), 17) for s in samples])
 

@@ -1,8 +1,10 @@
-"""workers/stats.py: the one percentile (LoadGen's index) and the one Poisson arrival generator."""
+"""workers/stats.py: the one percentile (LoadGen's index), LoadGen's early-stopping test and the one Poisson arrival generator."""
 
 import math
 
-from workers.stats import percentile, poisson_arrivals
+import pytest
+
+from workers.stats import early_stopping_met, early_stopping_min_queries, percentile, poisson_arrivals
 
 
 def test_percentile_takes_the_element_at_floor_q_times_n_as_loadgen_does():
@@ -25,3 +27,32 @@ def test_poisson_arrivals_are_seeded_increasing_and_average_one_over_qps_apart()
     assert arrivals != poisson_arrivals(20.0, 20_000, seed=4)
     assert all(b > a for a, b in zip(arrivals, arrivals[1:])) and arrivals[0] > 0
     assert abs(arrivals[-1] / len(arrivals) - 1 / 20.0) < 0.05 / 20.0
+
+
+@pytest.mark.parametrize("over", [0, 1, 3])
+def test_early_stopping_needs_as_many_queries_as_real_loadgen_says(tmp_path, over):
+    """A real LoadGen Server run of 100 queries whose first `over` answers miss a 20 ms target: its early-stopping
+    result asks for exactly early_stopping_min_queries(over) queries in all."""
+    import re
+
+    from audit.loadgen_logs import parse_detail_log
+    from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
+
+    spec = LoadGenRunSpec("Server", "PerformanceOnly", total_samples=50, min_duration_ms=100, min_query_count=100,
+                          target_qps=500, server_target_latency_ms=20, slow_queries=over)
+    detail = parse_detail_log(run_loadgen(spec, tmp_path) / "mlperf_log_detail.txt")
+    text = " ".join(str(detail["early_stopping_result"]).split())
+    processed = int(re.search(r"Processed (\d+) queries", text).group(1))
+    more = int(re.search(r"at least (\d+) more queries", text).group(1))
+    assert detail["early_stopping_met"] is False
+    assert processed + more == early_stopping_min_queries(over)
+
+
+def test_early_stopping_accepts_a_run_only_with_enough_queries_for_those_over_the_bound():
+    assert [early_stopping_min_queries(h) for h in (0, 1, 2, 8)] == [459, 662, 838, 1736]
+    assert early_stopping_met([0.1] * 459, bound=1.0) and not early_stopping_met([0.1] * 458, bound=1.0)
+    assert not early_stopping_met([0.1] * 500 + [2.0], bound=1.0)  # one over: 662 needed
+    assert early_stopping_met([0.1] * 700 + [2.0], bound=1.0)
+    assert early_stopping_met([1.0] * 459, bound=1.0)  # at the bound is not over it
+    with pytest.raises(ValueError):
+        early_stopping_min_queries(-1)
