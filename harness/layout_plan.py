@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is --prompt-tokens with --image-tokens visual; realistic: the realistic synthetic catalogue's "
                         "prompts in turn (the real dataset's image sizes and text lengths; made first: a minute)")
     parser.add_argument("--workload-samples", type=int, default=500, help="prompts of the realistic workload")
+    parser.add_argument("--no-preparation", dest="preparation", action="store_false", help="requests join their "
+                        "engine as they arrive (default: after their image's preparation on the host, at the H200 "
+                        "host's measured seconds per visual token, harness/planner_validation.py)")
     parser.add_argument("--request-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's "
                         "finished requests spent their time: preparation, queue, first token, decode (p50/p90/p99, "
                         "and for the slowest 1%%)")
@@ -113,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan_request(args: argparse.Namespace) -> PlanRequest:
     """The PlanRequest of parsed arguments (comma-separated lists split; the realistic workload's prompts made)."""
     prompts: tuple = ()
+    prepare = 0.0
+    if args.preparation:
+        from harness.planner_validation import prepare_s_per_visual_token
+
+        prepare = prepare_s_per_visual_token()
     if args.workload == "realistic":
         from harness.catalogue_workload import realistic_catalogue
 
@@ -123,7 +131,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                        prompt_tokens=args.prompt_tokens, image_tokens=args.image_tokens,
                        output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, requests=args.requests, prompts=prompts,
-                       step_correction=args.step_correction)
+                       step_correction=args.step_correction, prepare_s_per_visual_token=prepare)
 
 
 def main(argv: list[str] | None = None) -> None:

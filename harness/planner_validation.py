@@ -292,7 +292,7 @@ def _session4_fixed_rows(model: StepModel) -> list[dict]:
                       engine_wall_s=(first["engine_wall_s"], engine_s))]
 
 
-def _prepare_s_per_visual_token() -> float:
+def prepare_s_per_visual_token() -> float:
     """Preparation of one request alone: run21's prepared-first catalogue time x its threads, per visual token."""
     ours = _bench(RUN21)["ours"]["catalogue_prepared_first"]
     return ours["preprocess_done_s"] * RUNS.session4.prepare_threads / (ours["samples"] * ours["visual_tokens"]["mean"])
@@ -329,7 +329,7 @@ def _realistic_poisson_rows(model: StepModel, shards: list[list[CatalogueRequest
     """run15's dp2 Poisson levels replayed as bench_multi_gpu ran them: each instance its own stream at the level's
     fraction of its own offline rate (seed 1000 + level, arrivals capped as the bench caps them), the n-th arrival
     is its shard's request n; a request joins the engine after its preparation, latency is from its arrival."""
-    per_token = _prepare_s_per_visual_token()
+    per_token = prepare_s_per_visual_token()
     run15 = RUNS.run15
     rows = []
     for i, level in enumerate(dp2["poisson"]["levels"]):
@@ -374,7 +374,7 @@ def validate() -> dict:
                                              "samples/s = samples / simulated wall (first preparation to last token)",
                       "poisson (session 2)": f"latency + {_run9_prepare_s():.3f} s of preprocessing per request "
                                              f"(run9's catalogue preprocess_s x {RUNS.session2.preprocess_threads} threads / samples)",
-                      "poisson (session 4)": f"a request joins {_prepare_s_per_visual_token() * 1e6:.1f} us per "
+                      "poisson (session 4)": f"a request joins {prepare_s_per_visual_token() * 1e6:.1f} us per "
                                              f"visual token after its arrival (run21's prepared-first catalogue: "
                                              f"preprocess_done_s x {RUNS.session4.prepare_threads} threads / visual tokens)",
                       "pd": "measured engine_s is decode_wall_s (preprocessing included); run15's pd (realistic) is "
@@ -408,7 +408,7 @@ def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_
     rng = random.Random(seed)
     arrivals = poisson_arrivals(qps, queries, seed)
     chosen = [requests[rng.randrange(pool)] for _ in range(queries)]
-    per_visual = _prepare_s_per_visual_token()
+    per_visual = prepare_s_per_visual_token()
     joins = [t + per_visual * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, chosen)]
     finish = _replay(model, chosen, joins, _image_sizes(chosen[:1]), engine_config)
     return [f - t for f, t in zip(finish, arrivals)]

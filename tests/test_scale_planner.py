@@ -95,3 +95,34 @@ def test_the_planners_step_correction_is_applied_to_every_layouts_model(tmp_path
     plain = search(request)[0].qps
     slower = search(dataclasses.replace(request, step_correction=fit))[0].qps
     assert 0.4 * plain < slower < 0.6 * plain  # every step twice as long: about half the samples/s
+
+
+def test_a_rate_passes_only_if_a_600_s_run_with_that_share_over_the_bound_meets_loadgens_early_stopping():
+    from workers.sim.planner import _early_stopping
+
+    latencies = [1.0] * 995 + [2.0] * 5  # 0.5% over a 1.5 s bound: p99 is within it
+    assert not _early_stopping(latencies, 1.5, qps=0.5)  # 300 queries, ~2 over: early stopping wants 838
+    assert _early_stopping(latencies, 1.5, qps=20.0)  # 12,000 queries, 60 over: enough
+    assert _early_stopping([1.0] * 10, 1.5, qps=1.0) and not _early_stopping([1.0] * 10, 1.5, qps=0.5)  # 459 needed
+    assert not _early_stopping([], 1.5, qps=10.0)
+
+
+def test_a_requests_host_preparation_delays_its_engine_but_not_its_arrival():
+    from pathlib import Path
+
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.step_model import StepModel
+    from workers.sim.virtual import VirtualCluster, Workload
+
+    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=16, max_num_batched_tokens=8192)
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+
+    def latency(prepare: float) -> float:
+        cluster = VirtualCluster(engine, SimulationConfig(model="qwen3-vl-30b-a3b"), {"aggregated": model},
+                                 {"aggregated": 1})
+        result = cluster.run([3.0], Workload(prompt_tokens=1734, image_tokens=1024, prepare_s_per_visual_token=prepare))
+        assert result.issued_s == [3.0]
+        return result.latencies_s[0]
+
+    assert latency(1e-3) == pytest.approx(latency(0.0) + 1.024, abs=1e-6)  # 1,024 visual tokens at 1 ms each

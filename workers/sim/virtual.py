@@ -28,6 +28,9 @@ class Workload:
     image_tokens: int = 1024
     max_tokens: int = 150
     prompts: tuple[PromptInput, ...] = ()
+    # Host preparation before a request reaches an engine (image decode and patching), per visual token: a request
+    # joins its engine this much after it arrives, and its latency counts from the arrival.
+    prepare_s_per_visual_token: float = 0.0
 
     def prompt(self) -> PromptInput:
         """The one shape's prompt."""
@@ -38,6 +41,12 @@ class Workload:
     def prompt_for(self, request: int) -> PromptInput:
         """Request number `request`'s prompt."""
         return self.prompts[request % len(self.prompts)] if self.prompts else self.prompt()
+
+    def prepare_s(self, prompt: PromptInput) -> float:
+        """Seconds between a request's arrival and its joining an engine."""
+        if not self.prepare_s_per_visual_token:
+            return 0.0
+        return self.prepare_s_per_visual_token * prompt.token_ids.count(IMAGE_PAD_ID)
 
 
 @dataclass
@@ -87,7 +96,8 @@ class VirtualCluster:
     def run(self, arrivals: list[float], workload: Workload) -> Result:
         prompts = {f"r{i}": workload.prompt_for(i) for i in range(len(arrivals))}
         sampling = SamplingParams(max_tokens=workload.max_tokens)
-        events: list[tuple[float, int, str, str]] = [(t, i, "arrive", f"r{i}") for i, t in enumerate(arrivals)]
+        events: list[tuple[float, int, str, str]] = [(t + workload.prepare_s(prompts[f"r{i}"]), i, "arrive", f"r{i}")
+                                                     for i, t in enumerate(arrivals)]
         heapq.heapify(events)
         issued = {f"r{i}": t for i, t in enumerate(arrivals)}
         result = Result()
