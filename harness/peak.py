@@ -44,6 +44,7 @@ from harness.system_config import (
 )
 from harness.tail_anatomy import sample_shapes, tail_anatomy
 from harness.user_conf import write_user_conf
+from workers.stats import early_stopping_min_queries
 
 REPO = Path(__file__).resolve().parents[1]
 # What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and
@@ -112,6 +113,10 @@ class PointResult:
     checks: dict[str, bool]  # LoadGen's conditions of VALID, by detail-log key
     early_stopping: str  # early_stopping_result, e.g. how many more queries a verdict would need
     log_dir: str
+    # Server / Interactive: queries over the target latency (result_overlatency_query_count), and how many queries
+    # LoadGen's early stopping needs with that many over (workers.stats): a point of fewer cannot be VALID.
+    over_bound_queries: int | None = None
+    queries_early_stopping_needs: int | None = None
 
     @property
     def valid(self) -> bool:
@@ -126,6 +131,7 @@ def read_point(log_dir: Path, scenario: str, target_qps: float) -> PointResult:
     detail = parse_detail_log(log_dir / "mlperf_log_detail.txt")
     summary = parse_summary_log(log_dir / "mlperf_log_summary.txt")
     rate = "result_samples_per_second" if scenario == "offline" else "result_completed_samples_per_sec"
+    over = detail.get("result_overlatency_query_count") if scenario != "offline" else None
     return PointResult(
         scenario=scenario,
         target_qps=target_qps,
@@ -141,6 +147,8 @@ def read_point(log_dir: Path, scenario: str, target_qps: float) -> PointResult:
         checks={key: bool(detail[key]) for key in _CHECKS if key in detail},
         early_stopping=" ".join(str(detail.get("early_stopping_result", "")).split()),
         log_dir=str(log_dir),
+        over_bound_queries=None if over is None else int(over),
+        queries_early_stopping_needs=None if over is None else early_stopping_min_queries(int(over)),
     )
 
 
@@ -423,8 +431,10 @@ class PeakFinder:
         run_test_process(str(system_yaml), scenario, LoadGenMode.PERFORMANCE, router, point_dir, self.cache_dir,
                          self.show_progress)
         point = read_point(log_dir_for(point_dir, LoadGenMode.PERFORMANCE), name, qps)
+        over = ("" if point.over_bound_queries is None else f"; {point.over_bound_queries} of {point.queries} queries "
+                f"over the bound, early stopping needs {point.queries_early_stopping_needs}")
         say(f"{scenario.result_dir_name} {qps:g} QPS: {point.verdict}, {point.samples_per_s:.3f} samples/s, "
-            f"p50 {point.p50_s:.2f} s, p90 {point.p90_s:.2f} s, p99 {point.p99_s:.2f} s")
+            f"p50 {point.p50_s:.2f} s, p90 {point.p90_s:.2f} s, p99 {point.p99_s:.2f} s{over}")
         self.report.data["points"].append(dataclasses.asdict(point))
         self.report.data["workload"]["scenarios"][name]["samples"] = point.samples
         self.report.write()
