@@ -164,7 +164,7 @@ class MixedStepGraphs:
         n = next(s for s in self.sizes if s >= t)
         copy_into(self.input_ids[:t], batch.input_ids)
         copy_into(self.positions[:, :t], batch.positions)
-        copy_into(self.slot_mapping[:t], batch.slot_mapping)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)  # already on the device: no second host copy
         if n > t:  # padding rows: no real slot may be written, and every value they carry stays finite
             self.slot_mapping[t:n].fill_(self.scratch_slot)
             self.res[t:n].zero_()
