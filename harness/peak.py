@@ -67,6 +67,9 @@ class PeakSearch(BaseModel):
     )
     min_duration_ms: NonNegativeInt = Field(30_000, description="LoadGen min_duration of every point")
     min_query_count: PositiveInt = Field(500, description="LoadGen min_query_count of every point (Offline: samples)")
+    offline_query_count: PositiveInt | None = Field(
+        None, description="Offline's samples instead of min_query_count (issue 19's Offline figure is 1,500: a "
+        "longer run spends less of its time in the last large images' tail)")
     performance_sample_count: PositiveInt | None = Field(
         None, description="at most this many loaded samples per point (None: the system's); fewer make a point "
         "of equal issue shorter")
@@ -368,6 +371,11 @@ class PeakFinder:
             "target_latency_ms": self.config.scenario(name).target_latency_ms,
         }
 
+    def _min_query_count(self, name: ScenarioName) -> int:
+        if name == "offline" and self.search.offline_query_count is not None:
+            return self.search.offline_query_count
+        return self.search.min_query_count
+
     def _performance_sample_count(self, name: ScenarioName) -> int:
         configured = self.config.scenario(name).performance_sample_count
         cap = self.search.performance_sample_count
@@ -377,7 +385,7 @@ class PeakFinder:
         budget = self.search.time_budget_s
         if budget is None:
             return True
-        queries = point_queries(qps, self.search.min_duration_ms, self.search.min_query_count,
+        queries = point_queries(qps, self.search.min_duration_ms, self._min_query_count(name),
                                 self._performance_sample_count(name))
         needed_s = queries / qps + POINT_OVERHEAD_S
         if time.monotonic() - self._started + needed_s <= budget:
@@ -444,7 +452,7 @@ class PeakFinder:
         """The system file with this point's LoadGen settings (validated), which the test's process loads."""
         data = json.loads(json.dumps(self._raw))  # a deep copy of plain YAML data
         data["scenarios"][name].update(
-            target_qps=qps, min_duration_ms=self.search.min_duration_ms, min_query_count=self.search.min_query_count,
+            target_qps=qps, min_duration_ms=self.search.min_duration_ms, min_query_count=self._min_query_count(name),
             performance_sample_count=self._performance_sample_count(name),
         )
         config = parse_system_config(data, f"{self._system_path} ({name} at {qps:g} QPS)")

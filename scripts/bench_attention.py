@@ -2,7 +2,9 @@
 16-token blocks): per-sequence SDPA vs the Triton prefill kernel, split vs unsplit decode; prints one JSON object.
 
 Prefill: one layer's attention of a step of multi-row chunks (eager, median of --reps). Decode: 48 calls (one
-per layer) captured in a CUDA graph, as the engine replays them; microseconds per call.
+per layer) captured in a CUDA graph, as the engine replays them; microseconds per call. fp8_cache: the same
+kernels (default tiles and splits) over a bf16 cache, then an FP8 cache widened to bfloat16 (earlier passes) and
+to float16 (paged_decode.FP8_DOT_DTYPE), side by side.
 """
 
 from __future__ import annotations
@@ -107,10 +109,65 @@ def bench_decode(batch: int, ctx: int, reps: int) -> dict:
     return result
 
 
+FP8_DECODE_SWEEP = [paged_decode.DecodeTiles(64, 4, 2), paged_decode.DecodeTiles(128, 4, 2),
+                    paged_decode.DecodeTiles(128, 4, 3), paged_decode.DecodeTiles(128, 8, 2),
+                    paged_decode.DecodeTiles(256, 8, 2)]
+FP8_PREFILL_SWEEP = [paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
+                     paged_prefill.TileConfig(128, 128, 8, 3, fresh_tma=True),
+                     paged_prefill.TileConfig(128, 128, 8, 2, fresh_tma=True),
+                     paged_prefill.TileConfig(64, 128, 4, 3, fresh_tma=True)]
+
+
+def bench_fp8_cache(reps: int) -> dict:
+    """Microseconds per layer over a bf16 cache and over an FP8 cache by widening (decode: graph replay of 48 calls)."""
+    from workers.kv_cache import quantize_fp8
+
+    def variants(chunks):
+        q, k, v, k_cache, v_cache, meta = paged_step(chunks, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+        k8, v8 = quantize_fp8(k_cache, 1.0), quantize_fp8(v_cache, 1.0)
+        return q, k, v, meta, {"bf16_cache": (k_cache, v_cache, None), "fp8_widened_to_bf16": (k8, v8, torch.bfloat16),
+                               "fp8_widened_to_f16": (k8, v8, torch.float16)}
+
+    result = {}
+    for name, (batch, ctx) in DECODES.items():
+        q, _, _, meta, caches = variants([(1, ctx)] * batch)
+        out = torch.empty_like(q)
+        row = {}
+        k8, v8, _ = caches["fp8_widened_to_f16"]
+        runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
+        runs.update({"fp8_f16_n{}_w{}_s{}".format(*t): (k8, v8, torch.float16, t) for t in FP8_DECODE_SWEEP})
+        for label, (kc, vc, widen, tiles) in runs.items():
+            def layers():
+                for _ in range(LAYERS):
+                    paged_decode.decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, HEAD_DIM**-0.5, out,
+                                                  widen_to=widen, tiles=tiles)
+            layers()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers()
+            row[f"{label}_us"] = round(median_us(graph.replay, reps) / LAYERS, 2)
+        result[f"decode_{name}"] = row
+    for name in ("later_chunks_4x2048_of_4096", "catalogue"):
+        q, k, v, meta, caches = variants(PREFILL_STEPS[name])
+        out = torch.empty_like(q)
+        row = {}
+        k8, v8, _ = caches["fp8_widened_to_f16"]
+        runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
+        runs.update({"fp8_f16_" + tile_name(t): (k8, v8, torch.float16, t) for t in FP8_PREFILL_SWEEP})
+        for label, (kc, vc, widen, tiles) in runs.items():
+            row[f"{label}_us"] = round(median_us(lambda: paged_prefill.prefill_attention(
+                q, kc, vc, meta.block_tables, meta.query_starts_device, meta.context_lens, 0, meta.query_starts[-1],
+                HEAD_DIM**-0.5, out, tiles, k, v, widen_to=widen), reps), 1)
+        result[f"prefill_{name}"] = row
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--only-fp8-cache", action="store_true", help="only the fp8_cache comparison")
     args = parser.parse_args()
     if not torch.cuda.is_available() or paged_decode.triton is None:
         sys.exit("bench_attention needs CUDA and triton")
@@ -120,9 +177,11 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": paged_decode.triton.__version__,
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
-        "prefill_one_layer": {name: bench_prefill(chunks, args.reps) for name, chunks in PREFILL_STEPS.items()},
-        "decode_graph_replay": {name: bench_decode(b, ctx, args.reps) for name, (b, ctx) in DECODES.items()},
     }
+    if not args.only_fp8_cache:
+        result["prefill_one_layer"] = {name: bench_prefill(chunks, args.reps) for name, chunks in PREFILL_STEPS.items()}
+        result["decode_graph_replay"] = {name: bench_decode(b, ctx, args.reps) for name, (b, ctx) in DECODES.items()}
+    result["fp8_cache"] = bench_fp8_cache(args.reps)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

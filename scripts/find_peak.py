@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenarios", type=lambda text: tuple(text.split(",")),
                         help=f"{fields['scenarios'].description}, comma-separated (default "
                              f"{','.join(fields['scenarios'].default)})")
-    for name, kind in (("min_duration_ms", int), ("min_query_count", int), ("performance_sample_count", int),
+    for name, kind in (("min_duration_ms", int), ("min_query_count", int), ("offline_query_count", int),
+                       ("performance_sample_count", int),
                        ("steps", int), ("server_start_fraction", float), ("interactive_start_fraction", float),
                        ("resolution_qps", float), ("offline_samples_per_s", float), ("time_budget_s", float)):
         default = fields[name].default

@@ -111,6 +111,7 @@ def test_tma_tiles_without_contiguous_step_rows_read_every_chunk_from_the_cache(
 def test_default_tiles_read_fresh_rows_through_tma_only_on_cuda_devices_that_have_it(monkeypatch):
     monkeypatch.setattr(paged_prefill, "_has_tma", lambda index: index == 0)
     assert paged_prefill.default_tiles(torch.device("cuda", 0)) == paged_prefill.TMA_TILES
+    assert paged_prefill.default_tiles(torch.device("cuda", 0), fp8_cache=True) == paged_prefill.FP8_TMA_TILES
     assert paged_prefill.default_tiles(torch.device("cuda", 1)) == paged_prefill.POINTER_TILES
     assert paged_prefill.default_tiles(torch.device("cpu")) == paged_prefill.POINTER_TILES
     monkeypatch.setattr(paged_prefill, "DEFAULT_TILES", paged_prefill.POINTER_TILES)  # an explicit choice wins
@@ -164,6 +165,39 @@ def test_split_decode_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cache(
     assert (out - reference(q, k, v, k_hi, v_hi, meta, 32**-0.5)).abs().max() > 1e-3 * v_scale
 
 
+def fp8_widening_error(kernel, q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, widen_to=None):
+    """The largest gap, in units of v_scale, between a kernel's float32 output (bf16 q over an FP8 cache) and
+    float32 attention over the dequantized cache."""
+    expected = fp8_reference(q.float(), k.float(), v.float(), k_cache, v_cache, meta, scale, k_scale, v_scale, False)
+    out = torch.zeros_like(q, dtype=torch.float32)
+    if kernel == "decode":
+        paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out,
+                                      k_scale=k_scale, v_scale=v_scale, widen_to=widen_to)
+    else:
+        paged_prefill.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_starts_device, meta.context_lens, 0,
+            meta.query_starts[-1], scale, out, paged_prefill.POINTER_TILES, k_scale=k_scale, v_scale=v_scale,
+            widen_to=widen_to,
+        )
+    return ((out - expected).abs().max() / v_scale).item()
+
+
+@interpreted
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_bfloat16_queries_over_an_fp8_cache_round_only_the_probabilities_to_float16(kernel):
+    # The cache's e4m3 values and bf16 q are float16 values: widened to float16 (the default), the kernels are
+    # float32 attention over the dequantized cache but for the probabilities' rounding to 11 bits before the PV
+    # product (relative 2^-12). (The interpreter's bfloat16 dot is not numeric, so the bfloat16 widening is
+    # compared on CUDA only.)
+    k_scale, v_scale = FP8_SCALES[1]
+    step = [(1, 200), (1, 37)] if kernel == "decode" else [(20, 53), (9, 25)]
+    q, k, v, k_hi, v_hi, meta = paged_step(step, 8, 2, 32, 16, torch.bfloat16, "cpu", seed=6)
+    k_cache, v_cache = as_fp8(k_hi.float() * k_scale, v_hi.float() * v_scale, k_scale, v_scale)
+    assert paged_decode.FP8_DOT_DTYPE == torch.float16
+    error = fp8_widening_error(kernel, q, k, v, k_cache, v_cache, meta, 32**-0.5, k_scale, v_scale)
+    assert error < 1e-3
+
+
 # ---- CUDA, bfloat16, Qwen3-VL-30B-A3B attention shape -----------------------------------------------
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
@@ -190,8 +224,11 @@ def test_split_decode_matches_sdpa_in_bfloat16(step):
     torch.testing.assert_close(out.float(), reference(q, k, v, k_cache, v_cache, meta, SCALE), atol=BF16_ATOL, rtol=0)
 
 
+FP8_KV_READS = {**KV_READS, "fp8-default": paged_prefill.FP8_TMA_TILES}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", KV_READS.values(), ids=KV_READS.keys())
+@pytest.mark.parametrize("tiles", FP8_KV_READS.values(), ids=FP8_KV_READS.keys())
 def test_prefill_kernel_over_an_fp8_cache_matches_sdpa_on_a_catalogue_sized_step(monkeypatch, tiles):
     monkeypatch.setattr(paged_prefill, "DEFAULT_TILES", tiles)
     k_scale, v_scale = FP8_SCALES[1]
@@ -215,3 +252,17 @@ def test_split_decode_over_an_fp8_cache_matches_sdpa_in_bfloat16(step):
     out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale)
     expected = fp8_reference(q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale, False)
     torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL * v_scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_an_fp8_cache_widened_to_float16_is_closer_to_float32_than_widened_to_bfloat16(kernel):
+    # the only rounding either widening adds is the probabilities' (11 bits against 8)
+    k_scale, v_scale = FP8_SCALES[1]
+    step = [(1, 1800 + 13 * i) for i in range(64)] if kernel == "decode" else [(2048, 4096), (478, 1734)]
+    q, k, v, k_cache, v_cache, meta = paged_step(step, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    k_cache, v_cache = as_fp8(k_cache.float() * k_scale, v_cache.float() * v_scale, k_scale, v_scale)
+    args = (kernel, q, k, v, k_cache, v_cache, meta, SCALE, k_scale, v_scale)
+    as_float16, as_bfloat16 = fp8_widening_error(*args), fp8_widening_error(*args, widen_to=torch.bfloat16)
+    assert as_float16 < 1e-3
+    assert as_float16 * 2 < as_bfloat16

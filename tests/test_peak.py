@@ -160,7 +160,8 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
     result = subprocess.run(
         [sys.executable, "scripts/find_peak.py", "--system", str(tiny_search_system(tmp_path)),
          "--json", str(report_path), "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
-         "--min-duration-ms", "1000", "--min-query-count", "4", "--steps", "2", "--commit", "abc123",
+         "--min-duration-ms", "1000", "--min-query-count", "4", "--offline-query-count", "8", "--steps", "2",
+         "--commit", "abc123",
          "--step-trace-dir", str(tmp_path / "steps")],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
@@ -187,6 +188,10 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
         assert point["summary_result"] == parse_summary_log(log_dir / "mlperf_log_summary.txt").get("Result is")
         assert point["p99_s"] == detail["result_99.00_percentile_latency_ns"] / 1e9
         assert detail["effective_min_duration_ms"] == 1000 and detail["effective_performance_sample_count"] == 4
+        if point["scenario"] == "offline":  # one query of at least --offline-query-count samples
+            assert detail["effective_samples_per_query"] == 8
+        else:
+            assert detail["effective_min_query_count"] == 4
         if point["scenario"] != "offline":
             assert detail["effective_target_latency_ns"] == (
                 1_500_000_000 if point["scenario"] == "interactive" else 12_000_000_000)

@@ -3,13 +3,14 @@
 A program computes all query heads of one KV head's group for one split of one sequence's context
 (flash-decoding: at small batch the context is split so that the GPU has enough programs, and a small
 kernel merges the splits). The split count depends only on the batch size: CUDA-graph safe.
-An FP8 cache's rows are widened to q's dtype (exact); the K scale is folded into the softmax scale, the V scale
-into the output (both a per-tensor factor that commutes with the dot products).
+An FP8 cache's rows are widened exactly for the dot products (see dot_dtype); the K scale is folded into the softmax
+scale, the V scale into the output (both a per-tensor factor that commutes with the dot products).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -19,8 +20,32 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-BLOCK_N = 64  # context tokens per inner iteration
+
+class DecodeTiles(NamedTuple):
+    """Launch shape: block_n context tokens per inner iteration."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DECODE_TILES = DecodeTiles()
+# An FP8 cache's tile of 64 tokens is half the bytes of a bf16 one, and the loop is bound by each iteration's
+# latency, not by bandwidth (run62: batch 256 x 1,024 tokens, 137.8 us a layer over FP8 against 134.8 over bf16).
+# 128 tokens an iteration (bench_attention run63, us a layer, 64 -> 128): batch 256 x 1,024 138.1 -> 126.9,
+# batch 64 x 1,800 76.1 -> 63.4, batch 1 x 1,800 6.7 -> 7.8 (bf16 cache: 132.7, 74.4, 6.4).
+FP8_DECODE_TILES = DecodeTiles(block_n=128)
 MAX_SPLITS = 32
+# What an FP8 cache's rows are widened to for the dot products when q is 16-bit (q is converted to the same dtype).
+# float16: every e4m3 value is a float16 value (4 exponent and 3 mantissa bits fit 5 and 10), and sm89+ widens two
+# in one instruction (PTX cvt.rn.f16x2.e4m3x2). Widening to bfloat16 goes through float16 and float32, three
+# conversions per two values, which left the FP8 decode kernel slower than reading bf16 rows (run50). bfloat16 q
+# values are float16 values too (between 2^-14 and 65,504 in magnitude, far wider than q/k-normed heads), so the
+# one rounding added is the probabilities' before the PV product, to float16's 11 bits instead of bfloat16's 8.
+# run62 (H200, us a layer, widened to bf16 -> f16): decode batch 256 x 1,024 154.6 -> 137.8, batch 64 x 1,800
+# 86.7 -> 76.7; prefill of four 2,048-token chunks continuing 2,048-token contexts 1,807 -> 1,577.
+# None: q's dtype (the widening of earlier passes, kept for side-by-side benchmarks).
+FP8_DOT_DTYPE: torch.dtype | None = torch.float16
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -33,6 +58,15 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and head_dim & (head_dim - 1) == 0
         and q.shape[1] % k_cache.shape[2] == 0
     )
+
+
+def dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, widen_to: torch.dtype | None = None):
+    """The Triton dtype the kernels' dot products take: q's, or for an FP8 cache and 16-bit q widen_to (default
+    FP8_DOT_DTYPE)."""
+    target = q.dtype
+    if k_cache.dtype.itemsize == 1 and q.dtype in (torch.float16, torch.bfloat16):
+        target = widen_to or FP8_DOT_DTYPE or q.dtype
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[target]
 
 
 @functools.cache
@@ -57,7 +91,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -73,7 +107,7 @@ if triton is not None:
         g_mask = offs_g < GROUP
         q = tl.load(
             q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0
-        )
+        ).to(DOT_DTYPE)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -134,11 +168,14 @@ def decode_attention(
     splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    widen_to: torch.dtype | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> None:
     """q/out [B, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim] (same strides; q's dtype
     or FP8, read as cache * k_scale / v_scale); block_tables [B, W] int32; context_lens [B] int32 (>= 1, the
     query's own row included). splits: context splits per sequence (a power of two; default num_splits for this
-    device)."""
+    device). widen_to: an FP8 cache's dot dtype (default FP8_DOT_DTYPE). tiles: default FP8_DECODE_TILES for an
+    FP8 cache, else DECODE_TILES."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -148,6 +185,7 @@ def decode_attention(
         splits = num_splits(batch, kv_heads, _num_sms(q.device.index)) if q.is_cuda else 1
     if splits & (splits - 1):
         raise ValueError(f"splits={splits} is not a power of two")
+    tiles = tiles or (FP8_DECODE_TILES if k_cache.dtype.itemsize == 1 else DECODE_TILES)
     part_acc = part_ml = out  # unused by the kernel when there is a single split
     if splits > 1:
         part_acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -157,7 +195,8 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](

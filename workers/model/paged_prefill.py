@@ -3,8 +3,9 @@
 A program owns BLOCK_Q query rows of one chunk for all query heads of one KV head (GQA rows packed
 into the tile's M dimension), reads K/V through the block table with an online softmax in float32. On devices
 with TMA, chunks that are whole prompts read this step's contiguous K/V rows through tensor descriptors instead.
-An FP8 cache's rows are widened to q's dtype (exact), with the K scale folded into the softmax scale and the V
-scale into the output; chunks reading this step's own rows (in the activation dtype) use neither.
+An FP8 cache's rows are widened exactly for the dot products (paged_decode.dot_dtype: float16 by default, q rounded
+to it), with the K scale folded into the softmax scale and the V scale into the output; chunks reading this step's
+own rows (in the activation dtype) use neither.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.model.paged_decode import triton
+from workers.model.paged_decode import dot_dtype, triton
 
 if triton is not None:
     import triton.language as tl
@@ -38,13 +39,19 @@ POINTER_TILES = TileConfig()  # any GPU Triton runs on
 # Devices with TMA (compute capability 9+). bench_attention run36, H200: the 8k catalogue step (a continued chunk,
 # whole prompts) 464 -> 399 us, four 2,048-token prompts 547 -> 464 us. At 2 stages TMA loads gain nothing (479 us).
 TMA_TILES = TileConfig(num_stages=3, fresh_tma=True)
-DEFAULT_TILES: TileConfig | None = None  # None: TMA_TILES where the device has TMA, else POINTER_TILES
+# Over an FP8 cache (bench_attention run63, H200): 128 keys an iteration. Four 2,048-token chunks continuing
+# 2,048-token contexts 1,691 -> 1,471 us (bf16 cache 1,464); the catalogue step, mostly whole prompts read from the
+# fresh rows, 427 -> 436 us (bf16 cache 400).
+FP8_TMA_TILES = TileConfig(block_n=128, num_stages=3, fresh_tma=True)
+DEFAULT_TILES: TileConfig | None = None  # None: (FP8_)TMA_TILES where the device has TMA, else POINTER_TILES
 
 
-def default_tiles(device: torch.device) -> TileConfig:
+def default_tiles(device: torch.device, fp8_cache: bool = False) -> TileConfig:
     if DEFAULT_TILES is not None:
         return DEFAULT_TILES
-    return TMA_TILES if device.type == "cuda" and _has_tma(device.index) else POINTER_TILES
+    if device.type == "cuda" and _has_tma(device.index):
+        return FP8_TMA_TILES if fp8_cache else TMA_TILES
+    return POINTER_TILES
 
 
 @functools.cache
@@ -123,7 +130,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FRESH_TMA: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FRESH_TMA: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         # Tiles in reverse: the last rows of each chunk (the most keys) are scheduled first.
@@ -170,12 +177,14 @@ if triton is not None:
                     acc, l, m = _attend_fresh(acc, l, m, q, k_desc, v_desc, q_start, col, full_end, kv_end, q_pos,
                                               qk_scale, BLOCK_N, True)
                 else:
-                    acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
-                                              paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+                    acc, l, m = _attend_paged(acc, l, m, q.to(DOT_DTYPE), k_ptr, v_ptr, table_ptr, kv_head, full_end,
+                                              kv_end, q_pos, paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
+                                              HEAD_DIM, BLOCK_N)
                 v_mult = tl.where(ctx == n, 1.0, v_scale)
             else:
-                acc, l, m = _attend_paged(acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos,
-                                          paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+                acc, l, m = _attend_paged(acc, l, m, q.to(DOT_DTYPE), k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end,
+                                          q_pos, paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+                                          BLOCK_N)
             out = acc * v_mult / l[:, None]
             tl.store(
                 o_ptr + (q_start + r)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -199,14 +208,16 @@ def prefill_attention(
     v_new: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    widen_to: torch.dtype | None = None,
 ) -> None:
     """Attention of chunks 0..S-1, rows first_row..last_row-1 of q/out [T, heads, head_dim]: chunk s is rows
     query_starts[s]:query_starts[s+1] ([S + 1] int32, device; query_starts[0] = first_row) whose context
     (its own rows included, already in the caches) is context_lens[s] tokens in blocks block_tables[s].
     k_new/v_new: this step's K/V rows [T, kv_heads, head_dim] (the rows of q), which tiles.fresh_tma reads for
     chunks that are whole prompts when they are contiguous (else every chunk reads the paged cache).
-    Caches in q's dtype or FP8 (read as cache * k_scale / v_scale). tiles: default default_tiles(q.device)."""
-    tiles = tiles or default_tiles(q.device)
+    Caches in q's dtype or FP8 (read as cache * k_scale / v_scale; widen_to: their dot dtype, default
+    paged_decode.FP8_DOT_DTYPE). tiles: default default_tiles(q.device, FP8 cache or not)."""
+    tiles = tiles or default_tiles(q.device, k_cache.dtype.itemsize == 1)
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -232,6 +243,6 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_Q=block_q, BLOCK_N=tiles.block_n, FRESH_TMA=fresh_tma,
+        BLOCK_Q=block_q, BLOCK_N=tiles.block_n, FRESH_TMA=fresh_tma, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
