@@ -33,11 +33,16 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self._on_registered = on_registered  # async callback: health must say SERVING as soon as a worker is in
 
     async def Generate(self, request, context):
+        chunks = 0
         try:
             async for chunk in self.dispatcher.generate(request, context.time_remaining()):
+                chunks += 1
                 yield chunk
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:  # the caller cancelled, or its transport did: say which request, and when
+            log.warning("request %s: the caller's call was cancelled after %d chunks", request.request_id, chunks)
+            raise
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.dispatcher.abort(request.request_id))

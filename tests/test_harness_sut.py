@@ -24,8 +24,8 @@ from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
 
 ANSWER = '{"category": "A > B", "brand": "x", "is_secondhand": false}'
 # What the double does with a request is chosen by the prompt's first token.
-OK, ERROR_CHUNK, HANG, RPC_ERROR = 1, 2, 3, 4
-BEHAVIOUR = {0: OK, 1: OK, 2: ERROR_CHUNK, 3: HANG, 4: RPC_ERROR, 6: OK, 7: OK}
+OK, ERROR_CHUNK, HANG, RPC_ERROR, CANCEL_FIRST_CALL = 1, 2, 3, 4, 5
+BEHAVIOUR = {0: OK, 1: OK, 2: ERROR_CHUNK, 3: HANG, 4: RPC_ERROR, 6: OK, 7: CANCEL_FIRST_CALL}
 BAD_PROMPT = 5  # the store could not build this sample's prompt
 NUM_SAMPLES = 8
 TIMEOUT_S = 1.5
@@ -49,6 +49,13 @@ class RouterDouble(pb_grpc.RouterServiceServicer):
             yield pb.GenerateChunk(request_id=request.request_id, finish_reason=pb.ERROR, error="image too large")
             return
         ids = [ord(c) for c in ANSWER]
+        if behaviour == CANCEL_FIRST_CALL and not request.resume_token_ids:
+            yield pb.GenerateChunk(request_id=request.request_id, token_ids=ids[:5])
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        if request.resume_token_ids:  # a re-sent query continues after what it received
+            assert list(request.resume_token_ids) == ids[:5]
+            yield pb.GenerateChunk(request_id=request.request_id, token_ids=ids[5:], finish_reason=pb.STOP)
+            return
         yield pb.GenerateChunk(request_id=request.request_id, token_ids=ids[:5])
         yield pb.GenerateChunk(
             request_id=request.request_id, token_ids=ids[5:], finish_reason=pb.STOP, completion_tokens=len(ids)
@@ -111,7 +118,8 @@ class TimedSUT(RouterSUT):
         self.issue_seconds = max(self.issue_seconds, time.monotonic() - start)
 
 
-def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode) -> TimedSUT:
+def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode,
+                reconnect_s: float = 0.0) -> TimedSUT:
     settings = lg.TestSettings()
     settings.scenario = scenario
     settings.mode = mode
@@ -128,7 +136,8 @@ def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.Tes
     sut = TimedSUT(
         store,
         lambda ids: "".join(chr(i) for i in ids),
-        SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL),
+        SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL,
+                    reconnect_s=reconnect_s, reconnect_interval_s=0.05),
         failed,
         Progress("test", enabled=False),
     )
@@ -157,7 +166,7 @@ def test_accuracy_run_completes_every_sample_once_with_failures_empty(router_dou
         assert entry["qsl_idx"] not in by_index, f"sample {entry['qsl_idx']} answered twice"
         by_index[entry["qsl_idx"]] = bytes.fromhex(entry["data"]).decode("utf-8")
     assert sorted(by_index) == list(range(NUM_SAMPLES))
-    failed_indices = {2, 3, 4, BAD_PROMPT}
+    failed_indices = {2, 3, 4, 7, BAD_PROMPT}
     for index, text in by_index.items():
         assert text == ("" if index in failed_indices else ANSWER), index
 
@@ -166,12 +175,28 @@ def test_accuracy_run_completes_every_sample_once_with_failures_empty(router_dou
     assert "image too large" in failed[2]
     assert "no response within" in failed[3]
     assert "UNAVAILABLE" in failed[4]
+    assert "CANCELLED" in failed[7]  # no reconnect window: a cancelled call fails its sample
     assert "truncated JPEG" in failed[BAD_PROMPT]
     # The bad prompt never reached the router; every other sample did, once, with the MLPerf sampling.
     sent = [r for r in servicer.requests]
     assert len(sent) == NUM_SAMPLES - 1
     assert all(r.sampling.use_model_defaults and r.sampling.max_tokens == 150 for r in sent)
     assert all(list(r.images) == [b"jpeg-bytes"] for r in sent)
+
+
+def test_a_query_whose_router_call_is_cancelled_is_sent_again_after_the_tokens_it_received(router_double, tmp_path):
+    servicer, address = router_double
+    sut = run_loadgen(address, tmp_path, lg.TestScenario.Offline, lg.TestMode.AccuracyOnly, reconnect_s=1.0)
+    answers = {e["qsl_idx"]: bytes.fromhex(e["data"]).decode("utf-8")
+               for e in json.loads((tmp_path / "mlperf_log_accuracy.json").read_text())}
+    assert answers[7] == ANSWER  # whole, each token once
+    assert 7 not in read_failed(tmp_path)
+    attempts = [r for r in servicer.requests if r.prompt_token_ids[0] == CANCEL_FIRST_CALL]
+    assert [len(r.resume_token_ids) for r in attempts] == [0, 5]
+    assert attempts[1].sampling.max_tokens == attempts[0].sampling.max_tokens - 5
+    assert sut.resent >= 1
+    # UNAVAILABLE is re-sent too, until the window passes without progress; then the sample fails as before
+    assert "UNAVAILABLE" in read_failed(tmp_path)[4]
 
 
 def test_issue_queries_returns_while_the_router_is_still_working(router_double, tmp_path):
