@@ -89,22 +89,26 @@ def tile_name(tiles: paged_prefill.TileConfig) -> str:
     return "m{}_n{}_w{}_s{}".format(*tiles) + ("_fresh_tma" if tiles.fresh_tma else "")
 
 
+def decode_graph_us(q, k_cache, v_cache, meta, out, reps: int, **options) -> float:
+    """Microseconds a layer: LAYERS decode calls captured in one CUDA graph, as the engine replays them."""
+    def layers():
+        for _ in range(LAYERS):
+            paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, HEAD_DIM**-0.5,
+                                          out, **options)
+    layers()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layers()
+    return round(median_us(graph.replay, reps) / LAYERS, 2)
+
+
 def bench_decode(batch: int, ctx: int, reps: int) -> dict:
     q, _, _, k_cache, v_cache, meta = paged_step([(1, ctx)] * batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
     out = torch.empty_like(q)
     result = {"auto_splits": paged_decode.num_splits(batch, KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count)}
     for name, splits in (("unsplit", 1), ("split", result["auto_splits"])):
-        def layers():
-            for _ in range(LAYERS):
-                paged_decode.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, HEAD_DIM**-0.5, out, splits=splits
-                )
-        layers()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layers()
-        result[f"{name}_us_per_layer"] = round(median_us(graph.replay, reps) / LAYERS, 2)
+        result[f"{name}_us_per_layer"] = decode_graph_us(q, k_cache, v_cache, meta, out, reps, splits=splits)
     result["saved_ms_per_48_layers"] = round((result["unsplit_us_per_layer"] - result["split_us_per_layer"]) * LAYERS / 1e3, 3)
     return result
 
@@ -137,16 +141,7 @@ def bench_fp8_cache(reps: int) -> dict:
         runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
         runs.update({"fp8_f16_n{}_w{}_s{}".format(*t): (k8, v8, torch.float16, t) for t in FP8_DECODE_SWEEP})
         for label, (kc, vc, widen, tiles) in runs.items():
-            def layers():
-                for _ in range(LAYERS):
-                    paged_decode.decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, HEAD_DIM**-0.5, out,
-                                                  widen_to=widen, tiles=tiles)
-            layers()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layers()
-            row[f"{label}_us"] = round(median_us(graph.replay, reps) / LAYERS, 2)
+            row[f"{label}_us"] = decode_graph_us(q, kc, vc, meta, out, reps, widen_to=widen, tiles=tiles)
         result[f"decode_{name}"] = row
     for name in ("later_chunks_4x2048_of_4096", "catalogue"):
         q, k, v, meta, caches = variants(PREFILL_STEPS[name])
