@@ -59,6 +59,9 @@ class MigrationConfig(_Section):
     """Replay a request whose worker failed on another worker, with the tokens already streamed."""
 
     max_retries: int = Field(2, ge=0)
+    # With no healthy worker to migrate to (the only one died and Ray is restarting it, or it was marked down
+    # for a while), a migration waits this long for one to register (within the request's deadline).
+    wait_for_worker_s: float = Field(60.0, ge=0)
 
 
 class RouterConfig(_Section):

@@ -202,6 +202,16 @@ class Dispatcher:
                 log.info("request %s: %s failed (%s); migrating (%s)", request.request_id, failure.stage, failure, kind)
                 if failure.stage == "prefill":
                     remote_prefill_ok = False  # Dynamo's fallback: prefill on the decode worker
+                await self._wait_for_worker(active, deadline)
+
+    async def _wait_for_worker(self, active: _Active, deadline: float | None) -> None:
+        """Until a serving worker is healthy, the caller aborts, migration.wait_for_worker_s passes or the deadline
+        does (then the next attempt fails as before)."""
+        end = time.monotonic() + self.config.migration.wait_for_worker_s
+        if deadline is not None:
+            end = min(end, deadline)
+        while not self.registry.healthy(SERVING_ROLES) and not active.aborted and time.monotonic() < end:
+            await asyncio.sleep(0.05)
 
     def _final(self, request: pb.GenerateRequest, active: _Active, reason: int, error: str = "") -> pb.GenerateChunk:
         return pb.GenerateChunk(

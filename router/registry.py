@@ -132,17 +132,20 @@ class Registry:
             self._revive(entry)
         return True
 
-    def check(self) -> list[WorkerEntry]:
-        """Mark down workers silent for down_after_s, or busy with a step counter stuck that long."""
+    def check(self, grace_s: float = 0.0) -> list[WorkerEntry]:
+        """Mark down workers silent for down_after_s, or busy with a step counter stuck that long. grace_s: how long
+        the caller's event loop was recently held up: heartbeats received meanwhile may still wait behind this
+        check, so silence is judged past down_after_s + grace_s."""
         now = self._clock()
+        limit = self.health.down_after_s + grace_s
         went_down = []
         for entry in self._entries.values():
             if not entry.healthy:
                 continue
-            if now - entry.last_seen > self.health.down_after_s:
+            if now - entry.last_seen > limit:
                 self.mark_down(entry, f"no heartbeat for {now - entry.last_seen:.1f}s")
                 went_down.append(entry)
-            elif now - entry.steps_moved_at > self.health.down_after_s:
+            elif now - entry.steps_moved_at > limit:
                 self.mark_down(entry, f"engine stalled: steps stuck at {entry.report.steps} while busy")
                 went_down.append(entry)
         return went_down

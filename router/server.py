@@ -6,8 +6,10 @@ Embeddable (`await start()`, `.port`, `await stop()`); also starts the OpenAI HT
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 
 import grpc
 import grpc.aio
@@ -119,16 +121,25 @@ class RouterServer:
         await self.registry.close()
 
     async def _watch_workers(self) -> None:
-        """Every half heartbeat interval: mark silent or stalled workers down, optionally poll their load."""
+        """Every half heartbeat interval: mark silent or stalled workers down, optionally poll their load. How late
+        this loop wakes up measures how long the event loop was held (a burst of large requests can hold it for
+        seconds); the heartbeats that arrived meanwhile may not be handled yet, so the latest down_after_s of such
+        delays is the check's grace."""
         interval = self.config.health.heartbeat_interval_s / 2
         metadata = call_metadata(self.config.token)
+        delays: collections.deque[tuple[float, float]] = collections.deque()  # (when, how late the wake-up was)
         while True:
+            due = time.monotonic() + interval
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            delays.append((now, now - due))
+            while delays[0][0] < now - self.config.health.down_after_s:
+                delays.popleft()
             if self.config.health.poll_load:
                 for entry in self.registry.entries():
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         self.registry.heartbeat(await entry.stub.GetLoad(pb.Empty(), metadata=metadata, timeout=interval))
-            self.registry.check()
+            self.registry.check(grace_s=max(delay for _, delay in delays))
             await self._update_health()
             self.dispatcher.admission.notify()
 

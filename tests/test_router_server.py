@@ -4,6 +4,7 @@ worker failure (down detection, migration) and disaggregated prefill/decode."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import grpc.aio
@@ -14,7 +15,7 @@ from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from workers.sim.instant_engine import next_token
-from tests.router_fixtures import Cluster, collect, request, run
+from tests.router_fixtures import FAST_HEALTH, Cluster, collect, request, run
 
 
 def expected_tokens(req: pb.GenerateRequest) -> list[int]:
@@ -178,6 +179,23 @@ def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work():
     run(body())
 
 
+def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down():
+    # A burst of large requests can hold the router's loop for seconds (1,500 queries of 2 MB images on 2 cores:
+    # 6 s); heartbeats that arrived meanwhile wait behind the health check, which must not read them as silence.
+    async def body():
+        async with Cluster() as c:
+            marked_down = []
+            mark_down = c.router.registry.mark_down
+            c.router.registry.mark_down = lambda entry, reason: (marked_down.append(reason), mark_down(entry, reason))
+            await asyncio.sleep(0.5)  # heartbeats flowing
+            time.sleep(FAST_HEALTH["down_after_s"] + 1.5)  # the loop blocks (the workers' heartbeats too)
+            await asyncio.sleep(1.0)
+            assert marked_down == []
+            assert {e.worker_id: e.healthy for e in c.router.registry.entries()} == {"w0": True, "w1": True}
+
+    run(body())
+
+
 def test_hung_engine_is_marked_down_and_its_request_migrates():
     async def body():
         async with Cluster(step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
@@ -224,6 +242,27 @@ def test_migration_gives_up_after_max_retries_with_an_error_chunk():
             await c.workers[0].stop(0)
             _, chunks = await collect(stream)
             assert chunks[-1].finish_reason == pb.ERROR and "failed" in chunks[-1].error
+
+    run(body())
+
+
+def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_token():
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.02) as c:
+            req = request("restart", max_tokens=40)
+            stream = c.client.generate(req)
+            first = await stream.__anext__()
+            await c.workers[0].stop(0)  # no other worker: the migration has nowhere to go yet
+
+            async def restart():
+                await asyncio.sleep(0.5)
+                await c.add_worker("w0")  # as Ray restarts the actor: same id, new port
+
+            restarted = asyncio.create_task(restart())
+            tokens, chunks = await collect(stream)
+            await restarted
+            assert list(first.token_ids) + tokens == expected_tokens(req)
+            assert chunks[-1].finish_reason == pb.LENGTH
 
     run(body())
 
