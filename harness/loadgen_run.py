@@ -19,7 +19,7 @@ from harness.qsl import StoreQSL
 from harness.sample_store import SampleStore
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
-from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config
+from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config, sut_inflight_bound
 from harness.user_conf import expected_sample_count, load_test_settings
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
             timeout_s=config.requests.timeout_s,
             reconnect_s=config.requests.reconnect_s,
             stream_interval=config.requests.stream_interval,
+            max_inflight=sut_inflight_bound(config),
             token=config.router.get("token"),
             report_first_token=settings.use_token_latencies,
         ),

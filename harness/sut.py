@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +61,11 @@ class SUTSettings:
     reconnect_s: float = 0.0  # how long a query waits for an unreachable router to come back (0: fails at once)
     reconnect_interval_s: float = 0.5
     stream_interval: int = 0  # GenerateRequest.stream_interval: 0 streams every engine step's tokens
+    # At most this many router calls at once (None: no bound); the other issued queries wait here, in issue order.
+    # An Offline test issues every sample at once (48,289 on the real dataset), more than a router admits
+    # (its workers' in-flight limits plus its queue): the rest would be refused RESOURCE_EXHAUSTED, and the
+    # images of all of them would sit in the router's memory.
+    max_inflight: int | None = None
 
 
 class FailedSamplesLog:
@@ -106,6 +112,7 @@ class RouterSUT:
         self._outstanding: dict[int, int] = {}  # LoadGen query id -> qsl index, until completed
         self.resent = 0  # queries sent again because the router was unreachable
         self._tasks: set[asyncio.Task] = set()
+        self._slots = asyncio.Semaphore(settings.max_inflight) if settings.max_inflight else contextlib.nullcontext()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
         self._thread.start()
@@ -144,9 +151,10 @@ class RouterSUT:
             prepared = self._samples.get(index)
             if prepared.error is not None or prepared.prompt is None:
                 raise SampleFailed(f"prompt could not be built: {prepared.error}")
-            token_ids = await asyncio.wait_for(
-                self._generate(query_id, index, prepared.prompt), self._settings.timeout_s
-            )
+            async with self._slots:  # the per-request timeout starts once the query goes to the router
+                token_ids = await asyncio.wait_for(
+                    self._generate(query_id, index, prepared.prompt), self._settings.timeout_s
+                )
             text, n_tokens = self._decode(token_ids), len(token_ids)
         except asyncio.TimeoutError:
             error = f"no response within {self._settings.timeout_s:g} s"

@@ -324,6 +324,9 @@ class RequestsSection(_Strict):
     # end-to-end latency only, so per-token chunks would only cost router and SUT CPU; a migrated request
     # regenerates at most this many tokens.
     stream_interval: NonNegativeInt = 16
+    # Router calls the SUT keeps open at once; the other issued queries wait in the SUT. None: what the router
+    # admits without refusing (sut_inflight_bound).
+    max_inflight: PositiveInt | None = None
 
 
 class RaySection(_Strict):
@@ -499,6 +502,19 @@ def router_config(config: SystemConfig, listen: str):
     from router.config import RouterConfig
 
     return RouterConfig.model_validate({**config.router, "listen": listen})
+
+
+def sut_inflight_bound(config: SystemConfig) -> int:
+    """How many queries the SUT may have at the routers at once (requests.max_inflight, else this): each router
+    shard takes its serving workers' in-flight limits (capped by max_inflight_total) and queues as many again,
+    within max_queue, so the workers never wait for the SUT and no query is refused RESOURCE_EXHAUSTED."""
+    if config.requests.max_inflight is not None:
+        return config.requests.max_inflight
+    limits = router_config(config, "127.0.0.1:0").limits
+    serving = sum(pool.count for pool in config.workers.pools if pool.role != "prefill")
+    per_shard = max(1, serving // config.router_shards)  # worker i registers with shard i mod router_shards
+    running = min(limits.max_inflight_total, per_shard * limits.max_inflight_per_worker)
+    return config.router_shards * (running + min(limits.max_queue, running))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -213,3 +213,72 @@ def test_server_run_completes_every_issued_query(router_double, tmp_path):
     assert issued == completed >= NUM_SAMPLES
     assert failed == len(json.loads((tmp_path / FAILED_SAMPLES_FILE).read_text())) > 0
     assert "Scenario : Server" in (tmp_path / "mlperf_log_summary.txt").read_text()
+
+
+class TextStore:
+    """Every sample a text prompt of its own."""
+
+    def load(self, indices):
+        pass
+
+    def unload(self, indices):
+        pass
+
+    def get(self, index: int) -> Prepared:
+        return Prepared(PromptInput([index + 1, 100, 101], []), None)
+
+
+def offline_through_a_small_router(tmp_path: Path, max_inflight: int | None) -> dict[int, str]:
+    """32 Offline samples through a real router (one instant worker, 2 calls in flight, 2 queued), on an event loop
+    of its own; LoadGen on this thread, as the harness runs it. Returns the failed samples."""
+    from tests.router_fixtures import Cluster
+
+    samples = 32
+    tmp_path.mkdir(parents=True)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    limits = {"max_inflight_per_worker": 2, "max_queue": 2}
+    cluster = Cluster(roles=("aggregated",), step_delay_s=0.005, config={"limits": limits})
+    asyncio.run_coroutine_threadsafe(cluster.__aenter__(), loop).result(30)
+    settings = lg.TestSettings()
+    settings.scenario, settings.mode = lg.TestScenario.Offline, lg.TestMode.PerformanceOnly
+    settings.min_query_count, settings.min_duration_ms, settings.offline_expected_qps = samples, 100, 10
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(tmp_path)
+    log_settings.enable_trace = False
+    failed = FailedSamplesLog(tmp_path / FAILED_SAMPLES_FILE)
+    qsl = StoreQSL(TextStore(), samples, samples)
+    sut = RouterSUT(TextStore(), lambda ids: "x" * len(ids),
+                    SUTSettings(router_address=cluster.router.address, max_tokens=8, max_inflight=max_inflight),
+                    failed, Progress("test", enabled=False))
+    try:
+        lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, log_settings, str(tmp_path / "audit.config"))
+        assert sut.outstanding == 0
+    finally:
+        sut.close()
+        qsl.close()
+        failed.close()
+        asyncio.run_coroutine_threadsafe(cluster.__aexit__(None, None, None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+    return read_failed(tmp_path)
+
+
+def test_an_offline_test_larger_than_the_router_admits_answers_every_sample(tmp_path):
+    # LoadGen issues all 32 at once; the router takes 4 (2 running, 2 queued) and refuses the rest, so the SUT
+    # keeps the others until a call ends
+    assert offline_through_a_small_router(tmp_path / "bounded", max_inflight=4) == {}
+    refused = offline_through_a_small_router(tmp_path / "unbounded", max_inflight=None)
+    assert refused and all("RESOURCE_EXHAUSTED" in error for error in refused.values())
+
+
+def test_the_sut_bound_is_what_the_routers_admit_without_refusing():
+    from harness.system_config import load_system_config, sut_inflight_bound
+
+    config = load_system_config(Path(__file__).resolve().parents[1] / "mlperf_configs" / "h200x8.yaml")
+    # two workers of 512 calls each (the router's defaults), and as many queued
+    assert sut_inflight_bound(config) == 2 * 512 + 1024
+    pinned = config.model_copy(update={"requests": config.requests.model_copy(update={"max_inflight": 300})})
+    assert sut_inflight_bound(pinned) == 300
