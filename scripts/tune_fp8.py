@@ -2,8 +2,10 @@
 Qwen3-VL-30B-A3B layer shapes; prints one JSON object (every config's time, the best of each, bf16's time).
 
 Dense: the Triton W8A8 GEMM (fp8_gemm.w8a8_gemm) on q/k/v and o. MoE: the tiled fp8 experts, sweeping the gated
-GEMM's tiles with the down GEMM's default, then the down GEMM's with the gated default. CUDA-graph replay, median.
-Usage: python scripts/tune_fp8.py [--tokens 8192,16384] [--out FILE]
+GEMM's tiles with the down GEMM's default, then the down GEMM's with the gated default; decode-sized steps (at most
+4,096 token-expert pairs, e.g. --moe-tokens 64,256) sweep 16- and 32-row tiles, where the weights' bytes set the
+time. CUDA-graph replay, median.
+Usage: python scripts/tune_fp8.py [--tokens 8192,16384] [--moe-tokens 16384] [--out FILE]
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ def moe(tokens: int) -> dict:
     pairs = tokens * TOP_K
     default = {g: original(pairs, g, None, None, True) for g in (True, False)}
     try:
+        decode_sized = pairs <= fused_moe.HEURISTIC_PAIR_BOUNDS[1]  # experts see a few rows each: weights stream
+        rows_per_tile = (16, 32) if decode_sized else (64, 128)
+        group_m = 1 if decode_sized else 8
         for gated in (True, False):
-            widths = (128,) if gated else (128, 256)
-            for bm, bn, warps, stages, tma in itertools.product((64, 128), widths, (4, 8), (2, 3, 4), (0, 1)):
-                cfg = TileConfig(bm, bn, 128, warps, stages, 8, tma)
+            widths = (128,) if gated else ((64, 128, 256) if decode_sized else (128, 256))
+            stage_counts = (3, 4, 5) if decode_sized else (2, 3, 4)
+            for bm, bn, warps, stages, tma in itertools.product(rows_per_tile, widths, (4, 8), stage_counts, (0, 1)):
+                cfg = TileConfig(bm, bn, 128, warps, stages, group_m, tma)
                 fused_moe.tile_config = lambda n, g, *a, cfg=cfg, gated=gated, **k: cfg if g == gated else default[g]
                 rows[f"{'gated' if gated else 'down'} {bm}x{bn} w{warps} s{stages} tma{tma}"] = _time(
                     lambda: fused_moe.fused_experts(x, top_w, top_i, gq, dq, **kwargs))
