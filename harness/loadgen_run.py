@@ -88,7 +88,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
         progress.close()
         failed.close()
     if sut.resent:
-        logger.warning("%d queries were sent again after the router became unreachable", sut.resent)
+        logger.warning("%d queries were sent again (the router unreachable, or their call cancelled)", sut.resent)
     if failed.count:
         logger.warning("%d samples failed; see %s", failed.count, log_dir / FAILED_SAMPLES_FILE)
     return log_dir

@@ -110,7 +110,7 @@ class RouterSUT:
         self._failed = failed_samples
         self.progress = progress
         self._outstanding: dict[int, int] = {}  # LoadGen query id -> qsl index, until completed
-        self.resent = 0  # queries sent again because the router was unreachable
+        self.resent = 0  # queries sent again because the router was unreachable or their call was cancelled
         self._tasks: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(settings.max_inflight) if settings.max_inflight else contextlib.nullcontext()
         self._loop = asyncio.new_event_loop()

@@ -3,7 +3,7 @@
 A program owns BLOCK_Q query rows of one chunk for all query heads of one KV head (GQA rows packed
 into the tile's M dimension), reads K/V through the block table with an online softmax in float32. On devices
 with TMA, chunks that are whole prompts read this step's contiguous K/V rows through tensor descriptors instead.
-An FP8 cache's rows are widened exactly for the dot products (paged_decode.dot_dtype: float16 by default, q rounded
+An FP8 cache's rows are widened exactly for the dot products (paged_decode.dot_dtype: float16 by default, q converted
 to it), with the K scale folded into the softmax scale and the V scale into the output; chunks reading this step's
 own rows (in the activation dtype) use neither.
 """
