@@ -23,9 +23,11 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], lines: int = 1) -> list[str]:
-        """Starts `python *args`; its first `lines` lines of stdout (addresses, "ready")."""
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    def start(self, args: list[str], lines: int = 1, log: Path | None = None) -> list[str]:
+        """Starts `python *args`; its first `lines` lines of stdout (addresses, "ready"). log: where its stderr
+        goes (default: discarded)."""
+        stderr = log.open("w") if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr,
                                 text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
         self.procs.append(proc)
         return [proc.stdout.readline().strip() for _ in range(lines)]

@@ -16,7 +16,6 @@ import asyncio
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,12 +63,9 @@ async def burst(requests: int, image_mb: float) -> dict:
     procs = Procs()
     router_log = Path(tempfile.mkdtemp(prefix="router-burst-")) / "router.log"
     try:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "--listen", "127.0.0.1:0", "--policy", "least_loaded", "--log-level",
-             "INFO"], cwd=REPO, stdout=subprocess.PIPE, stderr=router_log.open("w"), text=True,
-            env=os.environ | {"OMP_NUM_THREADS": "1"})
-        procs.procs.append(router)
-        address = router.stdout.readline().split()[-1]
+        (line,) = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--policy", "least_loaded",
+                               "--log-level", "INFO"], log=router_log)
+        address = line.split()[-1]
         procs.start(["-m", "harness.router_ceiling", "--serve-workers", address, "--workers", "1", "--hardware",
                      "h200", "--simulation", json.dumps({"model": "qwen3-vl-30b-a3b"})])
         prompt = Workload().prompt().token_ids

@@ -120,10 +120,19 @@ class TimedSUT(RouterSUT):
 
 def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode,
                 reconnect_s: float = 0.0) -> TimedSUT:
+    settings = SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL,
+                           reconnect_s=reconnect_s, reconnect_interval_s=0.05)
+    return run_sut_test(StoreDouble(), lambda ids: "".join(chr(i) for i in ids), settings, out, scenario, mode,
+                        NUM_SAMPLES, TimedSUT)
+
+
+def run_sut_test(store, decode, sut_settings: SUTSettings, out: Path, scenario: lg.TestScenario,
+                 mode: lg.TestMode, samples: int, sut_class=RouterSUT) -> RouterSUT:
+    """One real LoadGen test of `samples` samples through a SUT over `store`; every query completed."""
     settings = lg.TestSettings()
     settings.scenario = scenario
     settings.mode = mode
-    settings.min_query_count = NUM_SAMPLES
+    settings.min_query_count = samples
     settings.min_duration_ms = 100
     settings.server_target_qps = 50
     settings.offline_expected_qps = 50
@@ -131,16 +140,8 @@ def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.Tes
     log_settings.log_output.outdir = str(out)
     log_settings.enable_trace = False
     failed = FailedSamplesLog(out / FAILED_SAMPLES_FILE)
-    store = StoreDouble()
-    qsl = StoreQSL(store, NUM_SAMPLES, NUM_SAMPLES)
-    sut = TimedSUT(
-        store,
-        lambda ids: "".join(chr(i) for i in ids),
-        SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL,
-                    reconnect_s=reconnect_s, reconnect_interval_s=0.05),
-        failed,
-        Progress("test", enabled=False),
-    )
+    qsl = StoreQSL(store, samples, samples)
+    sut = sut_class(store, decode, sut_settings, failed, Progress("test", enabled=False))
     try:
         lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, log_settings, str(out / "audit.config"))
         assert sut.outstanding == 0
@@ -241,24 +242,11 @@ def offline_through_a_small_router(tmp_path: Path, max_inflight: int | None) -> 
     limits = {"max_inflight_per_worker": 2, "max_queue": 2}
     cluster = Cluster(roles=("aggregated",), step_delay_s=0.005, config={"limits": limits})
     asyncio.run_coroutine_threadsafe(cluster.__aenter__(), loop).result(30)
-    settings = lg.TestSettings()
-    settings.scenario, settings.mode = lg.TestScenario.Offline, lg.TestMode.PerformanceOnly
-    settings.min_query_count, settings.min_duration_ms, settings.offline_expected_qps = samples, 100, 10
-    log_settings = lg.LogSettings()
-    log_settings.log_output.outdir = str(tmp_path)
-    log_settings.enable_trace = False
-    failed = FailedSamplesLog(tmp_path / FAILED_SAMPLES_FILE)
-    qsl = StoreQSL(TextStore(), samples, samples)
-    sut = RouterSUT(TextStore(), lambda ids: "x" * len(ids),
-                    SUTSettings(router_address=cluster.router.address, max_tokens=8, max_inflight=max_inflight),
-                    failed, Progress("test", enabled=False))
     try:
-        lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, log_settings, str(tmp_path / "audit.config"))
-        assert sut.outstanding == 0
+        run_sut_test(TextStore(), lambda ids: "x" * len(ids),
+                     SUTSettings(router_address=cluster.router.address, max_tokens=8, max_inflight=max_inflight),
+                     tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly, samples)
     finally:
-        sut.close()
-        qsl.close()
-        failed.close()
         asyncio.run_coroutine_threadsafe(cluster.__aexit__(None, None, None), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
