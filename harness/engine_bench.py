@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="catalogue samples (default 256; tiny 4)")
     p.add_argument("--workloads", default=None, help="catalogue workloads, comma-separated: fixed (the issue's "
                    "one-image-size workload), realistic (synthetic catalogue with the real dataset's statistics); "
-                   "default both, tiny: fixed")
+                   "default both, tiny: fixed; none: only the vision, MoE, prefill and decode figures")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
                    "the prefill figure then runs steps of this many tokens)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 512, as h200x1.yaml)")
@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixed-step-graphs", choices=["on", "off", "both"], default="on", help="steps with prompt "
                    "chunks through piecewise CUDA graphs (engine.mixed_step_graphs); both: each precision twice, off "
                    "(keys ..._eager_steps) then on, in the same call")
+    p.add_argument("--moe-configs", type=Path, default=None, help="a folder of tuned MoE tile tables to read "
+                   "instead of workers/model/fused_moe_configs (scripts/tune_fp8.py --table-out writes one)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds each CUDA part may run")
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
@@ -77,9 +79,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     if set(args.precisions.split(",")) - set(PRECISIONS):
         p.error(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {args.precisions!r}")
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if args.workloads == "none":
+        if args.catalogue_only or not args.skip_baseline:
+            p.error("--workloads none leaves no catalogue: it needs --skip-baseline and no --catalogue-only")
+        args.workloads = ""
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS) - {""}
     if unknown:
-        p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}")
+        p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}, or none")
+    if args.moe_configs is not None and not args.moe_configs.is_dir():
+        p.error(f"--moe-configs {args.moe_configs}: not a folder")
     return args
 
 

@@ -27,7 +27,7 @@ def catalogues(args, w: Workload) -> dict[str, list]:
     from harness.catalogue_workload import build_workload
 
     return {kind: build_workload(kind, w.samples, w.image_size, w.text_tokens, w.output_tokens)
-            for kind in args.workloads.split(",")}
+            for kind in args.workloads.split(",") if kind}
 
 
 # profiled windows (step index): while images are still prepared, the host's ops, after images are prepared
@@ -112,6 +112,10 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from harness.catalogue_workload import longest_request
 
     sync = Sync(args.device)
+    if args.moe_configs is not None:  # before the engine reads a table
+        from workers.model import fused_moe
+
+        fused_moe.TUNED_DIR = Path(args.moe_configs)
     if args.prefill_pointer_loads:
         from workers.model import paged_prefill
 
@@ -136,7 +140,8 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
                     "block_size": cfg.block_size, "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size,
                     "weights": engine.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
                     "mixed_step_graphs": engine.runner.step_graphs is not None,
-                    "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report}
+                    "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report,
+                    "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs")}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))

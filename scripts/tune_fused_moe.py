@@ -155,20 +155,6 @@ def tune(e: int, h: int, i: int, k: int, tokens_list, device: str, small: list[T
     return table
 
 
-def merged(old: dict[str, list[tuple[int, TileConfig]]], new: dict[str, list]) -> dict[str, list]:
-    """The old table's rows with the newly tuned pair counts replaced or added, sorted by pairs."""
-    out = {key: {pairs: list(astuple(cfg)) for pairs, cfg in rows} for key, rows in old.items()}
-    for key, rows in new.items():
-        out.setdefault(key, {}).update({pairs: cfg for pairs, cfg in rows})
-    return {key: [[pairs, rows[pairs]] for pairs in sorted(rows)] for key, rows in out.items()}
-
-
-def table_text(table: dict[str, list]) -> str:
-    """The tuned table as JSON with one [pairs, config] row a line."""
-    keys = [f' {json.dumps(key)}: [\n' + ",\n".join(f"  {json.dumps(row)}" for row in rows) + "\n ]" for key, rows in table.items()]
-    return "{\n" + ",\n".join(keys) + "\n}\n"
-
-
 def compare(e: int, h: int, i: int, k: int, tokens_list, device: str, before_path: Path | None, after_path: Path | None) -> dict:
     """Experts time per token count with two tuned tables side by side (each defaults to the one this device
     reads), the parts with the "after" table (align, gated GEMM, down GEMM, k-sum), and the whole MoE layer
@@ -243,7 +229,7 @@ def main() -> None:
     if args.compare:
         print(json.dumps(compare(e, h, i, k, tokens_list, device, args.before, args.after)), flush=True)
         return
-    text = table_text(merged(fused_moe._tuned(device_name(device)), tune(e, h, i, k, tokens_list, device, small, large)))
+    text = fused_moe.table_text(fused_moe.merged_table(fused_moe._tuned(device_name(device)), tune(e, h, i, k, tokens_list, device, small, large)))
     if args.smoke and args.out is None:
         print(text, end="")
         return

@@ -62,3 +62,33 @@ def test_precisions_run_fp8_weights_beside_bf16_in_the_same_call(tmp_path, capsy
     assert result["ours_fp8"]["weights"].startswith("fp8 e4m3 weights in 128x128 blocks")
     assert result["ours_fp8"]["catalogue"]["samples_per_s"] > 0
     assert result["ours_fp8"]["kv_pool_tokens"] == result["ours_fp8"]["kv_blocks"] * result["ours_fp8"]["block_size"]
+
+
+def test_no_workload_gives_the_part_figures_alone_on_the_moe_tables_asked_for(tmp_path, capsys, monkeypatch):
+    from workers.model import fused_moe
+
+    # on CUDA each part is a process of its own; on the CPU the table folder is set in this one, then put back
+    monkeypatch.setattr(fused_moe, "TUNED_DIR", fused_moe.TUNED_DIR)
+    fused_moe._tuned.cache_clear()
+    try:
+        result = bench_engine.main(["--shape", "tiny", "--skip-baseline", "--workloads", "none",
+                                    "--moe-configs", str(tmp_path)])
+        assert fused_moe.TUNED_DIR == tmp_path
+    finally:
+        fused_moe._tuned.cache_clear()
+    capsys.readouterr()
+    ours = result["ours"]
+    assert {"decode", "prefill_tokens_per_s", "vision_ms_per_image"} <= set(ours)
+    assert not {key for key in ours if key.startswith("catalogue")}
+    assert ours["moe_configs"] == str(tmp_path)
+
+
+def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
+    for argv in (["--workloads", "none"], ["--workloads", "none", "--skip-baseline", "--catalogue-only"]):
+        try:
+            bench_engine.main(["--shape", "tiny", *argv])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+    assert "--workloads none" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -63,7 +63,7 @@ GEMV_GATED_FP8 = TileConfig(1, 16, 128, 4, 1)
 GEMV_DOWN_FP8 = TileConfig(1, 8, 128, 8, 1)
 FP8_BLOCK_K = 128  # the fp8 paths' K tile: one activation and one weight scale per tile
 
-TUNED_DIR = Path(__file__).with_name("fused_moe_configs")  # {device name}.json, written by scripts/tune_fused_moe.py
+TUNED_DIR = Path(__file__).with_name("fused_moe_configs")  # {device name}.json: scripts/tune_fused_moe.py (bf16), tune_fp8.py (",fp8" rows)
 
 
 def shape_key(num_experts: int, n: int, k: int, gated: bool, fp8: bool = False) -> str:
@@ -76,6 +76,21 @@ def read_table(path: Path) -> dict[str, list[tuple[int, TileConfig]]]:
     -> rows sorted by pairs."""
     table = json.loads(path.read_text())
     return {key: sorted(((pairs, TileConfig(*cfg)) for pairs, cfg in rows), key=lambda row: row[0]) for key, rows in table.items()}
+
+
+def merged_table(old: dict[str, list[tuple[int, TileConfig]]], new: dict[str, list]) -> dict[str, list]:
+    """read_table's rows with new rows ({shape_key: [[pairs, [block_m, ...]], ...]}) replacing or adding their pair
+    counts, as plain lists sorted by pairs (table_text's input)."""
+    out = {key: {pairs: list(astuple(cfg)) for pairs, cfg in rows} for key, rows in old.items()}
+    for key, rows in new.items():
+        out.setdefault(key, {}).update({pairs: list(cfg) for pairs, cfg in rows})
+    return {key: [[pairs, rows[pairs]] for pairs in sorted(rows)] for key, rows in out.items()}
+
+
+def table_text(table: dict[str, list]) -> str:
+    """A tuned table as JSON with one [pairs, config] row a line (read_table reads it back)."""
+    keys = [f' {json.dumps(key)}: [\n' + ",\n".join(f"  {json.dumps(row)}" for row in rows) + "\n ]" for key, rows in table.items()]
+    return "{\n" + ",\n".join(keys) + "\n}\n"
 
 
 @functools.cache
