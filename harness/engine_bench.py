@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda, or cpu for --shape tiny")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared), 20-21 (host ops) and 40-41")
+    p.add_argument("--profile-decode", type=Path, default=None, help="torch.profiler tables of 8 decode steps at the "
+                   "largest decode batch, appended to this file per precision, with the GPU's busy share of their wall "
+                   "time (decode_profile in the JSON)")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -86,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.workloads.split(",")) - set(WORKLOADS) - {""}
     if unknown:
         p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}, or none")
+    if args.profile_decode is not None and not args.device.startswith("cuda"):
+        p.error("--profile-decode profiles CUDA kernels: it needs a CUDA device")
     if args.moe_configs is not None and not args.moe_configs.is_dir():
         p.error(f"--moe-configs {args.moe_configs}: not a folder")
     return args

@@ -20,6 +20,7 @@ log = logging.getLogger("bench_engine")
 
 
 CATALOGUE_KEYS = {"fixed": "catalogue", "realistic": "catalogue_realistic"}
+PROFILED_DECODE_STEPS = 8  # --profile-decode: steps profiled after the timed ones, at the largest batch
 
 
 def catalogues(args, w: Workload) -> dict[str, list]:
@@ -213,11 +214,12 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
 
     # decode throughput at fixed batch sizes and ~decode_context tokens of context
     decode = {}
-    for batch in w.decode_batches:
-        if batch > w.max_num_seqs:
-            continue
+    batches = [b for b in w.decode_batches if b <= w.max_num_seqs]
+    profiled = PROFILED_DECODE_STEPS if args.profile_decode else 0
+    for batch in batches:
+        extra = profiled if batch == batches[-1] else 0
         for _ in range(batch):
-            add_text(w.decode_context, w.decode_steps + 2)
+            add_text(w.decode_context, w.decode_steps + 2 + extra)
         while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         sync()
@@ -226,6 +228,9 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             s = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - s)
+        if extra:
+            label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
+            result["decode_profile"] = {str(batch): profile_steps(engine, extra, args.profile_decode, label)[1]}
         run_until_done(engine, sync)
         step = statistics.median(times)
         decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1)}

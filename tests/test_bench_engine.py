@@ -92,3 +92,13 @@ def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
         else:
             raise AssertionError(f"{argv} was accepted")
     assert "--workloads none" in capsys.readouterr().err
+
+
+def test_profiling_decode_steps_is_refused_without_a_gpu(tmp_path, capsys):
+    try:
+        bench_engine.main(["--shape", "tiny", "--skip-baseline", "--profile-decode", str(tmp_path / "p.txt")])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--profile-decode was accepted on the CPU")
+    assert "needs a CUDA device" in capsys.readouterr().err
