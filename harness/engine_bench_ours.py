@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.engine_bench_setup import Workload
+from workers.core.step_work import median_phases_ms
 from workers.bench.engine_probes import (
     GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps, run_until_done, triton_cache_kernels,
 )
@@ -223,17 +224,19 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
         while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         sync()
-        times = []
+        times, phases = [], []
         for _ in range(w.decode_steps):
             s = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - s)
+            phases.append(engine.last_step_phases)
         if extra:
             label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
             result["decode_profile"] = {str(batch): profile_steps(engine, extra, args.profile_decode, label)[1]}
         run_until_done(engine, sync)
         step = statistics.median(times)
-        decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1)}
+        decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
+                              "phases_ms_median": median_phases_ms(phases)}
         log.info("decode batch %d: %s", batch, decode[str(batch)])
     result["decode"] = decode
     return result

@@ -17,6 +17,10 @@ def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, caps
     assert {"prefill_tokens_per_s", "decode", "vision_ms_per_image", "catalogue", "kv_blocks"} <= set(ours)
     assert set(ours["decode"]) == {"1", "4"}
     assert all(d["tokens_per_s"] > 0 for d in ours["decode"].values())
+    for d in ours["decode"].values():  # where each step's time went: on the CPU all of it is the host's
+        phases = d["phases_ms_median"]
+        assert set(phases) == {"schedule", "execute", "wait", "update", "host"}
+        assert phases["wait"] < phases["host"] <= d["step_ms_median"] * 1.05
     catalogue = ours["catalogue"]
     assert catalogue["samples"] == 2 and catalogue["samples_per_s"] > 0
     # a 128x128 JPEG is raised to 64 visual tokens; 32 text tokens; 10 of the chat template

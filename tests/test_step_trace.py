@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from test_sim_engine_scheduling import ARRIVALS, LIMITS, run
 from workers.config import EngineConfig
 from workers.core.step_trace import StepTrace, read_requests, read_steps
-from workers.core.step_work import StepWork
+from contract.types import SamplingParams
+from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
@@ -203,3 +205,41 @@ def test_a_search_takes_the_product_paths_own_fit_unless_told_none_and_the_repla
     assert parse_args(["--validate", "--product-path"]).step_correction is None
     fit = StepCorrection.load(PRODUCT_PATH_FIT)  # the committed fit is a correction, not the identity
     assert fit.text_scale > 1 and fit.vision_scale < 1 and fit.step_overhead_ms > 0
+
+
+def test_each_step_splits_its_wall_time_into_the_host_s_part_and_the_wait_for_the_device(tiny_moe_checkpoint, tmp_path):
+    # the simulated engine in real time sleeps each step's modelled device time inside execute: its wait
+    sim = SimulatedEngine(
+        EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **LIMITS),
+        SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000, time_scale=20.0),
+        StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=True,
+    )
+    sim.add_request("r", ARRIVALS[3][2], SamplingParams(temperature=0.0, max_tokens=3))
+    while sim.has_unfinished():
+        started = time.monotonic()
+        sim.step()
+        wall = time.monotonic() - started
+        phases = sim.last_step_phases
+        assert phases.wait == pytest.approx(sim.executor.last_wait_s) and phases.wait > 0
+        assert 0 < phases.host < phases.schedule + phases.execute + phases.update <= wall
+        assert phases.host == pytest.approx(phases.schedule + phases.execute - phases.wait + phases.update)
+    sim.close()
+    # the real engine on the CPU waits for nothing: every step is host time, and its trace lines say so
+    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    run(real)
+    real.close()
+    lines = [line for line in _trace_lines(tmp_path / "real") if "request" not in line]
+    assert lines and all(set(line["phases_ms"]) == {"schedule", "execute", "wait", "update", "host"} for line in lines)
+    for phases in (line["phases_ms"] for line in lines):  # the token read-back returns at once: microseconds
+        assert phases["wait"] <= 0.05 and phases["execute"] > 0
+        assert phases["host"] == pytest.approx(phases["schedule"] + phases["execute"] + phases["update"], abs=0.06)
+
+
+def _trace_lines(directory: Path) -> list[dict]:
+    return [json.loads(text) for path in sorted(directory.glob("steps-*.jsonl")) for text in path.read_text().splitlines()]
+
+
+def test_phase_medians_are_taken_per_phase():
+    steps = [StepPhases(0.001, 0.010, 0.008, 0.002), StepPhases(0.003, 0.020, 0.010, 0.001),
+             StepPhases(0.002, 0.030, 0.025, 0.004)]
+    assert median_phases_ms(steps) == {"schedule": 2.0, "execute": 20.0, "wait": 10.0, "update": 2.0, "host": 11.0}  # hosts 5, 14, 11

@@ -30,7 +30,7 @@ from workers.inputs.request_inputs import ModelInputs
 from workers.core.scheduler import Scheduler, SchedulerLimits
 from workers.core.sequence import Sequence
 from workers.core.step_trace import StepTrace
-from workers.core.step_work import step_work
+from workers.core.step_work import StepPhases, step_work
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
+        self.last_step_phases: StepPhases | None = None  # where the last step's wall time went
         self._vision_depth = vision.depth
         self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
 
@@ -272,23 +273,23 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         started = time.monotonic()
         out = self.scheduler.schedule()
+        scheduled = executed = time.monotonic()
         changed = list(out.rejected)
+        wait = 0.0
         if out.is_empty:
             self.executor.idle()
+            executed = time.monotonic()
         else:
             try:
                 sampled = self.executor.execute(out)
             except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
+                executed = time.monotonic()
                 log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
                 changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
             else:
+                executed, wait = time.monotonic(), self.executor.last_wait_s
                 changed += self.scheduler.update(out, sampled)
-        if self._step_trace is not None:
-            ended = time.monotonic()
-            if not out.is_empty:
-                self._step_trace.record(started, ended, step_work(out, self._vision_depth),
-                                        len(self.scheduler.waiting), len(self.scheduler.running))
-            self._step_trace.progress(out, changed, started, ended)  # also a rejection in an otherwise empty step
+        updated = time.monotonic()
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)
@@ -296,6 +297,13 @@ class LLMEngine:
                     log.warning("request %s failed: %s", seq.request_id, seq.error)
             if self._hands_out(seq):
                 outputs.append(self._output(seq))
+        self.last_step_phases = StepPhases(scheduled - started, executed - scheduled, wait, time.monotonic() - executed)
+        if self._step_trace is not None:
+            if not out.is_empty:
+                self._step_trace.record(started, updated, step_work(out, self._vision_depth),
+                                        len(self.scheduler.waiting), len(self.scheduler.running),
+                                        self.last_step_phases)
+            self._step_trace.progress(out, changed, started, updated)  # also a rejection in an otherwise empty step
         self._steps += 1
         return outputs
 

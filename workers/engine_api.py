@@ -87,9 +87,12 @@ class EngineCore(Protocol):
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs the scheduler's batches for LLMEngine. num_kv_blocks: the KV pool it holds (the block manager's size)."""
+    """Runs the scheduler's batches for LLMEngine. num_kv_blocks: the KV pool it holds (the block manager's size).
+    last_wait_s: how long the last execute() waited for the device's results (the sampled tokens' read-back): the
+    rest of its time the host spent building and queueing the step (LLMEngine.last_step_phases)."""
 
     num_kv_blocks: int
+    last_wait_s: float
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Runs one non-empty batch; returns the sampled token of every chunk that samples, by request id. May raise:

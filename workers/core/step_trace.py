@@ -17,7 +17,7 @@ from typing import IO
 
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
-from workers.core.step_work import StepWork
+from workers.core.step_work import StepPhases, StepWork
 
 
 class StepTrace:
@@ -36,8 +36,10 @@ class StepTrace:
         self._sizes: set[int] = set()  # image sizes (patches) encoded so far: a new one builds a cuDNN plan
         self._requests: dict[str, dict] = {}  # admitted and not yet finished: their times so far
 
-    def record(self, started: float, ended: float, work: StepWork, waiting: int, running: int) -> None:
-        """A step that ran from `started` to `ended` (time.monotonic seconds), with the queue lengths after it;
+    def record(self, started: float, ended: float, work: StepWork, waiting: int, running: int,
+               phases: StepPhases | None = None) -> None:
+        """A step that ran from `started` to `ended` (time.monotonic seconds), with the queue lengths after it and
+        where its time went (phases: "phases_ms", whose update also holds building the outputs, after `ended`);
         work.vision_plans is set here from the sizes this trace has seen."""
         if self._file is None:
             return
@@ -45,6 +47,8 @@ class StepTrace:
         self._sizes.update(work.vision_patches)
         line = {"t_s": round(started - self._t0, 6), "ms": round((ended - started) * 1e3, 3),
                 "waiting": waiting, "running": running, **dataclasses.asdict(work)}
+        if phases is not None:
+            line["phases_ms"] = phases.ms()
         self._write(line)
         self._unflushed += 1
         if self._unflushed >= self._flush_every:

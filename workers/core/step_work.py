@@ -4,6 +4,7 @@ the step model can be fitted on the product path's own steps (workers/sim/step_f
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from workers.core.scheduler import SchedulerOutput
@@ -20,6 +21,34 @@ class StepWork:
     vision_patches: list[int] = field(default_factory=list)  # pre-merge patches of images encoded this step
     vision_shares: list[float] = field(default_factory=list)  # of each, the share of the tower's blocks run (1.0)
     vision_plans: int = 0              # of their image sizes, those the engine has not encoded before
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Where one engine step's wall time went, in seconds: scheduling, the executor's call (building and queueing the
+    step, then `wait` of it blocked on the device's results), and the scheduler's update with the outputs. On a GPU
+    the host's part, schedule + execute - wait + update, is the most the device can idle in a step."""
+
+    schedule: float
+    execute: float
+    wait: float
+    update: float
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.execute - self.wait + self.update
+
+    def ms(self) -> dict[str, float]:
+        """The phases and the host's part in milliseconds (a step trace's "phases_ms")."""
+        return {name: round(value * 1e3, 3) for name, value in (
+            ("schedule", self.schedule), ("execute", self.execute), ("wait", self.wait), ("update", self.update),
+            ("host", self.host))}
+
+
+def median_phases_ms(phases: list[StepPhases]) -> dict[str, float]:
+    """Each phase's median over some steps, in milliseconds (host: the median of the steps' host parts)."""
+    columns = zip(*(p.ms().items() for p in phases))
+    return {items[0][0]: round(statistics.median(v for _, v in items), 3) for items in columns}
 
 
 PATCHES_PER_VISUAL_TOKEN = 4  # Qwen3-VL merges 2 x 2 patches into one visual token

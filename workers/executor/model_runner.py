@@ -131,6 +131,7 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.kv = self._new_kv_cache(num_blocks + 1)
         self.sampler = Sampler(self.device, config.seed)
+        self.last_wait_s = 0.0  # the Executor protocol: the last step's wait for its sampled tokens
         # Vision-tower outputs the scheduler listed, until it frees them: (embeds, DeepStack) per image.
         self._encoded: dict[ImageKey, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._passes: dict[ImageKey, TowerState] = {}  # vision passes spread over steps, between their blocks
@@ -193,6 +194,7 @@ class ModelRunner:
         benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
         for key in out.encoder_drop:
             self._drop_image(key)
+        self.last_wait_s = 0.0
         if not out.chunks:  # vision-tower work alone (the blocks of a pass every prompt waits for)
             self._encode(out.encode_now)
             self._encode(out.encode_ahead)
@@ -213,7 +215,13 @@ class ModelRunner:
             logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
         )) if sampling else None
         self._encode(out.encode_ahead)  # behind the sampled tokens: not waited for by their read-back
-        return dict(zip(ids, tokens.wait().tolist())) if tokens is not None else {}
+        if tokens is None:
+            self.last_wait_s = 0.0
+            return {}
+        waited = time.perf_counter()
+        host = tokens.wait()
+        self.last_wait_s = time.perf_counter() - waited
+        return dict(zip(ids, host.tolist()))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:

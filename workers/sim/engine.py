@@ -50,6 +50,7 @@ class SimulatedExecutor:
         self.num_kv_blocks = config.num_kv_blocks or max(
             step_model.kv_capacity_tokens(config.gpu_memory_utilization) // config.block_size, 1)
         self.last_step_s = 0.0
+        self.last_wait_s = 0.0  # the Executor protocol: a realtime step's sleep stands for the device's time
         self.busy_s = 0.0
         self.overrun_s = 0.0  # wall seconds steps ran past step_model x time_scale (a starved CPU, Python overhead)
         self.step_started = time.monotonic()  # set by the engine when a step begins: its sleep ends relative to it
@@ -68,8 +69,10 @@ class SimulatedExecutor:
         self.encoded_sizes.update(work.vision_patches)
         self.last_step_s = self.step_model.step_ms(work) / 1e3
         self.busy_s += self.last_step_s
+        self.last_wait_s = 0.0
         if self.realtime:
-            time.sleep(max(self.step_started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0))
+            self.last_wait_s = max(self.step_started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0)
+            time.sleep(self.last_wait_s)
 
     def account_overrun(self, started: float, busy: bool) -> None:
         """Adds the step's wall time beyond its simulated length, and any gap since a previous busy step."""
