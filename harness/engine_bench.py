@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile-out", type=Path, default=None, help="torch.profiler tables of the fixed catalogue's steps 2-3 (images still being prepared), 20-21 (host ops) and 40-41")
     p.add_argument("--profile-decode", type=Path, default=None, help="torch.profiler tables of 8 decode steps at the "
-                   "largest decode batch, appended to this file per precision, with the GPU's busy share of their wall "
-                   "time (decode_profile in the JSON)")
+                   "largest decode batch by GPU time, then of 8 more by host time (the host's ops recorded too), appended "
+                   "to this file per precision, with the GPU's busy share of their wall time (decode_profile in the JSON)")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

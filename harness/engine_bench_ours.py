@@ -21,7 +21,7 @@ log = logging.getLogger("bench_engine")
 
 
 CATALOGUE_KEYS = {"fixed": "catalogue", "realistic": "catalogue_realistic"}
-PROFILED_DECODE_STEPS = 8  # --profile-decode: steps profiled after the timed ones, at the largest batch
+PROFILED_DECODE_STEPS = 8  # --profile-decode: steps profiled after the timed ones, at the largest batch, twice
 
 
 def catalogues(args, w: Workload) -> dict[str, list]:
@@ -216,7 +216,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     # decode throughput at fixed batch sizes and ~decode_context tokens of context
     decode = {}
     batches = [b for b in w.decode_batches if b <= w.max_num_seqs]
-    profiled = PROFILED_DECODE_STEPS if args.profile_decode else 0
+    profiled = 2 * PROFILED_DECODE_STEPS if args.profile_decode else 0  # the GPU's kernels, then the host's ops
     for batch in batches:
         extra = profiled if batch == batches[-1] else 0
         for _ in range(batch):
@@ -232,7 +232,11 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             phases.append(engine.last_step_phases)
         if extra:
             label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
-            result["decode_profile"] = {str(batch): profile_steps(engine, extra, args.profile_decode, label)[1]}
+            result["decode_profile"] = {
+                str(batch): profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label)[1],
+                f"{batch}_host": profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label + ", host ops",
+                                               host=True)[1],
+            }
         run_until_done(engine, sync)
         step = statistics.median(times)
         decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
