@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-ab", action="store_true", help="the fixed catalogue also again (warm), and with 16 "
                    "preparation threads instead of the engine's preprocess_threads: what overlapping costs the steps")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to measure their effect)")
+    p.add_argument("--overlap-decode-steps", action="store_true", help="engine.overlap_decode_steps: a decode-only "
+                   "step's successor is scheduled and queued while it runs (run the bench with and without it, "
+                   "interleaved, for an A/B)")
     p.add_argument("--mixed-step-graphs", choices=["on", "off", "both"], default="on", help="steps with prompt "
                    "chunks through piecewise CUDA graphs (engine.mixed_step_graphs); both: each precision twice, off "
                    "(keys ..._eager_steps) then on, in the same call")

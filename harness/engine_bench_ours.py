@@ -129,7 +129,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         mixed_step_graphs=args.mixed_step_graphs != "off",
-        encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up,
+        encode_ahead=not args.no_encode_ahead, warm_up=not args.no_warm_up, overlap_decode_steps=args.overlap_decode_steps,
         num_kv_blocks=None if args.device.startswith("cuda") else 4096,
         **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}),
         fp8_compute=args.fp8_compute if args.device.startswith("cuda") else "fp8",
@@ -143,7 +143,8 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
                     "weights": engine.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
                     "mixed_step_graphs": engine.runner.step_graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report,
-                    "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs")}
+                    "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs"),
+                    "overlap_decode_steps": cfg.overlap_decode_steps}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))

@@ -76,7 +76,7 @@ def test_no_workload_gives_the_part_figures_alone_on_the_moe_tables_asked_for(tm
     fused_moe._tuned.cache_clear()
     try:
         result = bench_engine.main(["--shape", "tiny", "--skip-baseline", "--workloads", "none",
-                                    "--moe-configs", str(tmp_path)])
+                                    "--moe-configs", str(tmp_path), "--overlap-decode-steps"])
         assert fused_moe.TUNED_DIR == tmp_path
     finally:
         fused_moe._tuned.cache_clear()
@@ -84,7 +84,7 @@ def test_no_workload_gives_the_part_figures_alone_on_the_moe_tables_asked_for(tm
     ours = result["ours"]
     assert {"decode", "prefill_tokens_per_s", "vision_ms_per_image"} <= set(ours)
     assert not {key for key in ours if key.startswith("catalogue")}
-    assert ours["moe_configs"] == str(tmp_path)
+    assert ours["moe_configs"] == str(tmp_path) and ours["overlap_decode_steps"] is True
 
 
 def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):

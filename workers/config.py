@@ -102,6 +102,14 @@ class EngineConfig(BaseModel):
         "probably reach, encoded behind this step's sampling (off: each image is encoded in the step that first "
         "needs it)."
     )
+    overlap_decode_steps: bool = Field(
+        False, description="While a decode-only step runs, schedule and launch the next one (the same sequences, one "
+        "token on, their input tokens read on the device from the running step's samples) before reading its tokens "
+        "back, so the host's scheduling and the device's work overlap (vLLM's async scheduling, for decode-only "
+        "steps). Only when nothing waits for admission or encoding, no request is grammar-constrained or prefill-only "
+        "and every sequence surely goes on unless it samples a stop token; a sequence that stops has its look-ahead "
+        "token dropped. Single-GPU engines only (not multi-rank)."
+    )
     warm_up: bool = Field(
         True, description="On CUDA, before the first request: one text step at each step size whose fused-MoE tile "
         "configs differ, then the real step loop on throw-away requests, one per warm_up_image_sizes. Triton compiles "

@@ -21,13 +21,13 @@ from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput,
 from contract.vision_geometry import image_geometry
 from workers.core.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.engine_api import Executor, PreparedRequest, RequestInputs
+from workers.engine_api import DecodeLauncher, Executor, LaunchedStep, PreparedRequest, RequestInputs
 from workers.core.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError
 from workers.executor.model_runner import ModelRunner
 from workers.inputs.request_inputs import ModelInputs
-from workers.core.scheduler import Scheduler, SchedulerLimits
+from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.sequence import Sequence
 from workers.core.step_trace import StepTrace
 from workers.core.step_work import StepPhases, step_work
@@ -88,6 +88,12 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._steps = 0
         self.last_step_phases: StepPhases | None = None  # where the last step's wall time went
+        # config.overlap_decode_steps: a decode-only step queued on the device behind the one being applied
+        self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._overlap = config.overlap_decode_steps and isinstance(executor, DecodeLauncher) and executor.can_overlap
+        if config.overlap_decode_steps and not self._overlap:
+            log.warning("engine.overlap_decode_steps: this engine's executor cannot queue steps ahead; steps run one "
+                        "at a time")
         self._vision_depth = vision.depth
         self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
 
@@ -250,7 +256,7 @@ class LLMEngine:
         return self.scheduler.release(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
 
     def load(self) -> EngineLoad:
         s = self.scheduler
@@ -269,14 +275,30 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one batch; returns outputs of requests that got tokens or finished."""
+        """Schedules and runs one batch; returns outputs of requests that got tokens or finished. With
+        config.overlap_decode_steps, a decode-only step's successor may already be queued on the device when this
+        returns (it is the next call's step)."""
         outputs, self._pending = self._pending, []
         started = time.monotonic()
-        out = self.scheduler.schedule()
+        launched = None
+        if self._launched is not None:  # queued by the last call, behind the step it applied
+            (out, launched), self._launched = self._launched, None
+        else:
+            out = self.scheduler.schedule()
         scheduled = executed = time.monotonic()
         changed = list(out.rejected)
         wait = 0.0
-        if out.is_empty:
+        if launched is None and self._overlaps(out):
+            try:
+                launched = self.executor.launch_decodes(out)
+            except Exception as exc:  # noqa: BLE001 - as a failed step below
+                log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
+                changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
+                out = SchedulerOutput()
+        if launched is not None:
+            changed += self._run_overlapped(out, launched)
+            executed, wait = time.monotonic(), launched.waited_s
+        elif out.is_empty:
             self.executor.idle()
             executed = time.monotonic()
         else:
@@ -306,6 +328,30 @@ class LLMEngine:
             self._step_trace.progress(out, changed, started, updated)  # also a rejection in an otherwise empty step
         self._steps += 1
         return outputs
+
+    def _overlaps(self, out: SchedulerOutput) -> bool:
+        """Whether out runs as a launched decode-only step (config.overlap_decode_steps): decodes alone, no tower
+        work or KV import, nothing grammar-constrained or prefill-only."""
+        if not self._overlap or not out.chunks or out.kv_imports or not out.is_decode_only:
+            return False
+        return all(c.seq.grammar is None and not c.seq.prefill_only for c in out.chunks)
+
+    def _run_overlapped(self, out: SchedulerOutput, launched: LaunchedStep) -> list[Sequence]:
+        """Queues the step after `out` while `out` runs (when the scheduler can tell what it is), then applies
+        `out`'s tokens. A failure fails `out`'s requests; the step queued behind it is dropped with them."""
+        ahead = self.scheduler.schedule_next_decodes(out)
+        if ahead is not None:
+            try:
+                self._launched = (ahead, self.executor.launch_decodes(ahead, after=launched))
+            except Exception:  # noqa: BLE001 - the next schedule() decides that step instead
+                log.exception("queueing the next decode step failed; it will be scheduled again")
+        try:
+            sampled = launched.wait()
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
+            self._launched = None
+            log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
+            return self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
+        return self.scheduler.update(out, sampled)
 
     def _hands_out(self, seq: Sequence) -> bool:
         """Whether this step streams seq's output (see _assemble's stream_interval)."""

@@ -113,6 +113,34 @@ class Executor(Protocol):
 
 
 @runtime_checkable
+class LaunchedStep(Protocol):
+    """A decode-only step queued on the device whose sampled tokens have not been read back yet."""
+
+    request_ids: list[str]
+    waited_s: float  # how long wait() blocked
+
+    def wait(self) -> dict[str, int]:
+        """Blocks until the step's tokens are on the host; each sequence's sampled token by request id."""
+        ...
+
+
+@runtime_checkable
+class DecodeLauncher(Protocol):
+    """An executor that can queue a decode-only step without waiting for it, the next one's input tokens read on the
+    device from a step still running (EngineConfig.overlap_decode_steps)."""
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether launch_decodes may be used (a single-process engine)."""
+        ...
+
+    def launch_decodes(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues out (decodes only; every chunk samples). after: the step still running whose samples are these
+        chunks' input tokens (each chunk's sequence is among after.request_ids); None: the inputs are on the host."""
+        ...
+
+
+@runtime_checkable
 class RequestInputs(Protocol):
     """Makes a request's Sequence; raises workers.inputs.mm_inputs.PromptError naming what cannot be served."""
 

@@ -17,14 +17,28 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.contiguous().pin_memory()  # an expanded view cannot be pinned in place
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether t is on device ("cuda" means the current CUDA device)."""
+    if t.device.type != device.type:
+        return False
+    if device.type != "cuda":
+        return True
+    return t.device.index == (device.index if device.index is not None else torch.cuda.current_device())
+
+
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = host tensor src; on CUDA an asynchronous copy from page-locked memory."""
+    """dst[...] = src: from the host, on CUDA an asynchronous copy from page-locked memory; a tensor already on
+    dst's device is copied there, in stream order."""
+    if _on(src, dst.device):
+        dst.copy_(src)
+        return
     dst.copy_(pinned(src, dst.device), non_blocking=True)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t on device; on CUDA an asynchronous copy from page-locked memory (the host does not wait for it)."""
-    if device.type != "cuda":
+    """t on device; on CUDA an asynchronous copy from page-locked memory (the host does not wait for it). A tensor
+    already there is returned as it is."""
+    if device.type != "cuda" or _on(t, device):
         return t.to(device)
     return pinned(t, device).to(device, non_blocking=True)
 

@@ -84,6 +84,12 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def is_decode_only(self) -> bool:
+        """Single-row chunks that each sample, and nothing else: no vision-tower work, no encoder state to drop."""
+        return bool(self.chunks) and all(c.num_tokens == 1 and c.samples for c in self.chunks) and not (
+            self.encode_now or self.encode_ahead or self.encoder_drop or self.encoder_free or self.kv_imports)
+
+    @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do: no chunks, and no vision-tower work or encoder state to drop (a step may
         run only the next blocks of a large image's pass while every prompt waits for it)."""
@@ -284,6 +290,31 @@ class Scheduler:
         if limits.encode_ahead and out.chunks:  # a step that runs nothing encodes nothing
             self._encode_ahead(out, encoder)
         return out
+
+    def schedule_next_decodes(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `out`, a decode-only step still running whose tokens are not yet applied, when it is
+        surely the same sequences one token on: nothing waits for admission or a tower pass, and each sequence goes
+        on unless it samples a stop token (then update() drops its look-ahead token). Sequences that `out` ends by
+        length are left out; a look-ahead chunk samples once update() has applied `out`. None when any of that does
+        not hold, or the blocks for the next tokens are not all free (the next schedule() decides then)."""
+        if self.waiting or self._passes or not out.chunks:
+            return None
+        limits, bm = self.limits, self.block_manager
+        chunks = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.is_finished:  # aborted since
+                continue
+            if chunk.num_tokens != 1 or not chunk.samples or seq.grammar is not None or seq.prefill_only:
+                return None
+            if seq.num_generated_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limits.max_model_len:
+                continue  # out's token ends it
+            chunks.append(ScheduledChunk(seq, chunk.start + 1, 1))
+        if not chunks or sum(bm.blocks_needed(c.seq, c.start + 1) for c in chunks) > bm.num_free_blocks:
+            return None
+        for c in chunks:
+            bm.allocate(c.seq, c.start + 1)
+        return SchedulerOutput(chunks=chunks)
 
     @staticmethod
     def _chunk_tokens(seq: Sequence, budget: int, prefill_left: int) -> int:

@@ -12,6 +12,7 @@ import gc
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -94,6 +95,23 @@ def num_deepstack(model_config: ModelConfig) -> int:
     """How many first text layers take the vision tower's DeepStack features after them."""
     vision = getattr(model_config.hf_config, "vision_config", None)
     return len(getattr(vision, "deepstack_visual_indexes", None) or [])
+
+
+@dataclass
+class LaunchedDecodes:
+    """A decode-only step on the device (the engine_api.LaunchedStep protocol): its sampled tokens in request_ids'
+    order, and their copy to the host, begun."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor
+    copy: HostCopy
+    waited_s: float = 0.0  # how long wait() blocked
+
+    def wait(self) -> dict[str, int]:
+        started = time.perf_counter()
+        host = self.copy.wait()
+        self.waited_s = time.perf_counter() - started
+        return dict(zip(self.request_ids, host.tolist()))
 
 
 class ModelRunner:
@@ -223,6 +241,35 @@ class ModelRunner:
         self.last_wait_s = time.perf_counter() - waited
         return dict(zip(ids, host.tolist()))
 
+    @property
+    def can_overlap(self) -> bool:
+        """launch_decodes works on a single-process engine (the DecodeLauncher protocol)."""
+        return self.ranks is None and self.tp.size == 1
+
+    @torch.inference_mode()
+    def launch_decodes(self, out: SchedulerOutput, after: LaunchedDecodes | None = None) -> LaunchedDecodes:
+        """Queues a decode-only step (every chunk one row that samples) and returns without waiting for it. after:
+        the step still running whose samples are these chunks' input tokens, gathered on the device in stream order
+        (so this step's inputs exist only once that step has sampled); None: the inputs are the host's tokens."""
+        if not self.can_overlap:
+            raise RuntimeError("launch_decodes needs a single-process engine")
+        chunks = out.chunks
+        if not chunks or any(c.num_tokens != 1 for c in chunks) or out.kv_imports or out.encode_now or out.encode_ahead:
+            raise ValueError("launch_decodes takes decode-only steps: one row a chunk, no images, no KV imports")
+        device_ids = None
+        if after is not None:
+            rows = {rid: i for i, rid in enumerate(after.request_ids)}
+            missing = [c.seq.request_id for c in chunks if c.seq.request_id not in rows]
+            if missing:
+                raise ValueError(f"launch_decodes: {missing} did not sample in the step it follows")
+            index = to_device(torch.tensor([rows[c.seq.request_id] for c in chunks]), self.device)
+            device_ids = after.tokens.index_select(0, index)
+        batch = self._prepare(chunks, device_ids)
+        logits = self.forward(StepInputs(batch, None, []), list(range(len(chunks))))
+        ids = [c.seq.request_id for c in chunks]
+        tokens = self.sampler.sample(logits, ids, [c.seq.sampling for c in chunks], [c.seq.grammar for c in chunks])
+        return LaunchedDecodes(ids, tokens, HostCopy(tokens))
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
         """This rank's part of one step: imported KV into the cache, the text tower; logits of `rows`."""
@@ -247,8 +294,9 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        """The flat batch of one step, built with array operations rather than per-sequence tensors."""
+    def _prepare(self, chunks: list[ScheduledChunk], device_ids: torch.Tensor | None = None) -> StepBatch:
+        """The flat batch of one step, built with array operations rather than per-sequence tensors. device_ids:
+        the input tokens, already on the device (decodes whose tokens are not on the host yet)."""
         n = len(chunks)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
         los = np.fromiter((c.start for c in chunks), np.int64, n)
@@ -256,7 +304,7 @@ class ModelRunner:
         starts = np.zeros(n + 1, np.int64)
         np.cumsum(lens, out=starts[1:])
         total = int(starts[-1])
-        ids = np.fromiter(
+        ids = None if device_ids is not None else np.fromiter(
             itertools.chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks), np.int64, total
         )
         seq_of_row = np.repeat(np.arange(n), lens)
@@ -273,7 +321,7 @@ class ModelRunner:
             tables[i, : len(c.seq.block_table)] = c.seq.block_table
         slots = tables[seq_of_row, index // self.block_size].astype(np.int64) * self.block_size + index % self.block_size
         return StepBatch(
-            input_ids=torch.from_numpy(ids),
+            input_ids=device_ids if device_ids is not None else torch.from_numpy(ids),
             positions=torch.from_numpy(positions),
             slot_mapping=torch.from_numpy(slots),
             block_tables=torch.from_numpy(tables),
