@@ -136,7 +136,9 @@ def _parse_row_key(key: str) -> TileConfig:
 def fp8_table_rows(sweeps: dict[int, dict[str, dict]]) -> dict[str, list]:
     """The ",fp8" rows of a tuned table from the MoE sweeps ({tokens: {scales: rows}}): at each swept step's pair
     count, the candidate of each GEMM with the least time summed over the scale layouts swept (one table serves
-    both); above the largest, rows that repeat tile_config's untuned choice, so prefill keeps its tiles."""
+    both); and at each bound where tile_config's untuned choice changes, and past the largest step, a row with that
+    choice, so that steps of sizes not swept keep their untuned tiles (a row covers the pair counts above the row
+    before it)."""
     out: dict[str, list] = {}
     keys = {True: fused_moe.shape_key(EXPERTS, INTER, HIDDEN, True, True),
             False: fused_moe.shape_key(EXPERTS, HIDDEN, INTER, False, True)}
@@ -149,10 +151,10 @@ def fp8_table_rows(sweeps: dict[int, dict[str, dict]]) -> dict[str, list]:
             if common:
                 fastest = min(common, key=lambda k: sum(r[k] for r in layouts))
                 rows.append([tokens * TOP_K, list(astuple(_parse_row_key(fastest)))])
-        top = max((pairs for pairs, _ in rows), default=0)
-        bounds = [b for b in fused_moe.HEURISTIC_PAIR_BOUNDS if b > top] + [LARGEST_PAIRS]
+        tuned = {pairs for pairs, _ in rows}
+        bounds = [b for b in (*fused_moe.HEURISTIC_PAIR_BOUNDS, LARGEST_PAIRS) if b not in tuned]
         rows += [[b, list(astuple(fused_moe.tile_config(b, gated, None, None, True)))] for b in bounds]
-        out[key] = rows
+        out[key] = sorted(rows)
     return out
 
 

@@ -47,12 +47,26 @@ def test_table_rows_take_the_fastest_summed_over_layouts_and_keep_the_untuned_ti
     rows = tune_fp8.fp8_table_rows(sweeps)
     gated_key, down_key = fused_moe.shape_key(128, 768, 2048, True, True), fused_moe.shape_key(128, 2048, 768, False, True)
     assert set(rows) == {gated_key, down_key}
-    assert [pairs for pairs, _ in rows[gated_key]] == [512, 2048, 4096, 16384, tune_fp8.LARGEST_PAIRS]
-    assert TileConfig(*rows[gated_key][0][1]) == GATED_FAST
-    assert TileConfig(*rows[gated_key][1][1]) == slow_gated
-    assert TileConfig(*rows[down_key][1][1]) == DOWN_FAST
-    for pairs, cfg in rows[gated_key][2:]:  # above the sweep: what tile_config chose untuned
+    assert [pairs for pairs, _ in rows[gated_key]] == [64, 512, 2048, 4096, 16384, tune_fp8.LARGEST_PAIRS]
+    assert TileConfig(*rows[gated_key][1][1]) == GATED_FAST
+    assert TileConfig(*rows[gated_key][2][1]) == slow_gated
+    assert TileConfig(*rows[down_key][2][1]) == DOWN_FAST
+    for pairs, cfg in [rows[gated_key][0], *rows[gated_key][3:]]:  # steps not swept: what tile_config chose untuned
         assert TileConfig(*cfg) == fused_moe.tile_config(pairs, True, None, None, True)
+
+
+def test_a_sweep_of_prefill_steps_alone_leaves_decode_steps_their_untuned_tiles():
+    rows = tune_fp8.fp8_table_rows({16384: _sweep({GATED_FAST: 900.0}, {GATED_FAST: 950.0},
+                                                  {DOWN_FAST: 800.0}, {DOWN_FAST: 820.0})})
+    gated = fused_moe.shape_key(128, 768, 2048, True, True)
+    table = {gated: [(pairs, TileConfig(*cfg)) for pairs, cfg in rows[gated]]}
+
+    def pick(pairs: int) -> TileConfig:  # tile_config's lookup: the first row at or above the pair count
+        return next(cfg for bound, cfg in table[gated] if bound >= pairs)
+
+    for pairs in (72, 2048, 4096, 10000, 16384):
+        assert pick(pairs) == fused_moe.tile_config(pairs, True, None, None, True)
+    assert pick(16384 * 8) == GATED_FAST
 
 
 def test_a_written_table_keeps_the_bf16_rows_and_the_engine_reads_the_fp8_ones_back(monkeypatch, tmp_path):
