@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's "
                         "finished requests spent their time: preparation, queue, first token, decode (p50/p90/p99, "
                         "and for the slowest 1%%)")
+    parser.add_argument("--step-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's steps "
+                        "spent their wall time, by kind (decode-only, with prompt rows, tower blocks alone): seconds, "
+                        "the host's share and each phase's median (the steps' phases_ms)")
     parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (workers/sim/step_fit.py)")
@@ -144,6 +147,14 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(request_phases(read_requests(args.request_phases)), indent=1))
         except (ValueError, FileNotFoundError) as exc:
             sys.exit(f"--request-phases {args.request_phases}: {exc}")
+        return
+    if args.step_phases is not None:
+        from workers.core.step_trace import read_step_lines, step_phases
+
+        try:
+            print(json.dumps(step_phases(read_step_lines(args.step_phases)), indent=1))
+        except (ValueError, FileNotFoundError) as exc:
+            sys.exit(f"--step-phases {args.step_phases}: {exc}")
         return
     if args.fit_steps is not None:
         from harness.planner_validation import product_path_model

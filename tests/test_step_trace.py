@@ -243,3 +243,27 @@ def test_phase_medians_are_taken_per_phase():
     steps = [StepPhases(0.001, 0.010, 0.008, 0.002), StepPhases(0.003, 0.020, 0.010, 0.001),
              StepPhases(0.002, 0.030, 0.025, 0.004)]
     assert median_phases_ms(steps) == {"schedule": 2.0, "execute": 20.0, "wait": 10.0, "update": 2.0, "host": 11.0}  # hosts 5, 14, 11
+
+
+def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tmp_path, capsys):
+    from harness import layout_plan
+    from workers.core.step_trace import read_step_lines, step_kind, step_phases
+
+    assert [step_kind(line) for line in ({"num_seqs": 3, "prefill_tokens": 0}, {"num_seqs": 2, "prefill_tokens": 40},
+            {"num_seqs": 1, "prefill_tokens": 0, "vision_patches": [64]}, {"num_seqs": 0, "vision_patches": [4096]})] \
+        == ["decode", "prompt", "prompt", "tower"]
+    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    run(real)
+    real.close()
+    lines = read_step_lines(tmp_path / "real")
+    summary = step_phases(lines)
+    kinds = summary["by_kind"]
+    assert summary["steps"] == len(lines) and summary["untimed_steps"] == 0 and {"decode", "prompt"} <= set(kinds)
+    assert sum(k["steps"] for k in kinds.values()) == len(lines)
+    assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(sum(line["ms"] for line in lines) / 1e3, abs=0.01)
+    assert all(0.9 <= k["host_share"] <= 1.05 for k in kinds.values())  # the CPU waits for no device
+    layout_plan.main(["--step-phases", str(tmp_path / "real")])
+    assert json.loads(capsys.readouterr().out) == summary
+    # a trace from before the phases says so, naming the flag
+    with pytest.raises(SystemExit, match="--step-phases .*no step line carries phases_ms"):
+        layout_plan.main(["--step-phases", str(Path(__file__).parents[1] / "benchmarks" / "2026-12-01-run60-server-steps.jsonl.gz")])

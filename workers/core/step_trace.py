@@ -10,6 +10,7 @@ import dataclasses
 import gzip
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from collections.abc import Iterable, Iterator
@@ -178,3 +179,40 @@ def request_phases(lines: list[dict]) -> dict:
     return {"requests": len(done), "aborted": len(lines) - len(done), "phases": summary(done),
             "slowest_1pct": {"requests": len(tail), "phases": summary(tail),
                              "visual_tokens_median": percentile([line["visual_tokens"] for line in tail], 0.5, None)}}
+
+
+def read_step_lines(path: str | Path) -> list[dict]:
+    """The steps' lines of a trace, as written (read_steps keeps only their work and time)."""
+    return [line for _, _, line in _lines(path) if "request" not in line]
+
+
+def step_kind(line: dict) -> str:
+    """"decode" (single-row chunks alone), "prompt" (prompt rows, with or without decodes and tower work) or
+    "tower" (tower blocks alone)."""
+    if line.get("prefill_tokens", 0) > 0:
+        return "prompt"
+    if line.get("num_seqs", 0) > 0:
+        return "decode" if not line.get("vision_patches") else "prompt"
+    return "tower"
+
+
+def step_phases(lines: list[dict]) -> dict:
+    """Where the steps' wall time went, by kind of step (step_kind): the steps, their seconds, the host's share of
+    them (the time the device may have idled), and each phase's median in ms (the lines' phases_ms, which traces
+    written before the phases existed lack)."""
+    timed = [line for line in lines if "phases_ms" in line]
+    if not timed:
+        raise ValueError("no step line carries phases_ms (traces written before the step phases existed have none)")
+    out = {}
+    for kind in ("decode", "prompt", "tower"):
+        group = [line for line in timed if step_kind(line) == kind]
+        if not group:
+            continue
+        seconds = sum(line["ms"] for line in group) / 1e3
+        host = sum(line["phases_ms"]["host"] for line in group) / 1e3
+        out[kind] = {
+            "steps": len(group), "seconds": round(seconds, 3), "host_share": round(host / seconds, 3) if seconds else None,
+            "phases_ms_median": {name: round(statistics.median(line["phases_ms"][name] for line in group), 3)
+                                 for name in group[0]["phases_ms"]},
+        }
+    return {"steps": len(timed), "untimed_steps": len(lines) - len(timed), "by_kind": out}
