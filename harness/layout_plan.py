@@ -140,22 +140,19 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
 def main(argv: list[str] | None = None) -> None:
     """Plans (or with --validate, validates) and prints one JSON object."""
     args = parse_args(argv)
-    if args.request_phases is not None:
-        from workers.core.step_trace import read_requests, request_phases
+    from workers.core import step_trace
 
-        try:
-            print(json.dumps(request_phases(read_requests(args.request_phases)), indent=1))
-        except (ValueError, FileNotFoundError) as exc:
-            sys.exit(f"--request-phases {args.request_phases}: {exc}")
-        return
-    if args.step_phases is not None:
-        from workers.core.step_trace import read_step_lines, step_phases
-
-        try:
-            print(json.dumps(step_phases(read_step_lines(args.step_phases)), indent=1))
-        except (ValueError, FileNotFoundError) as exc:
-            sys.exit(f"--step-phases {args.step_phases}: {exc}")
-        return
+    readings = {  # a step trace's summaries: (flag, its value, the lines it reads, the summary of them)
+        "--request-phases": (args.request_phases, step_trace.read_requests, step_trace.request_phases),
+        "--step-phases": (args.step_phases, step_trace.read_step_lines, step_trace.step_phases),
+    }
+    for flag, (trace, read, summary) in readings.items():
+        if trace is not None:
+            try:
+                print(json.dumps(summary(read(trace)), indent=1))
+            except (ValueError, FileNotFoundError) as exc:
+                sys.exit(f"{flag} {trace}: {exc}")
+            return
     if args.fit_steps is not None:
         from harness.planner_validation import product_path_model
         from workers.core.step_trace import read_steps
