@@ -230,7 +230,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             s = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - s)
-            phases.append(engine.last_step_phases)
+            phases.append(engine.last_step_phases.ms())
         if extra:
             label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
             result["decode_profile"] = {

@@ -29,6 +29,8 @@ class Procs:
         stderr = log.open("w") if log is not None else subprocess.DEVNULL
         proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr,
                                 text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        if log is not None:
+            stderr.close()  # the child has its own copy
         self.procs.append(proc)
         return [proc.stdout.readline().strip() for _ in range(lines)]
 

@@ -122,6 +122,15 @@ FP8_PREFILL_SWEEP = [paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
                      paged_prefill.TileConfig(64, 128, 4, 3, fresh_tma=True)]
 
 
+def fp8_runs(caches: dict, sweep: list, name) -> dict:
+    """label -> (k cache, v cache, widen_to, tiles): each cache variant on its default tiles, then the FP8 cache
+    widened to float16 on each tile config of `sweep` (labelled name(tiles))."""
+    k8, v8, _ = caches["fp8_widened_to_f16"]
+    runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
+    runs.update({name(t): (k8, v8, torch.float16, t) for t in sweep})
+    return runs
+
+
 def bench_fp8_cache(reps: int) -> dict:
     """Microseconds per layer over a bf16 cache and over an FP8 cache by widening (decode: graph replay of 48 calls)."""
     from workers.kv_cache import quantize_fp8
@@ -137,20 +146,14 @@ def bench_fp8_cache(reps: int) -> dict:
         q, _, _, meta, caches = variants([(1, ctx)] * batch)
         out = torch.empty_like(q)
         row = {}
-        k8, v8, _ = caches["fp8_widened_to_f16"]
-        runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
-        runs.update({"fp8_f16_n{}_w{}_s{}".format(*t): (k8, v8, torch.float16, t) for t in FP8_DECODE_SWEEP})
-        for label, (kc, vc, widen, tiles) in runs.items():
+        for label, (kc, vc, widen, tiles) in fp8_runs(caches, FP8_DECODE_SWEEP, lambda t: "fp8_f16_n{}_w{}_s{}".format(*t)).items():
             row[f"{label}_us"] = decode_graph_us(q, kc, vc, meta, out, reps, widen_to=widen, tiles=tiles)
         result[f"decode_{name}"] = row
     for name in ("later_chunks_4x2048_of_4096", "catalogue"):
         q, k, v, meta, caches = variants(PREFILL_STEPS[name])
         out = torch.empty_like(q)
         row = {}
-        k8, v8, _ = caches["fp8_widened_to_f16"]
-        runs = {label: (kc, vc, widen, None) for label, (kc, vc, widen) in caches.items()}
-        runs.update({"fp8_f16_" + tile_name(t): (k8, v8, torch.float16, t) for t in FP8_PREFILL_SWEEP})
-        for label, (kc, vc, widen, tiles) in runs.items():
+        for label, (kc, vc, widen, tiles) in fp8_runs(caches, FP8_PREFILL_SWEEP, lambda t: "fp8_f16_" + tile_name(t)).items():
             row[f"{label}_us"] = round(median_us(lambda: paged_prefill.prefill_attention(
                 q, kc, vc, meta.block_tables, meta.query_starts_device, meta.context_lens, 0, meta.query_starts[-1],
                 HEAD_DIM**-0.5, out, tiles, k, v, widen_to=widen), reps), 1)

@@ -242,7 +242,7 @@ def _trace_lines(directory: Path) -> list[dict]:
 def test_phase_medians_are_taken_per_phase():
     steps = [StepPhases(0.001, 0.010, 0.008, 0.002), StepPhases(0.003, 0.020, 0.010, 0.001),
              StepPhases(0.002, 0.030, 0.025, 0.004)]
-    assert median_phases_ms(steps) == {"schedule": 2.0, "execute": 20.0, "wait": 10.0, "update": 2.0, "host": 11.0}  # hosts 5, 14, 11
+    assert median_phases_ms([step.ms() for step in steps]) == {"schedule": 2.0, "execute": 20.0, "wait": 10.0, "update": 2.0, "host": 11.0}  # hosts 5, 14, 11
 
 
 def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tmp_path, capsys):

@@ -332,7 +332,7 @@ class LLMEngine:
     def _overlaps(self, out: SchedulerOutput) -> bool:
         """Whether out runs as a launched decode-only step (config.overlap_decode_steps): decodes alone, no tower
         work or KV import, nothing grammar-constrained or prefill-only."""
-        if not self._overlap or not out.chunks or out.kv_imports or not out.is_decode_only:
+        if not self._overlap or not out.is_decode_only:
             return False
         return all(c.seq.grammar is None and not c.seq.prefill_only for c in out.chunks)
 

@@ -297,7 +297,7 @@ class Scheduler:
         on unless it samples a stop token (then update() drops its look-ahead token). Sequences that `out` ends by
         length are left out; a look-ahead chunk samples once update() has applied `out`. None when any of that does
         not hold, or the blocks for the next tokens are not all free (the next schedule() decides then)."""
-        if self.waiting or self._passes or not out.chunks:
+        if self.waiting or self._passes or not out.is_decode_only:
             return None
         limits, bm = self.limits, self.block_manager
         chunks = []
@@ -305,7 +305,7 @@ class Scheduler:
             seq = chunk.seq
             if seq.is_finished:  # aborted since
                 continue
-            if chunk.num_tokens != 1 or not chunk.samples or seq.grammar is not None or seq.prefill_only:
+            if seq.grammar is not None or seq.prefill_only:
                 return None
             if seq.num_generated_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limits.max_model_len:
                 continue  # out's token ends it

@@ -10,7 +10,6 @@ import dataclasses
 import gzip
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from collections.abc import Iterable, Iterator
@@ -18,7 +17,7 @@ from typing import IO
 
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
-from workers.core.step_work import StepPhases, StepWork
+from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 
 
 class StepTrace:
@@ -212,7 +211,6 @@ def step_phases(lines: list[dict]) -> dict:
         host = sum(line["phases_ms"]["host"] for line in group) / 1e3
         out[kind] = {
             "steps": len(group), "seconds": round(seconds, 3), "host_share": round(host / seconds, 3) if seconds else None,
-            "phases_ms_median": {name: round(statistics.median(line["phases_ms"][name] for line in group), 3)
-                                 for name in group[0]["phases_ms"]},
+            "phases_ms_median": median_phases_ms([line["phases_ms"] for line in group]),
         }
     return {"steps": len(timed), "untimed_steps": len(lines) - len(timed), "by_kind": out}

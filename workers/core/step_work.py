@@ -47,10 +47,10 @@ class StepPhases:
             ("host", self.host))}
 
 
-def median_phases_ms(phases: list[StepPhases]) -> dict[str, float]:
-    """Each phase's median over some steps, in milliseconds (host: the median of the steps' host parts)."""
-    columns = zip(*(p.ms().items() for p in phases))
-    return {items[0][0]: round(statistics.median(v for _, v in items), 3) for items in columns}
+def median_phases_ms(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over some steps' StepPhases.ms() (or a step trace's phases_ms), in milliseconds (host:
+    the median of the steps' host parts)."""
+    return {name: round(statistics.median(step[name] for step in steps), 3) for name in steps[0]}
 
 
 PATCHES_PER_VISUAL_TOKEN = 4  # Qwen3-VL merges 2 x 2 patches into one visual token
