@@ -207,18 +207,26 @@ class RouterSUT:
         )
 
     async def _stream(self, request: pb.GenerateRequest, query_id: int, tokens: list[int]) -> list[int]:
-        """Streams one attempt, appending to `tokens`; returns them once a finish reason arrives."""
+        """Streams one attempt, appending to `tokens`; returns them once a finish reason has arrived and the router
+        has ended the call.
+
+        The call is read to its end, not left at the final chunk: the router frees the call's admission slot when
+        its side of the call ends, so a query sent on the SUT slot this one frees is never refused for it."""
         if request.sampling.max_tokens <= 0:
             return tokens  # every token arrived before the router went away, only the final chunk did not
+        finished = False
         async for chunk in self._client.generate(request):
+            if finished:
+                raise SampleFailed("router sent a chunk after the final one")
             if chunk.token_ids and not tokens and self._settings.report_first_token:
                 self._first_token(query_id, chunk.token_ids[0])
             tokens.extend(chunk.token_ids)
             if chunk.finish_reason in (pb.ERROR, pb.ABORT):
                 raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
-            if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                return tokens
-        raise SampleFailed("router stream ended without a finish reason")
+            finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        if not finished:
+            raise SampleFailed("router stream ended without a finish reason")
+        return tokens
 
     def _first_token(self, query_id: int, token_id: int) -> None:
         data = array.array("B", self._decode([token_id]).encode("utf-8"))

@@ -4,6 +4,7 @@ once, failures become empty responses plus a failed-samples record, and issue_qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -62,12 +63,12 @@ class RouterDouble(pb_grpc.RouterServiceServicer):
         )
 
 
-@pytest.fixture
-def router_double():
+@contextlib.contextmanager
+def serving(servicer: pb_grpc.RouterServiceServicer):
+    """`servicer` on a loopback gRPC server and an event loop of its own; yields its address."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    servicer = RouterDouble()
 
     async def start():
         server = grpc.aio.server()
@@ -77,11 +78,20 @@ def router_double():
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
-    yield servicer, f"127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-    loop.close()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+@pytest.fixture
+def router_double():
+    servicer = RouterDouble()
+    with serving(servicer) as address:
+        yield servicer, address
 
 
 @dataclass
@@ -260,6 +270,40 @@ def test_an_offline_test_larger_than_the_router_admits_answers_every_sample(tmp_
     assert offline_through_a_small_router(tmp_path / "bounded", max_inflight=4) == {}
     refused = offline_through_a_small_router(tmp_path / "unbounded", max_inflight=None)
     assert refused and all("RESOURCE_EXHAUSTED" in error for error in refused.values())
+
+
+class LingeringRouter(pb_grpc.RouterServiceServicer):
+    """Ends each call a while after its final chunk, as a router does while it frees the call's worker slot;
+    counts the calls open at once, and those the caller cancelled."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.most_open = 0
+        self.cancelled = 0
+
+    async def Generate(self, request, context):
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        try:
+            yield pb.GenerateChunk(request_id=request.request_id, token_ids=[120], finish_reason=pb.STOP)
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.open -= 1
+
+
+def test_a_sut_slot_is_freed_when_the_router_ends_the_call_not_at_its_final_chunk(tmp_path):
+    # The router counts a call against its admission limits until the call ends: a SUT that sent its next query
+    # at the previous one's final chunk would be refused RESOURCE_EXHAUSTED now and then (CI saw 3 of 32)
+    router = LingeringRouter()
+    with serving(router) as address:
+        run_sut_test(TextStore(), lambda ids: "x" * len(ids), SUTSettings(router_address=address, max_inflight=1),
+                     tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly, 6)
+    assert read_failed(tmp_path) == {}
+    assert router.cancelled == 0  # each call read to its end, not cancelled once its answer was in
+    assert router.most_open == 1
 
 
 def test_the_sut_bound_is_what_the_routers_admit_without_refusing():
