@@ -215,15 +215,21 @@ class RouterSUT:
         if request.sampling.max_tokens <= 0:
             return tokens  # every token arrived before the router went away, only the final chunk did not
         finished = False
-        async for chunk in self._client.generate(request):
-            if finished:
-                raise SampleFailed("router sent a chunk after the final one")
-            if chunk.token_ids and not tokens and self._settings.report_first_token:
-                self._first_token(query_id, chunk.token_ids[0])
-            tokens.extend(chunk.token_ids)
-            if chunk.finish_reason in (pb.ERROR, pb.ABORT):
-                raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
-            finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        try:
+            async for chunk in self._client.generate(request):
+                if finished:
+                    raise SampleFailed("router sent a chunk after the final one")
+                if chunk.token_ids and not tokens and self._settings.report_first_token:
+                    self._first_token(query_id, chunk.token_ids[0])
+                tokens.extend(chunk.token_ids)
+                if chunk.finish_reason in (pb.ERROR, pb.ABORT):
+                    raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
+                finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        except grpc.aio.AioRpcError as exc:
+            if not finished:
+                raise
+            # the answer is whole: sending it again would continue past its stop
+            logger.warning("query %d: router call ended %s after its final chunk", query_id, exc.code().name)
         if not finished:
             raise SampleFailed("router stream ended without a finish reason")
         return tokens

@@ -306,6 +306,32 @@ def test_a_sut_slot_is_freed_when_the_router_ends_the_call_not_at_its_final_chun
     assert router.most_open == 1
 
 
+class CancelledAfterItsAnswer(pb_grpc.RouterServiceServicer):
+    """Sends a whole answer (ending STOP), then the call ends CANCELLED."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateChunk(request_id=request.request_id, token_ids=[ord(c) for c in ANSWER],
+                               finish_reason=pb.STOP)
+        await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+def test_a_call_that_fails_after_its_final_chunk_keeps_its_answer_and_is_not_sent_again(tmp_path):
+    router = CancelledAfterItsAnswer()
+    with serving(router) as address:
+        settings = SUTSettings(router_address=address, reconnect_s=1.0, reconnect_interval_s=0.05)
+        run_sut_test(TextStore(), lambda ids: "".join(chr(i) for i in ids), settings, tmp_path,
+                     lg.TestScenario.Offline, lg.TestMode.AccuracyOnly, 3)
+    answers = [bytes.fromhex(e["data"]).decode("utf-8")
+               for e in json.loads((tmp_path / "mlperf_log_accuracy.json").read_text())]
+    assert answers == [ANSWER] * 3
+    assert read_failed(tmp_path) == {}
+    assert len(router.requests) == 3  # a re-sent query would have continued past its stop
+
+
 def test_the_sut_bound_is_what_the_routers_admit_without_refusing():
     from harness.system_config import load_system_config, sut_inflight_bound
 
