@@ -80,12 +80,12 @@ async def burst(requests: int, image_mb: float) -> dict:
                 request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt, images=[image],
                                              sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=45),
                                              stream_interval=16)
+                final = "no final chunk"
                 try:
-                    async for chunk in client.generate(request):
+                    async for chunk in client.generate(request):  # read to the call's end, as the SUT does
                         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                            outcomes[pb.FinishReason.Name(chunk.finish_reason)] += 1
-                            return
-                    outcomes["no final chunk"] += 1
+                            final = pb.FinishReason.Name(chunk.finish_reason)
+                    outcomes[final] += 1
                 except grpc.aio.AioRpcError as exc:
                     outcomes[exc.code().name] += 1
                     errors.setdefault(exc.code().name, exc.debug_error_string())
