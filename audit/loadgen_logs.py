@@ -11,7 +11,8 @@ from typing import Any
 
 DETAIL_MARKER = ":::MLLOG"
 
-# Detail-log keys the submission checker reads for this benchmark (reference §4). Keys LoadGen only writes
+# Detail-log keys the submission checker reads for this benchmark (checks/ and results.py of
+# https://github.com/mlcommons/inference/tree/master/tools/submission/submission_checker). Keys LoadGen only writes
 # in some modes (e.g. `requested_use_token_latencies` only when true, `result_validity` only in performance
 # mode) are simply absent from `DetailLog.values` when not logged.
 CHECKED_DETAIL_KEYS: tuple[str, ...] = (

@@ -2,7 +2,9 @@
 output length) and a synthetic catalogue drawn from the real dataset's statistics, built by the product's own path.
 
 The realistic one: `harness.synthetic_catalogue` profile `realistic` (all JPEG; image sides and description lengths
-from reference/mlperf-q3vl.md §1.2b), loaded with `contract.dataset`, turned into the exact MLPerf prompt by
+from the plots in the MLPerf reference's dataset notebook
+https://github.com/mlcommons/inference/blob/master/multimodal/qwen3-vl/notebooks/shopify-global-catalogue.ipynb),
+loaded with `contract.dataset`, turned into the exact MLPerf prompt by
 `contract.prompt.PromptBuilder` with the real Qwen vocabulary. Output lengths follow the v6.1 run's statistics (mean
 42.9, median 42, p99 62, cap 150) as a normal of mean 42.9 and sd 8.6 rounded and clipped to [1, 150]; the
 benchmark runs every request to exactly that many tokens (no EOS), so both sides do the same work.

@@ -95,7 +95,8 @@ HTML_WRAPPERS = (
 CSS_FILLER = (".product-grid .item:nth-child(2n+1){margin-right:1.5rem;display:flex;align-items:center}"
               "@media (max-width:768px){.product-grid .item{width:100%!important}}")
 
-# §1.2b: the most common image sizes of the real catalogue (approximate counts), all JPEG.
+# The most common image sizes of the real catalogue (approximate counts), all JPEG, read off the plots in
+# https://github.com/mlcommons/inference/blob/master/multimodal/qwen3-vl/notebooks/shopify-global-catalogue.ipynb
 REAL_SIZES: tuple[tuple[int, int], ...] = (
     (1000, 4200), (800, 3300), (500, 1900), (1200, 1900), (1500, 1850), (512, 1800), (600, 1700), (1024, 1500),
     (2000, 1300), (1600, 1000), (1080, 900), (750, 800), (2048, 800), (400, 700), (700, 600), (900, 600),

@@ -16,7 +16,9 @@ from contract.dataset import CatalogueSample
 from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, load_tokenizer
 from contract.vision_geometry import image_geometry
 
-# reference/mlperf-q3vl.md §1.3, as the reference renders ProductMetadata.model_json_schema().
+# ProductMetadata.model_json_schema() as the reference's task.py (ShopifyGlobalCatalogue.formulate_loaded_sample)
+# renders it; ProductMetadata is defined in
+# https://github.com/mlcommons/inference/blob/master/multimodal/qwen3-vl/src/mlperf_inf_mm_q3vl/schema.py
 REFERENCE_SCHEMA = json.loads(r"""
 {"additionalProperties": false,
  "description": "Json format for the expected responses from the VLM.",

@@ -119,7 +119,8 @@ class EngineConfig(BaseModel):
     warm_up_image_sizes: tuple[tuple[int, int], ...] = Field(
         ((1000, 1000), (800, 800), (1024, 1024)), description="(width, height) in pixels of the warm-up requests' blank "
         "images (smart-resized like requests' images): the real catalogue's two commonest sizes and the 1,024 x 1,024 "
-        "of the fixed benchmark catalogue (reference/mlperf-q3vl.md 1.2b)."
+        "of the fixed benchmark catalogue (commonest sizes from the plots in "
+        "github.com/mlcommons/inference/blob/master/multimodal/qwen3-vl/notebooks/shopify-global-catalogue.ipynb)."
     )
     preprocess_threads: int = Field(
         4, ge=1, description="Threads that decode, resize and patch requests' images beside the engine's own thread. "

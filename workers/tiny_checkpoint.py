@@ -107,7 +107,10 @@ def _release_config(arch: Literal["moe", "dense"], text: dict[str, Any], vision:
 
 _MOE_TEXT = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "num_experts_per_tok": 8}
 
-# Released configs (reference/engine.md §1.1, §1.2).
+# Released configs: text_config / vision_config of the models' Hugging Face config.json files,
+# https://huggingface.co/Qwen/Qwen3-VL-30B-A3B-Instruct/blob/main/config.json
+# https://huggingface.co/Qwen/Qwen3-VL-235B-A22B-Instruct/blob/main/config.json
+# https://huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/config.json
 RELEASED_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-vl-30b-a3b": _release_config(
         "moe",

@@ -1,5 +1,6 @@
 """The submission rules for qwen3-vl-235b-a22b as data: one `RoundRules` per round (v6.0, v6.1) plus the
-layout, system-description and file constants the MLCommons submission checker applies (reference §3)."""
+layout, system-description and file constants the MLCommons submission checker applies (constants.py,
+checks/ and loader.py of https://github.com/mlcommons/inference/tree/master/tools/submission/submission_checker)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ MODEL = "qwen3-vl-235b-a22b"
 SCENARIOS = ("Offline", "Server", "Interactive")
 DIVISIONS = ("closed", "open")
 
-# LoadGen has no Interactive scenario: an Interactive dir holds a `TestScenario.Server` run (reference §2).
+# LoadGen has no Interactive scenario (enum TestScenario of
+# https://github.com/mlcommons/inference/blob/master/loadgen/test_settings.h): an Interactive dir holds a
+# `TestScenario.Server` run.
 LOADGEN_SCENARIO = MappingProxyType({"Offline": "Offline", "Server": "Server", "Interactive": "Server"})
 
 PERF_RUN_REQUIRED_FILES = ("mlperf_log_summary.txt", "mlperf_log_detail.txt")
@@ -96,7 +99,8 @@ class RoundRules:
     accuracy_targets: Mapping[str, float]
     accuracy_sample_count: Mapping[str, int]
     latency_constraint_ns: Mapping[str, int]
-    # Compliance (audit) tests this benchmark requires: none in v6.0/v6.1 (models_TEST0x lists, §3.4).
+    # Compliance (audit) tests this benchmark requires: none in v6.0/v6.1 (the models_TEST0x lists of the
+    # checker's constants.py leave it out).
     compliance_tests: tuple[str, ...] = ()
     # Every benchmark of the round (MODEL_CONFIG[round]["models"]): other results folders under a system.
     benchmarks: tuple[str, ...] = ()
