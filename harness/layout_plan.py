@@ -83,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="plan.yaml")
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--product-path", action="store_true", help="with --validate: the product path's LoadGen "
-                        "Server points (benchmarks/planner-validation-runs.json product_path) beside their replay and "
-                        "the predicted highest valid Server QPS (rebuilds the 1,500-sample catalogue: minutes)")
+                        "Server points (benchmarks/planner-validation-runs.json product_path; those on FP8 with "
+                        "--weights fp8 --kv-dtype fp8) beside their replay and the predicted highest valid Server QPS "
+                        "(rebuilds the 1,500-sample catalogue: minutes)")
     parser.add_argument("--step-correction", default=None, metavar="FIT|none", help="the step model corrected by "
                         "this --fit-steps JSON, or 'none'; a search uses the product path's own fit by default "
                         f"({PRODUCT_PATH_FIT.name}), --validate --product-path none")
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         from workers.sim.step_fit import fit_steps
 
         try:
-            report = fit_steps(product_path_model(), read_steps(args.fit_steps), source=str(args.fit_steps))
+            report = fit_steps(product_path_model(None, args.weights, args.kv_dtype), read_steps(args.fit_steps),
+                               source=str(args.fit_steps))
         except (ValueError, FileNotFoundError) as exc:
             sys.exit(f"--fit-steps {args.fit_steps}: {exc}")
         print(json.dumps(report, indent=1))
@@ -168,7 +170,12 @@ def main(argv: list[str] | None = None) -> None:
         from harness.planner_validation import product_path_model, product_path_rows, validate
 
         if args.product_path:
-            print(json.dumps(product_path_rows(product_path_model(args.step_correction)), indent=1))
+            try:
+                model = product_path_model(args.step_correction, args.weights, args.kv_dtype)
+                rows = product_path_rows(model)
+            except ValueError as exc:
+                sys.exit(f"--validate --product-path: {exc}")
+            print(json.dumps(rows, indent=1))
         else:
             print(json.dumps(validate(), indent=1))
         return

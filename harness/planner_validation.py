@@ -20,7 +20,7 @@ from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catal
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedEngine
-from workers.sim.step_model import Calibration, StepCorrection, StepModel
+from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
@@ -111,6 +111,18 @@ class ProductPath(_Data):
     runs: list[str]
     catalogue_seed: int = 0  # the synthetic catalogue the product path made (harness.synthetic_catalogue's seed)
     note: str = ""
+    # the same workload on FP8-dynamic weights with the FP8 KV cache (h200x1-synthetic-fp8-dynamic)
+    fp8_runs: list[str] = []
+    fp8_note: str = ""
+
+    def runs_of(self, weights: str, kv_dtype: str) -> tuple[list[str], str]:
+        """The runs measured at this precision, and their note."""
+        if (weights, kv_dtype) == ("bf16", "bf16"):
+            return self.runs, self.note
+        if (weights, kv_dtype) == ("fp8", "fp8"):
+            return self.fp8_runs, self.fp8_note
+        raise ValueError(f"no product-path runs were measured with weights {weights} and KV cache {kv_dtype} "
+                         "(measured: bf16/bf16, fp8/fp8)")
 
 
 class ValidationRuns(_Data):
@@ -425,22 +437,27 @@ def _p(values: list[float], q: float) -> float:
     return round(percentile(values, q), 2)
 
 
-def product_path_model(correction: Path | None = None) -> StepModel:
-    """The step model the product path's replay uses (run21's calibration), with a fitted StepCorrection
-    (workers/sim/step_fit.py's JSON) where given."""
+def product_path_model(correction: Path | None = None, weights: Precision = "bf16", kv_dtype: str = "bf16"
+                       ) -> StepModel:
+    """The step model the product path's replay uses (run21's calibration, moved to `weights` and `kv_dtype` as the
+    H200 measured them: Calibration.at_precision), with a fitted StepCorrection (workers/sim/step_fit.py's JSON)
+    where given."""
     model = _h200(RUN21)
+    model = dataclasses.replace(model, calibration=model.calibration.at_precision(weights, kv_dtype), weights=weights,
+                                kv_dtype=kv_dtype)
     return dataclasses.replace(model, correction=StepCorrection.load(correction)) if correction else model
 
 
 def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRequest] | None = None,
                       bisect_steps: int = 6, runs: Iterable[str] | None = None) -> dict:
-    """Each measured Server point of RUNS.product_path beside its replay (p50, p99, verdict), and the highest
-    Server QPS the replay calls valid (LoadGen's verdict on the point's query count: p99 within the bound and early
-    stopping met; bisection) beside the measured bracket
-    (highest VALID, lowest INVALID). `requests`: the catalogue (default: the product path's, rebuilt: ~1.5 min)."""
+    """Each measured Server point of RUNS.product_path at the model's precision beside its replay (p50, p99,
+    verdict), and the highest Server QPS the replay calls valid (LoadGen's verdict on the point's query count: p99
+    within the bound and early stopping met; bisection) beside the measured bracket (highest VALID, lowest INVALID).
+    `requests`: the catalogue (default: the product path's, rebuilt: ~1.5 min)."""
     model = model or product_path_model()
+    measured_runs, note = RUNS.product_path.runs_of(model.weights, model.kv_dtype)
     points = [(name, point, data["workload"]["scenarios"]["server"], data["workload"]["max_tokens"])
-              for name in (runs or RUNS.product_path.runs) for data in [_bench(BENCH / name)]
+              for name in (runs or measured_runs) for data in [_bench(BENCH / name)]
               for point in data["points"] if point["scenario"] == "server"]
     if not points:
         raise ValueError("product_path: no Server points in the listed runs")
@@ -469,9 +486,11 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
         lo, hi = (mid, hi) if valid else (lo, mid)
     valid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] == "VALID"]
     invalid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] != "VALID"]
-    return {"device": "H200, Qwen3-VL-30B-A3B bf16 (random weights), realistic synthetic catalogue; LoadGen Server "
-                      "through router and Ray worker",
-            "note": RUNS.product_path.note,
+    precision = "bf16" if model.weights == "bf16" else f"{model.weights} weights, {model.kv_dtype} KV cache"
+    return {"device": f"H200, Qwen3-VL-30B-A3B {precision} (random weights), realistic synthetic catalogue; LoadGen "
+                      "Server through router and Ray worker",
+            "model": model.describe(),
+            "note": note,
             "rows": rows,
             "server_max_valid_qps": {"measured_highest_valid": max(valid_qps, default=None),
                                      "measured_lowest_invalid": min(invalid_qps, default=None),

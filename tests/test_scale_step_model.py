@@ -182,3 +182,70 @@ def test_the_product_paths_loadgen_points_are_replayed_beside_their_measurements
     top = result["server_max_valid_qps"]
     lowest_invalid = min(p["target_qps"] for p in measured if p["verdict"] != "VALID")
     assert top["measured_lowest_invalid"] == lowest_invalid and 0.5 <= top["predicted"] <= lowest_invalid * 1.5
+
+
+def test_fp8_steps_stand_to_bf16_ones_as_the_h200_measured_them_in_one_call():
+    from workers.sim.step_model import FP8_STEPS_BENCH
+
+    measured = json.loads(FP8_STEPS_BENCH.read_text())  # run66: bf16 beside FP8-dynamic weights + FP8 KV cache
+    bf16, fp8 = measured["ours"], measured["ours_fp8_channel"]
+    bf16_model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    fp8_model = StepModel.build("h200", "qwen3-vl-30b-a3b", "fp8", "fp8")
+    for batch in (1, 64, 256):
+        decode = StepWork(num_seqs=batch, decode_context_tokens=batch * 1024)
+        ratio = fp8["decode"][str(batch)]["step_ms_median"] / bf16["decode"][str(batch)]["step_ms_median"]
+        assert fp8_model.step_ms(decode) / bf16_model.step_ms(decode) == pytest.approx(ratio, rel=0.02), batch
+    prefill = StepWork(num_seqs=4, prefill_tokens=8192)
+    ratio = fp8["prefill_step_ms_median"] / bf16["prefill_step_ms_median"]
+    assert fp8_model.step_ms(prefill) / bf16_model.step_ms(prefill) == pytest.approx(ratio, rel=1e-6)
+    # not the halving that FP8's peak figures promise: 0.86x for the prefill step, ~0.7x for decode's weight reads
+    assert fp8_model.step_ms(prefill) > 0.8 * bf16_model.step_ms(prefill)
+    assert fp8_model.describe()["calibration_precision"] == "fp8/fp8"
+
+
+def test_an_fp8_kv_cache_changes_only_the_decode_attention_by_the_measured_kernels_ratio():
+    from workers.sim.step_model import MeasuredFP8
+
+    bf16, kv8 = Calibration.from_bench(), Calibration.from_bench().at_precision("bf16", "fp8")
+    assert kv8.step_base_ms == bf16.step_base_ms and kv8.weights == "bf16" and kv8.kv_dtype == "fp8"
+    ratio = MeasuredFP8.load().attention_ratio
+    assert 0.9 < ratio < 1.0  # run63: 126.9 against 132.7 us a layer, not half at half the bytes
+    assert kv8.attention_ms_per_context_token == pytest.approx(bf16.attention_ms_per_context_token * ratio)
+    assert Calibration.from_bench().at_precision("bf16", "bf16") == bf16
+
+
+def test_fp4_weights_scale_from_the_measured_fp8_by_bytes_and_peak():
+    from workers.sim.step_model import WEIGHT_BYTES
+
+    fp8 = StepModel.build("vera-rubin", "qwen3-vl-30b-a3b", "fp8", "fp8")
+    fp4 = StepModel.build("vera-rubin", "qwen3-vl-30b-a3b", "fp4", "fp8")
+    assert fp4.calibration == fp8.calibration and fp4.calibration.weights == "fp8"
+    assert fp4.memory_scale == pytest.approx(fp8.memory_scale * WEIGHT_BYTES["fp4"] / WEIGHT_BYTES["fp8"])
+    rubin = load_hardware("vera-rubin")
+    assert fp4.compute_scale == pytest.approx(fp8.compute_scale * rubin.tflops("fp8") / rubin.tflops("fp4"))
+    # the H200 has no FP4 tensor cores: FP4 there reads fewer bytes at FP8's rate
+    h200 = StepModel.build("h200", "qwen3-vl-30b-a3b", "fp4", "fp8")
+    assert h200.compute_scale == pytest.approx(1.0)
+
+
+def test_a_calibration_moves_to_a_precision_once():
+    fp8 = Calibration.from_bench().at_precision("fp8", "fp8")
+    with pytest.raises(ValueError, match="starts from a bf16 calibration"):
+        fp8.at_precision("fp8", "fp8")
+
+
+def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_measured_fp8():
+    from harness.catalogue_workload import fixed_catalogue
+    from harness.planner_validation import RUNS, product_path_model, product_path_rows
+
+    model = product_path_model(None, "fp8", "fp8")
+    assert (model.weights, model.kv_dtype, model.calibration.weights, model.calibration.kv_dtype) == ("fp8",) * 4
+    catalogue = fixed_catalogue(40, 448, 64, 45)
+    result = product_path_rows(model=model, requests=catalogue, bisect_steps=1)
+    measured = [p for name in RUNS.product_path.fp8_runs
+                for p in json.loads((BENCH / name).read_text())["points"] if p["scenario"] == "server"]
+    assert len(measured) >= 2 and all(p["verdict"] == "INVALID" for p in measured)
+    assert [r["p99_s"]["measured"] for r in result["rows"]] == [round(p["p99_s"], 2) for p in measured]
+    assert "fp8 weights, fp8 KV cache" in result["device"] and result["model"]["calibration_precision"] == "fp8/fp8"
+    with pytest.raises(ValueError, match="no product-path runs were measured with weights fp4"):
+        product_path_rows(model=product_path_model(None, "fp4", "fp8"), requests=catalogue, bisect_steps=1)

@@ -10,9 +10,12 @@ Components (each measured on the H200, then scaled):
   * an excess per visual prompt token (DeepStack injection and the mixed-chunk attention of multimodal prompts,
     fitted on the catalogue run's GPU time split);
   * decode attention proportional to the context tokens read.
-Scaling: compute-bound parts (vision, tokens past batch 256) by FLOP/s and model FLOPs per token; memory-bound
-parts (the curve up to 256 tokens, attention) by HBM bandwidth and bytes per step; TP divides both with an
-efficiency factor (communication is not measured).
+Precision: FP8 weights and the FP8 KV cache move the bf16 calibration by what the H200 measured for them in one
+call beside bf16 (MeasuredFP8: about 0.7x a decode step's weight reads and 0.86x the prefill step, not the 0.5x of
+FP8's peak figures; 0.96x the decode attention at half the bytes). FP4 starts from the measured FP8.
+Scaling: compute-bound parts (vision, tokens past batch 256) by FLOP/s at the precision and model FLOPs per token;
+memory-bound parts (the curve up to 256 tokens, attention) by HBM bandwidth and bytes per step; TP divides both with
+an efficiency factor (communication is not measured).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import bisect
 import dataclasses
 import json
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +45,13 @@ CALIBRATION_HARDWARE = "h200"
 # LoadGen -> router -> Ray worker -> engine on one H200, engine code with the mixed-step CUDA graphs): how much more
 # (text) or less (vision) a real step costs than the micro-benchmarks of DEFAULT_BENCH say, and a host cost a step.
 PRODUCT_PATH_FIT = REPO / "benchmarks" / "2026-12-01-run60-step-fit.json"
+# FP8 against bf16, each pair measured on the H200 in one call (issue 20): the engine's decode and prefill steps with
+# FP8-dynamic weights (per-channel scales, per-token activations) and the FP8 KV cache beside bf16 (run66, its first
+# bench_engine call), and the paged decode attention over an FP8 cache beside a bf16 one at the kernel's committed
+# tiles (run63). Theory says FP8 halves both; measured, it does not (MeasuredFP8).
+FP8_STEPS_BENCH = REPO / "benchmarks" / "2026-12-02-run66-parts-committed-table.json"
+FP8_ATTENTION_BENCH = REPO / "benchmarks" / "2026-12-01-run63-attention-fp8-tiles.json"
+FP8_ATTENTION_KERNEL = "fp8_f16_n128_w4_s2_us"  # paged_decode.FP8_DECODE_TILES since run63
 
 Precision = Literal["bf16", "fp8", "fp4"]
 GIB = 1 << 30
@@ -104,8 +114,10 @@ class ModelShape:
         return self.kv_layers * self.kv_heads * self.head_dim * 2 * KV_BYTES[kv_dtype]
 
 
-# reference/engine.md §5.2: 30B-A3B 6.08 GFLOP/token, 6.08 GB read at B=1, 62.2 GB weights;
-# 235B-A22B 43.1 GFLOP/token, 43 GB read at B=1, 470 GB weights.
+# Shapes from https://huggingface.co/Qwen/Qwen3-VL-30B-A3B-Instruct/blob/main/config.json and
+# https://huggingface.co/Qwen/Qwen3-VL-235B-A22B-Instruct/blob/main/config.json: 3.04 B and 21.57 B active parameters a
+# token (attention, router, 8 of 128 experts, lm_head; 2 FLOP and 2 bf16 bytes each): 6.08 / 43.1 GFLOP a token and
+# 6.08 / 43 GB read at batch 1; weights 62.2 GB (measured on the project's H200) and 470 GB (235 B parameters x 2 B).
 MODELS = {
     "qwen3-vl-30b-a3b": ModelShape("qwen3-vl-30b-a3b", 1.0, 1.0, 62.2e9 / GIB, kv_layers=48),
     "qwen3-vl-235b-a22b": ModelShape("qwen3-vl-235b-a22b", 43.1 / 6.08, 43.0 / 6.08, 470e9 / GIB, kv_layers=94),
@@ -163,6 +175,8 @@ class Calibration:
     decode_ref_context: int
     attention_ms_per_context_token: float
     vision_plan_ms: float = 0.0  # an image size's first tower call (cuDNN builds its attention plan); 0: not measured
+    weights: Precision = "bf16"  # the precision the token curve was measured at (at_precision)
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"  # the KV cache's, for the decode attention
 
     @property
     def memory_bound_tokens(self) -> int:
@@ -217,6 +231,27 @@ class Calibration:
             decode_ref_context=ref_ctx, attention_ms_per_context_token=attention, vision_plan_ms=plan_ms,
         )
 
+    def at_precision(self, weights: Precision, kv_dtype: str, measured: MeasuredFP8 | None = None) -> Calibration:
+        """This (bf16) calibration moved to FP8 weights and/or an FP8 KV cache as the calibration hardware measured
+        them (`measured`, default MeasuredFP8.load()): each point of the token curve and the visual excess by the
+        measured FP8 step's ratio, the decode attention by the measured kernel's. FP4 weights start from the measured
+        FP8 too (the H200 has no FP4 tensor cores to measure them on): StepModel scales from there by what FP4
+        changes, the bytes read and the hardware's FP4 peak, so the kernels' measured FP8 efficiency carries over."""
+        if self.weights != "bf16" or self.kv_dtype != "bf16":
+            raise ValueError(f"at_precision starts from a bf16 calibration, not {self.weights}/{self.kv_dtype}")
+        if weights == "bf16" and kv_dtype == "bf16":
+            return self
+        measured = measured or MeasuredFP8.load()
+        changes: dict = {"source": f"{self.source} x {measured.source}"}
+        if weights in ("fp8", "fp4"):
+            ratios = measured.step_ratios(self.step_tokens)
+            changes.update(weights="fp8", step_base_ms=tuple(ms * r for ms, r in zip(self.step_base_ms, ratios)),
+                           visual_token_extra_ms=self.visual_token_extra_ms * ratios[-1])
+        if kv_dtype == "fp8":
+            changes.update(kv_dtype="fp8",
+                           attention_ms_per_context_token=self.attention_ms_per_context_token * measured.attention_ratio)
+        return dataclasses.replace(self, **changes)
+
     def base_ms(self, tokens: float, expert_share: Callable[[float], float]) -> float:
         """The curve at `tokens`: piecewise linear in the share of experts touched where that share still grows
         by 5% or more between two points, else in tokens; flat below the first point, linear past the last."""
@@ -228,6 +263,45 @@ class Calibration:
         s0, s1 = expert_share(x0), expert_share(x1)
         f = (expert_share(tokens) - s0) / (s1 - s0) if s1 - s0 >= 0.05 else (tokens - x0) / (x1 - x0)
         return ys[i - 1] + (ys[i] - ys[i - 1]) * f
+
+
+@dataclass(frozen=True)
+class MeasuredFP8:
+    """What FP8 changes on the calibration hardware, measured against bf16 in one call each: a step's cost outside
+    decode attention, FP8-dynamic weights over bf16, at each decode batch and at the text-prefill step
+    (`step_ratio_at`: token count -> ratio), and the paged decode attention over an FP8 KV cache over a bf16 one at
+    batch 256 (the model's attention reference point)."""
+
+    step_ratio_at: tuple[tuple[int, float], ...]
+    attention_ratio: float
+    source: str
+
+    @classmethod
+    def load(cls, steps: Path = FP8_STEPS_BENCH, attention: Path = FP8_ATTENTION_BENCH) -> MeasuredFP8:
+        cache = json.loads(Path(attention).read_text())["fp8_cache"]["decode_batch256_ctx1024"]
+        attention_ratio = cache[FP8_ATTENTION_KERNEL] / cache["bf16_cache_us"]
+        data = json.loads(Path(steps).read_text())
+        bf16, fp8, work = data["ours"], data["ours_fp8_channel"], data["workload"]
+        if bf16.get("kv_cache_dtype", "auto") != "auto" or fp8.get("kv_cache_dtype") != "fp8":
+            raise ValueError(f"{Path(steps).name}: wants bf16 with its bf16 KV cache beside FP8 with an FP8 one")
+        # the decode steps' attention (the model's, at the bench's context) is not the weights' doing
+        per_sequence_ms = ATTENTION_MS_AT_REF / (256 * 1024) * work["decode_context"]
+        points = [(int(b), (fp8["decode"][b]["step_ms_median"] - per_sequence_ms * int(b) * attention_ratio)
+                   / (bf16["decode"][b]["step_ms_median"] - per_sequence_ms * int(b)))
+                  for b in sorted(bf16["decode"], key=int)]
+        budget = work["max_num_batched_tokens"]
+        points.append((budget + budget // work["prefill_len"],
+                       fp8["prefill_step_ms_median"] / bf16["prefill_step_ms_median"]))
+        return cls(tuple(points), attention_ratio, f"{Path(steps).name} + {Path(attention).name}")
+
+    def step_ratios(self, step_tokens: Sequence[int]) -> list[float]:
+        """The ratio at each of a calibration's curve points: its decode batches and its prefill step by position
+        (the prefill step's size is the calibrating bench's)."""
+        by_tokens = dict(self.step_ratio_at[:-1])
+        missing = [t for t in step_tokens[:-1] if t not in by_tokens]
+        if missing:
+            raise ValueError(f"{self.source}: no FP8 decode step measured at batch {missing}")
+        return [by_tokens[t] for t in step_tokens[:-1]] + [self.step_ratio_at[-1][1]]
 
 
 @dataclass(frozen=True)
@@ -267,7 +341,8 @@ class StepModel:
               kv_dtype: str = "bf16", tp: int = 1, bench: Path = DEFAULT_BENCH) -> StepModel:
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r} (known: {', '.join(MODELS)})")
-        return cls(Calibration.from_bench(bench), load_hardware(hardware), MODELS[model], weights, kv_dtype, tp,
+        calibration = Calibration.from_bench(bench).at_precision(weights, kv_dtype)
+        return cls(calibration, load_hardware(hardware), MODELS[model], weights, kv_dtype, tp,
                    calibration_hardware=load_hardware(CALIBRATION_HARDWARE))
 
     @property
@@ -280,8 +355,10 @@ class StepModel:
 
     @property
     def compute_scale(self) -> float:
-        """Multiplier on measured compute-bound times (prefill)."""
-        return self.model.flops_ratio * self._ref.tflops("bf16") / self.hardware.tflops(self.weights) / self._parallel
+        """Multiplier on measured compute-bound times (prefill): from the calibration's precision on the calibration
+        hardware to this model's on this hardware, by peak tensor FLOP/s."""
+        return (self.model.flops_ratio * self._ref.tflops(self.calibration.weights) / self.hardware.tflops(self.weights)
+                / self._parallel)
 
     @property
     def vision_scale(self) -> float:
@@ -290,13 +367,13 @@ class StepModel:
 
     @property
     def memory_scale(self) -> float:
-        """Multiplier on measured memory-bound times (decode weight reads)."""
-        return (self.model.bytes_ratio * WEIGHT_BYTES[self.weights] * self._ref.hbm_tb_s / self.hardware.hbm_tb_s
-                / self._parallel)
+        """Multiplier on measured memory-bound times (decode weight reads), by bytes read and bandwidth."""
+        weight_bytes = WEIGHT_BYTES[self.weights] / WEIGHT_BYTES[self.calibration.weights]
+        return self.model.bytes_ratio * weight_bytes * self._ref.hbm_tb_s / self.hardware.hbm_tb_s / self._parallel
 
     @property
     def attention_scale(self) -> float:
-        ref_kv = MODELS["qwen3-vl-30b-a3b"].kv_bytes_per_token("bf16")
+        ref_kv = MODELS["qwen3-vl-30b-a3b"].kv_bytes_per_token(self.calibration.kv_dtype)
         return (self.model.kv_bytes_per_token(self.kv_dtype) / ref_kv * self._ref.hbm_tb_s / self.hardware.hbm_tb_s
                 / self._parallel)
 
@@ -341,6 +418,7 @@ class StepModel:
         return {
             "hardware": self.hardware.name, "model": self.model.name, "weights": self.weights,
             "kv_dtype": self.kv_dtype, "tp": self.tp, "calibration": self.calibration.source,
+            "calibration_precision": f"{self.calibration.weights}/{self.calibration.kv_dtype}",
             "compute_scale": round(self.compute_scale, 4), "memory_scale": round(self.memory_scale, 4),
             "kv_capacity_tokens": self.kv_capacity_tokens(),
         }
