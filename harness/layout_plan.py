@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Server points (benchmarks/planner-validation-runs.json product_path; those on FP8 with "
                         "--weights fp8 --kv-dtype fp8) beside their replay and the predicted highest valid Server QPS "
                         "(rebuilds the 1,500-sample catalogue: minutes)")
+    parser.add_argument("--speedups", default=None, metavar="TEXT:VISION,...", help="with --validate "
+                        "--product-path: instead of the measured points, issue 19's targets (Server at 0.85x the "
+                        "replayed Offline rate, Interactive at 0.4x) with the text and vision parts' costs multiplied "
+                        "by each pair, e.g. 1:1,0.5:0.5 (minutes)")
     parser.add_argument("--step-correction", default=None, metavar="FIT|none", help="the step model corrected by "
                         "this --fit-steps JSON, or 'none'; a search uses the product path's own fit by default "
                         f"({PRODUCT_PATH_FIT.name}), --validate --product-path none")
@@ -106,6 +110,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (workers/sim/step_fit.py)")
     args = parser.parse_args(argv)
+    if args.speedups is not None:
+        if not (args.validate and args.product_path):
+            parser.error("--speedups goes with --validate --product-path")
+        try:
+            args.speedups = [tuple(float(x) for x in pair.split(":", 1)) for pair in args.speedups.split(",")]
+        except ValueError:
+            args.speedups = []
+        if not args.speedups or any(len(pair) != 2 or min(pair) <= 0 for pair in args.speedups):
+            parser.error("--speedups: pairs TEXT:VISION of positive factors, comma-separated (e.g. 1:1,0.5:0.5)")
     if args.step_correction is not None and args.validate and not args.product_path:
         parser.error("--step-correction goes with --validate --product-path or a search, not the bench validation")
     if args.step_correction is not None:
@@ -167,12 +180,12 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=1))
         return
     if args.validate:
-        from harness.planner_validation import product_path_model, product_path_rows, validate
+        from harness.planner_validation import product_path_model, product_path_rows, speedup_rows, validate
 
         if args.product_path:
             try:
                 model = product_path_model(args.step_correction, args.weights, args.kv_dtype)
-                rows = product_path_rows(model)
+                rows = speedup_rows(model, args.speedups) if args.speedups else product_path_rows(model)
             except ValueError as exc:
                 sys.exit(f"--validate --product-path: {exc}")
             print(json.dumps(rows, indent=1))

@@ -495,3 +495,70 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
             "server_max_valid_qps": {"measured_highest_valid": max(valid_qps, default=None),
                                      "measured_lowest_invalid": min(invalid_qps, default=None),
                                      "predicted": round(lo, 2), "bisection_steps": bisect_steps}}
+
+
+INTERACTIVE_BOUND_S = 1.5  # the benchmark's Interactive latency bound (Server's comes with each measured run)
+INTERACTIVE_SAMPLES = 500  # the product path's Interactive catalogue (h200x1-synthetic*: catalogue-8k, synthetic:500)
+
+
+def speedup_rows(model: StepModel, speedups: Iterable[tuple[float, float]],
+                 server_requests: list[CatalogueRequest] | None = None,
+                 interactive_requests: list[CatalogueRequest] | None = None, *, server_queries: int = 1500,
+                 interactive_queries: int = 2000, bisect_steps: int = 5) -> dict:
+    """What issue 19's targets ask of the engine, on the product path's replay: for each (text, vision) pair, the
+    model with its text and vision parts' costs multiplied by them, its Offline rate (every sample at once, the
+    Offline engine settings), Server at 0.85x that rate and Interactive at 0.4x (LoadGen's verdicts on
+    `server_queries` / `interactive_queries` Poisson queries), the highest valid Server QPS (bisection) and
+    Interactive at 1 QPS. Workload and engine settings: the first measured product-path run at the model's
+    precision with an Offline point (else the first); catalogues rebuilt when not given (minutes)."""
+    measured_runs, _ = RUNS.product_path.runs_of(model.weights, model.kv_dtype)
+    workloads = [_bench(BENCH / name)["workload"] for name in measured_runs]
+    workload = next((w for w in workloads if "offline" in w["scenarios"]), workloads[0])
+    scenarios, max_tokens = workload["scenarios"], workload["max_tokens"]
+
+    def engine(scenario: dict) -> EngineConfig:
+        return EngineConfig(checkpoint=Path("simulated"), max_num_seqs=scenario["engine"]["max_num_seqs"],
+                            max_num_batched_tokens=scenario["engine"]["max_num_batched_tokens"])
+
+    # Server and Interactive run the same engine settings on the product path (h200x1-synthetic*)
+    latency, offline = engine(scenarios["server"]), engine(scenarios.get("offline", scenarios["server"]))
+    bound_s = scenarios["server"]["target_latency_ms"] / 1e3
+    seed = RUNS.product_path.catalogue_seed
+    if server_requests is None:
+        server_requests = realistic_catalogue(scenarios["server"]["samples"], seed)
+    if interactive_requests is None:
+        interactive_requests = realistic_catalogue(INTERACTIVE_SAMPLES, seed)
+    server_requests = [CatalogueRequest(r.prompt, max_tokens) for r in server_requests]
+    interactive_requests = [CatalogueRequest(r.prompt, max_tokens) for r in interactive_requests]
+
+    def point(scaled: StepModel, requests: list[CatalogueRequest], config: EngineConfig, qps: float, queries: int,
+              bound: float) -> dict:
+        latencies = server_latencies(scaled, requests, config, qps, queries, len(requests))
+        over = sum(1 for x in latencies if x > bound)
+        return {"qps": round(qps, 2), "p50_s": _p(latencies, 0.5), "p99_s": _p(latencies, 0.99), "over": over,
+                "queries": queries, "verdict": _verdict(latencies, bound)}
+
+    rows = []
+    for text, vision in speedups:
+        c = model.correction
+        scaled = dataclasses.replace(model, correction=dataclasses.replace(
+            c, text_scale=c.text_scale * text, vision_scale=c.vision_scale * vision, source=f"{c.source} x ({text}, "
+            f"{vision})"))
+        n = len(server_requests)
+        rate = n / max(server_latencies(scaled, server_requests, offline, 1e6, n, n))
+        lo, hi = 0.0, 1.5 * rate
+        for _ in range(bisect_steps):
+            mid = (lo + hi) / 2
+            ok = point(scaled, server_requests, latency, mid, server_queries, bound_s)["verdict"] == "VALID"
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        rows.append({
+            "text_x": text, "vision_x": vision, "offline_samples_per_s": round(rate, 2),
+            "server_at_0.85x": point(scaled, server_requests, latency, 0.85 * rate, server_queries, bound_s),
+            "server_max_valid_qps": round(lo, 2),
+            "interactive_at_0.4x": point(scaled, interactive_requests, latency, 0.4 * rate, interactive_queries,
+                                         INTERACTIVE_BOUND_S),
+            "interactive_at_1_qps": point(scaled, interactive_requests, latency, 1.0, interactive_queries,
+                                          INTERACTIVE_BOUND_S),
+        })
+    return {"about": "issue 19's targets on the product path's replay, the text and vision parts' costs scaled",
+            "model": model.describe(), "correction": dataclasses.asdict(model.correction), "rows": rows}

@@ -249,3 +249,24 @@ def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_mea
     assert "fp8 weights, fp8 KV cache" in result["device"] and result["model"]["calibration_precision"] == "fp8/fp8"
     with pytest.raises(ValueError, match="no product-path runs were measured with weights fp4"):
         product_path_rows(model=product_path_model(None, "fp4", "fp8"), requests=catalogue, bisect_steps=1)
+
+
+def test_the_speedup_replay_judges_issue_19s_targets_on_a_model_with_faster_parts():
+    from harness.catalogue_workload import fixed_catalogue
+    from harness.planner_validation import product_path_model, speedup_rows
+
+    model = product_path_model(None, "fp8", "fp8")
+    catalogue = fixed_catalogue(30, 448, 64, 45)
+    result = speedup_rows(model, [(1.0, 1.0), (0.5, 0.5)], catalogue, catalogue[:20], server_queries=60,
+                          interactive_queries=60, bisect_steps=2)
+    same, faster = result["rows"]
+    assert (same["text_x"], same["vision_x"], faster["text_x"], faster["vision_x"]) == (1.0, 1.0, 0.5, 0.5)
+    # both parts at half their cost: the whole Offline run takes about half the time
+    assert faster["offline_samples_per_s"] == pytest.approx(2 * same["offline_samples_per_s"], rel=0.25)
+    for row in (same, faster):
+        assert row["server_at_0.85x"]["qps"] == pytest.approx(0.85 * row["offline_samples_per_s"], abs=0.01)
+        assert row["interactive_at_0.4x"]["qps"] == pytest.approx(0.4 * row["offline_samples_per_s"], abs=0.01)
+        assert row["interactive_at_1_qps"]["queries"] == 60
+        assert row["server_at_0.85x"]["verdict"] == "INVALID"  # 60 queries: too few for LoadGen's early stopping
+    assert faster["interactive_at_1_qps"]["p50_s"] < same["interactive_at_1_qps"]["p50_s"]
+    assert result["model"]["calibration_precision"] == "fp8/fp8"
