@@ -93,12 +93,22 @@ class Dispatcher:
         try:
             await self._admit(deadline)
             self.inflight += 1
+            holds_slot = True
+
+            def leave() -> None:  # the request's admission slot goes to the next one
+                nonlocal holds_slot
+                if holds_slot:
+                    holds_slot = False
+                    self.inflight -= 1
+                    self.admission.notify()
+
             try:
                 async for chunk in self._serve(request, active, deadline, arrival):
+                    if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        leave()  # before the caller has its answer, which may send the next request at once
                     yield chunk
             finally:
-                self.inflight -= 1
-                self.admission.notify()
+                leave()
         finally:
             self._active.pop(request.request_id, None)
 
@@ -345,6 +355,8 @@ class Dispatcher:
                 chunk.request_id = active.request_id
                 chunk.worker_id = entry.worker_id
                 finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if finished:  # the worker's slot is free once its answer is complete, before anyone reads it
+                    booking.release()
                 yield chunk
                 if finished:
                     return

@@ -57,6 +57,25 @@ def test_booked_load_is_released_after_every_request():
     run(body())
 
 
+def test_a_requests_slots_are_free_when_its_final_chunk_reaches_the_caller():
+    # a caller may send its next request as soon as it has an answer: that request must not be refused for the
+    # slot of the one whose answer it holds (the router ends its side of the call a moment later)
+    async def body():
+        async with Cluster(roles=("aggregated",), config={"limits": {"max_inflight_per_worker": 1}}) as c:
+            dispatcher = c.router.dispatcher
+            stream = dispatcher.generate(request("r1", max_tokens=4))
+            async for chunk in stream:
+                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    break  # the router's generator is still suspended at this chunk
+            (entry,) = c.router.registry.entries()
+            assert (dispatcher.inflight, entry.inflight) == (0, 0)
+            assert dispatcher._has_capacity()
+            await stream.aclose()
+            assert (dispatcher.inflight, entry.inflight, entry.booked_blocks) == (0, 0, 0)  # released once
+
+    run(body())
+
+
 def test_client_cancel_aborts_the_engine_request_upstream():
     async def body():
         async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
