@@ -448,6 +448,22 @@ def product_path_model(correction: Path | None = None, weights: Precision = "bf1
     return dataclasses.replace(model, correction=StepCorrection.load(correction)) if correction else model
 
 
+def _replay_engine(scenario: dict) -> EngineConfig:
+    """The simulated engine with a measured run's scenario engine settings (find_peak's workload JSON)."""
+    return EngineConfig(checkpoint=Path("simulated"), max_num_seqs=scenario["engine"]["max_num_seqs"],
+                        max_num_batched_tokens=scenario["engine"]["max_num_batched_tokens"])
+
+
+def _highest_valid_qps(model: StepModel, requests: list[CatalogueRequest], engine_config: EngineConfig,
+                       queries: int, pool: int, bound_s: float, lo: float, hi: float, steps: int) -> float:
+    """Bisection between lo and hi for the highest QPS whose replay LoadGen would call VALID."""
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        valid = _verdict(server_latencies(model, requests, engine_config, mid, queries, pool), bound_s) == "VALID"
+        lo, hi = (mid, hi) if valid else (lo, mid)
+    return lo
+
+
 def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRequest] | None = None,
                       bisect_steps: int = 6, runs: Iterable[str] | None = None) -> dict:
     """Each measured Server point of RUNS.product_path at the model's precision beside its replay (p50, p99,
@@ -462,8 +478,7 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
     if not points:
         raise ValueError("product_path: no Server points in the listed runs")
     _, _, server, max_tokens = points[0]
-    engine_config = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=server["engine"]["max_num_seqs"],
-                                 max_num_batched_tokens=server["engine"]["max_num_batched_tokens"])
+    engine_config = _replay_engine(server)
     if requests is None:
         requests = realistic_catalogue(server["samples"], RUNS.product_path.catalogue_seed)
     requests = [CatalogueRequest(r.prompt, max_tokens) for r in requests]
@@ -479,11 +494,8 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
             "verdict": {"measured": point["verdict"], "predicted": _verdict(latencies, bound_s)},
         })
     queries, pool = points[0][1]["queries"], min(points[0][1]["performance_sample_count"], len(requests))
-    lo, hi = 0.5, max(p[1]["target_qps"] for p in points) * 1.5
-    for _ in range(bisect_steps):
-        mid = (lo + hi) / 2
-        valid = _verdict(server_latencies(model, requests, engine_config, mid, queries, pool), bound_s) == "VALID"
-        lo, hi = (mid, hi) if valid else (lo, mid)
+    lo = _highest_valid_qps(model, requests, engine_config, queries, pool, bound_s, 0.5,
+                            max(p[1]["target_qps"] for p in points) * 1.5, bisect_steps)
     valid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] == "VALID"]
     invalid_qps = [p[1]["target_qps"] for p in points if p[1]["verdict"] != "VALID"]
     precision = "bf16" if model.weights == "bf16" else f"{model.weights} weights, {model.kv_dtype} KV cache"
@@ -515,13 +527,9 @@ def speedup_rows(model: StepModel, speedups: Iterable[tuple[float, float]],
     workloads = [_bench(BENCH / name)["workload"] for name in measured_runs]
     workload = next((w for w in workloads if "offline" in w["scenarios"]), workloads[0])
     scenarios, max_tokens = workload["scenarios"], workload["max_tokens"]
-
-    def engine(scenario: dict) -> EngineConfig:
-        return EngineConfig(checkpoint=Path("simulated"), max_num_seqs=scenario["engine"]["max_num_seqs"],
-                            max_num_batched_tokens=scenario["engine"]["max_num_batched_tokens"])
-
     # Server and Interactive run the same engine settings on the product path (h200x1-synthetic*)
-    latency, offline = engine(scenarios["server"]), engine(scenarios.get("offline", scenarios["server"]))
+    latency = _replay_engine(scenarios["server"])
+    offline = _replay_engine(scenarios.get("offline", scenarios["server"]))
     bound_s = scenarios["server"]["target_latency_ms"] / 1e3
     seed = RUNS.product_path.catalogue_seed
     if server_requests is None:
@@ -546,11 +554,8 @@ def speedup_rows(model: StepModel, speedups: Iterable[tuple[float, float]],
             f"{vision})"))
         n = len(server_requests)
         rate = n / max(server_latencies(scaled, server_requests, offline, 1e6, n, n))
-        lo, hi = 0.0, 1.5 * rate
-        for _ in range(bisect_steps):
-            mid = (lo + hi) / 2
-            ok = point(scaled, server_requests, latency, mid, server_queries, bound_s)["verdict"] == "VALID"
-            lo, hi = (mid, hi) if ok else (lo, mid)
+        lo = _highest_valid_qps(scaled, server_requests, latency, server_queries, n, bound_s, 0.0, 1.5 * rate,
+                                bisect_steps)
         rows.append({
             "text_x": text, "vision_x": vision, "offline_samples_per_s": round(rate, 2),
             "server_at_0.85x": point(scaled, server_requests, latency, 0.85 * rate, server_queries, bound_s),
