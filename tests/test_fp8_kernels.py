@@ -250,6 +250,19 @@ def test_fp8_small_batch_kernels_match_the_w8a16_reference(case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def assert_close_but_for_e4m3_flips(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The tiled kernels round their intermediate rows to e4m3, and so does the reference, from float32 sums in
+    another order: an intermediate that lands on a rounding midpoint can round to the other neighbour (one e4m3 step,
+    2^-3 of it), which moves every output of its token by a few percent (seen on the interpreter on one machine and
+    not another: the host's BLAS orders the sums). Every token's row matches to float32 rounding but for at most one in
+    ten rows, and those within 5%; a wrong index or scale is off by order 1."""
+    tol = 1e-5 * want.abs().max().item()
+    close = ((got - want).abs() <= tol + 1e-5 * want.abs()).all(dim=1)
+    assert close.float().mean().item() >= 0.9, f"{int((~close).sum())} of {len(close)} rows differ"
+    row_error = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-12)
+    assert row_error.max().item() < 0.05, row_error.max().item()
+
+
 @interpreter
 @pytest.mark.parametrize("case", MOE_CASES.values(), ids=MOE_CASES.keys())
 def test_fp8_tiled_kernels_match_the_w8a8_reference(case):
@@ -259,7 +272,7 @@ def test_fp8_tiled_kernels_match_the_w8a8_reference(case):
     x, top_w, top_i = routed(20 + tokens, 4 + foreign, 2, hidden, seed=tokens)
     got = fused_moe.tiled_experts(x, top_w, top_i, gate_up, down, foreign, scales)
     want = fp8_experts_reference(x, top_w, top_i, gate_up, down, scales, w8a8=True)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_close_but_for_e4m3_flips(got, want)
 
 
 @interpreter
@@ -272,7 +285,7 @@ def test_fp8_tiled_kernels_on_two_row_blocks_and_column_tiles_match_the_referenc
     x, top_w, top_i = routed(20, 2, 2, 256, seed=7)
     got = fused_moe.tiled_experts(x, top_w, top_i, gate_up, down, False, scales)
     want = fp8_experts_reference(x, top_w, top_i, gate_up, down, scales, w8a8=True)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_close_but_for_e4m3_flips(got, want)
 
 
 @interpreter

@@ -21,6 +21,7 @@ KERNEL_TESTS = [
     "tests/test_engine_moe_kernels.py",
     "tests/test_engine_vision_kernels.py",
     "tests/test_fp8_kernels.py",
+    "tests/test_vision_attention.py",
 ]
 
 

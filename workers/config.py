@@ -43,6 +43,12 @@ class EngineConfig(BaseModel):
         "run W8A8 with per-token activations (the FP8-dynamic scheme; torch's row-wise FP8 GEMM on CUDA). Attention, "
         "the patch embedding and the mergers stay in the activation dtype."
     )
+    vision_attention: Literal["sdpa", "triton", "triton_fp8"] = Field(
+        "sdpa", description="The vision tower's attention (workers/model/vision_attention.py): 'sdpa' (torch's, cuDNN "
+        "on the H200, one call per run of equal-size frames), 'triton' (our kernel: one launch over every frame of a "
+        "tower call, bf16), or 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax). "
+        "The CPU runs SDPA whichever is named."
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="KV cache element type: 'auto' is the activation dtype; 'fp8' stores float8_e4m3fn with "
         "a per-layer k_scale/v_scale (the checkpoint's self_attn k_scale/v_scale tensors where present, else 1.0), "

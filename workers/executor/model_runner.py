@@ -134,7 +134,8 @@ class ModelRunner:
         self.model = build_text_model(config, model_config, self.device, self.dtype, self.tp)
         checkpoint = None if config.load_format == "random" else config.checkpoint
         self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed,
-                                    fp8_linears=config.vision_precision == "fp8") if self.tp.rank == 0 else None
+                                    fp8_linears=config.vision_precision == "fp8",
+                                    attention=config.vision_attention) if self.tp.rank == 0 else None
         self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads // self.tp.size, text.head_dim)
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._kv_scales = None  # 1.0 each: a random-weight model, or a checkpoint without calibrated scales

@@ -20,6 +20,7 @@ from torch import nn
 
 from workers.model import fp8_gemm
 from workers.model.fp8 import BlockShape, quantize_weight_blocks
+from workers.model.vision_attention import IMPLEMENTATIONS, AttentionPlan, vision_attention
 from workers.model.vision_kernels import add_layer_norm, rotary_qk
 from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_random_weights, iter_tensors
 
@@ -121,7 +122,7 @@ class TowerState:
     """A tower pass between blocks, so that a large image's encoding can be spread over several engine steps: the
     residual stream, the update the next LayerNorm adds first, DeepStack features so far, the next block."""
 
-    runs: list[tuple[int, int]]
+    plan: AttentionPlan
     cos: torch.Tensor
     sin: torch.Tensor
     residual: torch.Tensor
@@ -135,8 +136,12 @@ class VisionTower:
     gelu_epilogue: on CUDA, the blocks' fc1 + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (one rounding
     instead of two; elsewhere the unfused pair, since the CPU kernel's epilogue is the erf GELU)."""
 
-    def __init__(self, module: nn.Module, gelu_epilogue: bool = False, fp8_linears: bool = False):
+    def __init__(self, module: nn.Module, gelu_epilogue: bool = False, fp8_linears: bool = False,
+                 attention: str = "sdpa"):
         config = module.config
+        if attention not in IMPLEMENTATIONS:
+            raise ValueError(f"vision attention {attention!r}: expected one of {IMPLEMENTATIONS}")
+        self.attention = attention  # EngineConfig.vision_attention
         if gelu_epilogue and config.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"gelu_epilogue computes gelu_pytorch_tanh, the config's hidden_act is {config.hidden_act!r}")
         self.module = module
@@ -168,7 +173,7 @@ class VisionTower:
         if residual.shape[0] != pos.shape[0]:
             raise ValueError(f"pixel_values has {residual.shape[0]} patches, grid_thw {grids} says {pos.shape[0]}")
         # each LayerNorm first adds the last pending update (here the position embeddings)
-        return TowerState(frame_runs(grid_thw), cos, sin, residual, pos)
+        return TowerState(AttentionPlan(frame_runs(grid_thw)), cos, sin, residual, pos)
 
     def run_blocks(self, state: TowerState, count: int) -> None:
         """Runs the next `count` blocks (fewer when the tower ends first)."""
@@ -176,7 +181,7 @@ class VisionTower:
             block = self.module.blocks[index]
             normed, state.residual = add_layer_norm(state.residual, state.pending, block.norm1.weight,
                                                     block.norm1.bias, block.norm1.eps)
-            state.pending = self._attention(block.attn, normed, state.cos, state.sin, state.runs)
+            state.pending = self._attention(block.attn, normed, state.cos, state.sin, state.plan)
             normed, state.residual = add_layer_norm(state.residual, state.pending, block.norm2.weight,
                                                     block.norm2.bias, block.norm2.eps)
             state.pending = self._mlp(block.mlp, normed)
@@ -200,21 +205,10 @@ class VisionTower:
         return self._merger_mlp(merger, normed.view(-1, normed.shape[1] * self.merge_unit)), state.features
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   runs: list[tuple[int, int]]) -> torch.Tensor:
-        """Bidirectional attention within each frame; consecutive frames of one size share one SDPA call."""
-        seq, hidden = x.shape
+                   plan: AttentionPlan) -> torch.Tensor:
+        """Bidirectional attention within each frame (workers/model/vision_attention.py)."""
         q, k, v = rotary_qk(self._linear(attn.qkv, x), cos, sin, self.num_heads)
-        outs, start = [], 0
-        for length, count in runs:
-            end = start + length * count
-            qs, ks, vs = (t[start:end].view(count, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=attn.scaling)
-            outs.append(o.transpose(1, 2).reshape(end - start, hidden))
-            start = end
-        if start != seq:
-            raise RuntimeError(f"vision attention planned for {start} patches, got {seq}")
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self._linear(attn.proj, out)
+        return self._linear(attn.proj, vision_attention(q, k, v, plan, attn.scaling, self.attention))
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
@@ -278,7 +272,7 @@ class VisionEncoder:
 
     def __init__(
         self, model_config: ModelConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
-        fp8_linears: bool = False,
+        fp8_linears: bool = False, attention: str = "sdpa",
     ):
         model = build_vision_module(model_config.arch, model_config.hf_config.vision_config, device, dtype)
         if checkpoint is None:
@@ -296,7 +290,7 @@ class VisionEncoder:
         # fc1 + GELU as one cuBLASLt epilogue on CUDA: 3% faster, and as close to float32 as transformers' bf16 module
         # (scripts/bench_vision.py, 2026-11-30 H200: relative error 0.0137 vs its 0.0140, 2.16 vs 2.23 ms per image).
         self.tower = VisionTower(self.model, gelu_epilogue=self.model.config.hidden_act == "gelu_pytorch_tanh",
-                                 fp8_linears=fp8_linears)
+                                 fp8_linears=fp8_linears, attention=attention)
         self.device = device
         self.dtype = dtype
         self.spatial_merge_unit = model_config.spatial_merge_size**2

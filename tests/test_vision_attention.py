@@ -1,0 +1,165 @@
+"""The vision tower's attention (workers/model/vision_attention.py): our Triton kernel computes softmax(q k^T) v
+within each frame, as SDPA does, for every frame of a call in one launch; its FP8 variant stays within FP8's
+rounding; the tower runs whichever EngineConfig.vision_attention names (Triton's interpreter on CPU with
+TRITON_INTERPRET=1; the tower's real shapes on CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from workers.model import vision_attention as va
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
+ON_INTERPRETER = pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or va.triton is None,
+                                               reason="needs CUDA and triton")]
+SMALL = va.KernelConfig(16, 16, 4, 1)  # K and V tiles through tensor descriptors
+SMALL_POINTERS = va.KernelConfig(16, 16, 4, 1, tma=False)
+SMALL_FP8 = va.KernelConfig(16, 32, 4, 1, tma=False)  # FP8's k-step is 32
+# frames of unequal sizes, none a multiple of the tiles: the tail tiles and the frame edges are masked
+RUNS = [(37, 2), (20, 1), (5, 1)]
+
+
+def draw(frames, heads, dim, device, dtype, seed=0):
+    """q, k [N, heads, dim] and v, a strided view of a fused qkv, as the tower hands them over."""
+    n = sum(length * count for length, count in frames)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(n, heads, dim, generator=g, device=device).to(dtype) for _ in range(2))
+    v = torch.randn(n, 3, heads, dim, generator=g, device=device).to(dtype)[:, 2]
+    return q, k, v
+
+
+def relative_error(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def exact(q, k, v, frames):
+    return va.attention_reference(q.double(), k.double(), v.double(), frames, q.shape[-1] ** -0.5)
+
+
+def test_block_table_covers_every_query_row_once_largest_frame_first():
+    table = va.block_table([(5, 1), (40, 2), (3, 1)], 16, torch.device("cpu")).tolist()
+    # frames: [0, 5), [5, 45), [45, 85), [85, 88); the two 40-row frames first, then 5, then 3
+    assert table == [[5, 5, 45], [21, 5, 45], [37, 5, 45], [45, 45, 85], [61, 45, 85], [77, 45, 85],
+                     [0, 0, 5], [85, 85, 88]]
+    covered = sorted(r for q, start, end in table for r in range(q, min(q + 16, end)))
+    assert covered == list(range(88))
+
+
+def test_rows_that_a_tensor_descriptor_cannot_address_take_the_pointer_kernel():
+    aligned = torch.zeros(8, 16, 72, dtype=torch.bfloat16)
+    assert va._rows_fit_descriptors(aligned, aligned[:, :, :], torch.zeros(8, 3, 16, 72, dtype=torch.bfloat16)[:, 2])
+    # one byte per element: head h starts at byte 72 h, not 16-byte aligned for odd h
+    assert not va._rows_fit_descriptors(aligned.to(torch.float8_e4m3fn))
+    assert not va._rows_fit_descriptors(torch.zeros(8, 16, 80)[:, :, :72])  # heads not packed
+
+
+def test_head_dim_splits_into_a_power_of_two_and_a_masked_tail():
+    if va.triton is None:
+        pytest.skip("needs triton")
+    assert va.head_split(72, 16) == (64, 16)  # the tower: 64 + 8 of 16
+    assert va.head_split(72, 32) == (64, 32)  # FP8: the tail at FP8's k-step
+    assert va.head_split(64, 16) == (64, 0)
+    assert va.head_split(24, 16) == (16, 16)
+
+
+def test_unknown_implementation_is_refused_by_name():
+    q, k, v = draw([(4, 1)], 1, 16, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="'flash3'"):
+        va.vision_attention(q, k, v, va.AttentionPlan([(4, 1)]), 0.25, "flash3")
+
+
+def test_a_plan_for_other_frames_is_refused():
+    q, k, v = draw([(4, 1)], 1, 16, "cpu", torch.float32)
+    with pytest.raises(RuntimeError, match="planned for 5 patches, got 4"):
+        va.vision_attention(q, k, v, va.AttentionPlan([(5, 1)]), 0.25, "triton")
+
+
+@pytest.mark.skipif(INTERPRETER, reason="checks the CPU fallback, which the interpreter replaces")
+def test_on_the_cpu_every_implementation_runs_sdpa():
+    q, k, v = draw(RUNS, 2, 24, "cpu", torch.float32)
+    plan = va.AttentionPlan(RUNS)
+    want = va.attention_reference(q, k, v, RUNS, 0.2)
+    for impl in va.IMPLEMENTATIONS:
+        assert torch.equal(va.vision_attention(q, k, v, plan, 0.2, impl), want)
+
+
+@ON_INTERPRETER
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("dim", [72, 24, 64])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_triton_kernel_is_attention_within_each_frame(dim, dtype, bound, config):
+    # (the interpreter's bf16 dot is not bf16 arithmetic; bf16 runs on CUDA below)
+    q, k, v = draw(RUNS, 2, dim, "cpu", dtype, seed=dim)
+    got = va.attention_triton(q, k, v, va.AttentionPlan(RUNS), dim**-0.5, config)
+    assert got.shape == (q.shape[0], 2 * dim) and got.dtype == dtype
+    assert relative_error(got, exact(q, k, v, RUNS)) < bound
+
+
+@ON_INTERPRETER
+def test_fp8_kernel_is_attention_within_fp8_rounding():
+    q, k, v = draw(RUNS, 2, 72, "cpu", torch.float16, seed=3)
+    want = exact(q, k, v, RUNS)
+    got = va.attention_triton_fp8(q, k, v, va.AttentionPlan(RUNS), 72**-0.5, SMALL_FP8)
+    error = relative_error(got, want)
+    # e4m3 keeps 3 mantissa bits: a few percent on random data, never a wrong frame (that would be ~100%)
+    assert 1e-3 < error < 0.1
+    # the same inputs rounded to e4m3 and back, through exact attention: our kernel's error is that rounding's
+    rounded = [(t8.float() * s[None, :, None]) for t8, s in map(va.quantize_per_head, (q, k, v))]
+    assert relative_error(got, exact(*rounded, RUNS)) < 0.05
+
+
+@ON_INTERPRETER
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS], ids=["descriptors", "pointers"])
+def test_a_frame_attends_only_to_itself(config):
+    q, k, v = draw([(20, 1), (20, 1)], 1, 72, "cpu", torch.float32, seed=4)
+    plan = va.AttentionPlan([(20, 1), (20, 1)])
+    base = va.attention_triton(q, k, v, plan, 0.1, config)
+    v2 = v.clone()
+    v2[20:] += 5  # the second frame's values change; the first frame's outputs must not
+    moved = va.attention_triton(q, k, v2, plan, 0.1, config)
+    assert torch.equal(base[:20], moved[:20]) and not torch.allclose(base[20:], moved[20:])
+
+
+@pytest.mark.parametrize("patches", [4096, 16384])
+@pytest.mark.parametrize("impl,bound", [("triton", 1e-2), ("triton_fp8", 8e-2)])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
+def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, bound):
+    frames = [(patches + 37, 1), (1000, 3)]  # frames ending mid-tile, one at the end of the tensor
+    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches)
+    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, impl)
+    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
+    assert not got.isnan().any()
+    assert relative_error(got, want) < bound
+
+
+def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkpoint):
+    from test_engine_equivalence import make_engine
+
+    engine = make_engine(tiny_moe_checkpoint, vision_attention="triton_fp8")
+    assert engine.runner.vision.tower.attention == "triton_fp8"
+    assert make_engine(tiny_moe_checkpoint).runner.vision.tower.attention == "sdpa"  # the default
+
+
+def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
+    from pydantic import ValidationError
+
+    from workers.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="vision_attention"):
+        EngineConfig(checkpoint=tiny_moe_checkpoint, vision_attention="flash3")
+
+
+def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size():
+    from workers.bench import vision_attention as bench
+
+    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0")
+    assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False)]
+    names = [bench.config_name("triton", c) for c in configs]
+    assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]"]
+    kernels = {"4096": {names[0]: {"attention_tflops": 1.0}, names[1]: {"attention_tflops": 9.0}},
+               "62500": {names[0]: {"attention_tflops": 5.0}, names[1]: {"error": "OutOfResources"}}}
+    assert bench.best_config(kernels, "triton", configs) == configs[0]  # 62,500 decides; a failed shape never wins

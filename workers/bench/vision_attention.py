@@ -1,0 +1,244 @@
+"""The vision tower's attention on one device, every implementation side by side in one run; prints one JSON object.
+
+Kernels (16 heads, head_dim 72, bidirectional; the tower's q/k/v memory: q and k [N, heads, 72] contiguous, v a
+strided view of the fused qkv), at each --patches count as one frame:
+- SDPA through each backend torch has here (cuDNN, flash, memory-efficient);
+- our Triton kernel (workers/model/vision_attention.py) at each --configs tile shape, bf16 and FP8 (the FP8 time with
+  and without quantising Q/K/V);
+- `attention_tflops`: useful work (4 * heads * 72 * N^2) over the median time; `error_vs_fp32`: the relative
+  Frobenius error of the first 1,024 query rows against float32 attention over the same inputs.
+- `varlen`: one step's mix of images in one call (SDPA: one call per run of equal sizes; ours: one launch).
+- `tower` (--tower-side S): the whole 235B tower (random weights) on one S x S-patch image with each attention, ms
+  (median), and the outputs' error against transformers' float32 module on --accuracy-side A.
+Usage: python -m scripts.bench_vision_attention [--patches 4096,16384,35344,62500] [--reps N]
+       [--configs M:N:W:S,...] [--fp8-configs ...] [--tower-side 250] [--accuracy-side 128] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from workers.model import vision_attention as va
+from workers.model.vision import VisionTower, build_vision_module
+from workers.tiny_checkpoint import released_config, transformers_config
+from workers.weights import init_random_weights
+
+HEADS, HEAD_DIM = 16, 72
+SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+REFERENCE_ROWS = 1024
+VARLEN_MIX = [(62500, 1), (16384, 1), (4096, 2), (1024, 8)]  # (patches per frame, frames): one busy step
+
+
+def parse_configs(text: str) -> list[va.KernelConfig]:
+    """'M:N:W:S[:T]' items: block_m, block_n, warps, stages, and T 1 (tensor descriptors, the default) or 0."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        m, n, w, st, *tma = (int(x) for x in item.split(":"))
+        configs.append(va.KernelConfig(m, n, w, st, bool(tma[0]) if tma else True))
+    return configs
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median of `reps` event-timed calls after two warm-up calls."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tower_inputs(patches: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [N, heads, 72] and v, a strided view of a fused qkv, as the tower hands them to attention."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(patches, 3, HEADS, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+    q, k = (torch.randn(patches, HEADS, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, qkv[:, 2]
+
+
+def reference_rows(q, k, v, scale: float, rows: int) -> torch.Tensor:
+    """float32 attention of the first `rows` queries against all keys: [rows, heads * dim]."""
+    out = []
+    for h in range(q.shape[1]):
+        s = (q[:rows, h].float() @ k[:, h].float().T) * scale
+        out.append(torch.softmax(s, dim=-1) @ v[:, h].float())
+    return torch.stack(out, dim=1).reshape(rows, -1)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(f"{((got.float() - want).norm() / want.norm()).item():.3g}")
+
+
+def config_name(impl: str, c: va.KernelConfig) -> str:
+    loads = "tma" if c.tma and impl == "triton" else "ptr"  # the FP8 kernel loads through pointers
+    return f"{impl}[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{loads}]"
+
+
+def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS)) -> dict:
+    q, k, v = tower_inputs(patches, device, seed=patches)
+    scale = HEAD_DIM**-0.5
+    plan = va.AttentionPlan([(patches, 1)])
+    flops = plan.useful_flops(HEADS, HEAD_DIM)
+    rows = min(REFERENCE_ROWS, patches)
+    want = reference_rows(q, k, v, scale, rows)
+    out: dict = {"useful_tflop": round(flops / 1e12, 3)}
+
+    def record(name: str, fn) -> None:
+        try:
+            got = fn()
+            ms = median_ms(fn, reps)
+        except Exception as exc:  # a backend or tile shape that does not run here: say why, go on
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            return
+        out[name] = {"ms": round(ms, 3), "attention_tflops": round(flops / ms / 1e9, 1),
+                     "error_vs_fp32": relative_error(got[:rows], want)}
+
+    for name, backend in SDPA_BACKENDS.items():
+        if name not in sdpa_names:
+            continue
+
+        def sdpa(backend=backend):
+            with sdpa_kernel([backend]):
+                return va.attention_reference(q, k, v, plan.runs, scale)
+        record(name, sdpa)
+    for c in configs:
+        record(config_name("triton", c), lambda c=c: va.attention_triton(q, k, v, plan, scale, c))
+    for c in fp8_configs:
+        name = config_name("triton_fp8", c)
+        record(name, lambda c=c: va.attention_triton_fp8(q, k, v, plan, scale, c))
+        if "ms" in out[name]:  # the quantisation's share: the three per-head quantisations alone
+            out[name]["quantize_ms"] = round(median_ms(lambda: (va.quantize_per_head(q), va.quantize_per_head(k),
+                                                                va.quantize_per_head(v)), reps), 3)
+    return out
+
+
+def bench_varlen(configs: dict, reps: int, device: str) -> dict:
+    """One call over VARLEN_MIX's frames: SDPA per run of equal sizes against one launch of ours."""
+    patches = sum(n * c for n, c in VARLEN_MIX)
+    q, k, v = tower_inputs(patches, device, seed=1)
+    plan = va.AttentionPlan(VARLEN_MIX)
+    flops = plan.useful_flops(HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    want = va.attention_reference(q, k, v, plan.runs, scale)
+    out: dict = {"frames": [list(r) for r in VARLEN_MIX], "useful_tflop": round(flops / 1e12, 3)}
+    fns = {"sdpa": lambda: va.attention_reference(q, k, v, plan.runs, scale)}
+    for impl, c in configs.items():
+        fns[config_name(impl, c)] = lambda impl=impl, c=c: va.vision_attention(q, k, v, plan, scale, impl, c)
+    for name, fn in fns.items():
+        got = fn()
+        ms = median_ms(fn, reps)
+        out[name] = {"ms": round(ms, 3), "attention_tflops": round(flops / ms / 1e9, 1),
+                     "difference_vs_sdpa": relative_error(got, want.float())}
+    return out
+
+
+def tower_module(device: str, dtype: torch.dtype):
+    vision_config = transformers_config(released_config("qwen3-vl-235b-a22b", {})).vision_config
+    torch.manual_seed(0)
+    module = build_vision_module("moe", vision_config, torch.device(device), dtype)
+    init_random_weights(module, seed=0)
+    return module.eval()
+
+
+def bench_tower(module, side: int, accuracy_side: int, configs: dict, reps: int, device: str) -> dict:
+    """Our tower with each attention on one side x side image (ms, median), and on accuracy_side its error against
+    transformers' float32 module (the same weights)."""
+    in_features = module.patch_embed.proj.weight[0].numel()
+    towers = {"sdpa": VisionTower(module, gelu_epilogue=True)}
+    for impl in configs:
+        towers[impl] = VisionTower(module, gelu_epilogue=True, attention=impl)
+    out: dict = {"patches": side * side, "pixels": f"{side * 16}x{side * 16}"}
+    grid = torch.tensor([[1, side, side]])
+    x = torch.randn(side * side, in_features, device=device).to(torch.bfloat16)
+    for name, tower in towers.items():
+        out[f"{name}_ms"] = round(median_ms(lambda t=tower: t(x, grid), reps), 1)
+    # accuracy on the real architecture against transformers' float32 module
+    exact = copy.deepcopy(module).float()
+    grid = torch.tensor([[1, accuracy_side, accuracy_side]])
+    x = torch.randn(accuracy_side**2, in_features, device=device)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        ref = exact(x, grid_thw=grid.to(device), return_dict=True)
+    want = [ref.pooler_output, *ref.deepstack_features]
+    del exact
+    errors = {}
+    for name, tower in towers.items():
+        embeds, features = tower(x.to(torch.bfloat16), grid)
+        errors[name] = max(relative_error(g, w.float()) for g, w in zip([embeds, *features], want))
+    hf_bf16 = module(x.to(torch.bfloat16), grid_thw=grid.to(device), return_dict=True)
+    errors["transformers_bf16"] = max(relative_error(g, w.float()) for g, w in
+                                      zip([hf_bf16.pooler_output, *hf_bf16.deepstack_features], want))
+    out["error_vs_transformers_fp32"] = {"patches": accuracy_side**2, **errors}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--patches", default="4096,16384,35344,62500")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--configs", default="128:64:4:3,128:64:8:3,128:64:4:4,128:128:8:3,128:64:4:3:0",
+                   help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
+    p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
+    p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
+    p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
+    p.add_argument("--accuracy-side", type=int, default=128)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or va.triton is None:
+        sys.exit("bench_vision_attention: needs CUDA and triton")
+    device = "cuda"
+    configs, fp8_configs = parse_configs(args.configs), parse_configs(args.fp8_configs)
+    result: dict = {
+        "bench": "vision_attention",
+        "device": torch.cuda.get_device_name(device),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["python -m scripts.bench_vision_attention", *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__, "triton": va.triton.__version__, "cudnn": torch.backends.cudnn.version(),
+        "heads": HEADS, "head_dim": HEAD_DIM, "reps": args.reps, "kernels": {},
+    }
+    with torch.inference_mode():
+        for n in (int(x) for x in args.patches.split(",")):
+            result["kernels"][str(n)] = figures = bench_kernels(n, configs, fp8_configs, args.reps, device,
+                                                                      args.sdpa.split(","))
+            print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
+                                       if isinstance(v, dict)}}), file=sys.stderr, flush=True)
+        candidates = {"triton": configs, "triton_fp8": fp8_configs}
+        best = {impl: best_config(result["kernels"], impl, cs) for impl, cs in candidates.items()}
+        result["best_configs"] = {impl: vars(c) for impl, c in best.items()}
+        result["varlen"] = bench_varlen(best, args.reps, device)
+        va.DEFAULT_CONFIGS.update(best)  # the towers below run the chosen tiles
+        if args.tower_side:
+            module = tower_module(device, torch.bfloat16)
+            result["tower"] = bench_tower(module, args.tower_side, args.accuracy_side, best, max(3, args.reps // 2),
+                                          device)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return result
+
+
+def best_config(kernels: dict, impl: str, configs: list[va.KernelConfig]) -> va.KernelConfig:
+    """The tile shape with the highest rate at the largest patch count measured."""
+    largest = kernels[max(kernels, key=int)]
+    rates = {c: largest[config_name(impl, c)].get("attention_tflops", 0.0) for c in configs}
+    return max(rates, key=rates.get) if rates else va.DEFAULT_CONFIGS[impl]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""The vision tower's attention: bidirectional, within each frame, over the packed patches of a step's images
+(varlen), at the tower's head_dim 72.
+
+Three implementations, chosen by EngineConfig.vision_attention:
+- "sdpa": torch's scaled_dot_product_attention, one call per run of equal-size frames (cuDNN on the H200; it runs
+  head_dim 72 as fast as 128, so it does 128/72 of the useful work);
+- "triton": our flash-attention forward in Triton. One launch covers every frame of the call: a table lists each
+  program's query tile and the frame it belongs to. head_dim 72 is split into a 64-wide part and a 16-wide tail
+  (the tensor cores' k-step), so the tiles carry 80/72 of the useful work, padded in registers, never in memory.
+  K and V tiles come through tensor descriptors (Hopper's bulk copies), read as [N, heads * 72] rows straight from
+  the rotary's output and the fused qkv; a tail tile's columns past 72 belong to the next head and meet q's tail,
+  zeroed past 72, so they add nothing, and are never stored. Softmax in float32, base 2, as FlashAttention's;
+- "triton_fp8": e4m3 Q, K and V with one scale per head (amax / 448 over the call's patches), the probabilities
+  scaled by 256 before their e4m3 rounding (their small values keep precision), float32 softmax and accumulation;
+  the tail is 32 wide (FP8's k-step). Its tiles come through pointer loads: a descriptor's offsets along its
+  contiguous dimension must be 16-byte aligned, which one byte per element at head offsets of 72 is not. V is
+  quantised into a [heads, dim, N] layout, so the tensor cores read both operands of P @ V along the keys, as
+  Hopper's FP8 MMA requires.
+
+On the H200 (benchmarks/README.md, run77), 16 heads: "triton" runs 365 useful TFLOP/s at 62,500 patches against
+cuDNN's 331 (1.10x), 1.09x at 35,344, 0.94x at 16,384 and 0.91x at 4,096; the 235B tower on a 4,000 px image takes
+1.43 s against 1.58 s, with the same error against transformers' float32 module. "triton_fp8" keeps the tower's
+error within bf16's but runs at 143 TFLOP/s: its pointer loads, not its arithmetic, set its pace.
+
+On the CPU (no Triton, not interpreted) every name runs the torch reference, which is SDPA itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+IMPLEMENTATIONS = ("sdpa", "triton", "triton_fp8")
+FP8_MAX = 448.0  # e4m3's largest finite value
+P_SCALE = 256.0  # probabilities in [0, 1] times this before their e4m3 rounding: 2^8 more range below 1
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of the Triton kernels: query rows and keys per tile, warps, pipeline stages, and
+    for the bf16 kernel whether K and V tiles come through tensor descriptors (else pointer loads)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = True
+
+
+# Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-77 in benchmarks/README.md): the highest rate at
+# 62,500 patches of the tile shapes swept.
+DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3), "triton_fp8": KernelConfig(128, 128, 8, 3, tma=False)}
+
+
+def supports_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for x: Triton present and x on CUDA (or the interpreter on the CPU)."""
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def frame_bounds(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, end) of each frame in the packed patches, for runs of (patches per frame, consecutive frames)."""
+    bounds, start = [], 0
+    for length, count in runs:
+        for _ in range(count):
+            bounds.append((start, start + length))
+            start += length
+    return bounds
+
+
+def block_table(runs: list[tuple[int, int]], block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [programs, 3]: each program's first query row and its frame's first and end rows. Frames are listed
+    largest first, so the longest programs start first and the short frames fill the tail of the launch."""
+    rows = []
+    for start, end in sorted(frame_bounds(runs), key=lambda b: b[0] - b[1]):
+        rows.extend((q, start, end) for q in range(start, end, block_m))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
+
+
+class AttentionPlan:
+    """What one tower pass's 27 attention calls share: the frames, and the Triton block table per block_m."""
+
+    def __init__(self, runs: list[tuple[int, int]]):
+        self.runs = runs
+        self.patches = sum(length * count for length, count in runs)
+        self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def table(self, block_m: int, device: torch.device) -> torch.Tensor:
+        key = (block_m, device)
+        if key not in self._tables:
+            self._tables[key] = block_table(self.runs, block_m, device)
+        return self._tables[key]
+
+    def useful_flops(self, num_heads: int, head_dim: int) -> float:
+        """4 * heads * head_dim * sum of frame_len^2: QK^T and PV, multiply-adds counted as two."""
+        return 4.0 * num_heads * head_dim * sum(length * length * count for length, count in self.runs)
+
+
+def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
+                     impl: str = "sdpa", config: KernelConfig | None = None) -> torch.Tensor:
+    """q, k, v [N, heads, head_dim] (any strides with unit stride along head_dim) -> out [N, heads * head_dim] in
+    q's dtype: softmax(q k^T * scale) v within each frame of the plan."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
+    if q.shape[0] != plan.patches:
+        raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
+    if impl == "sdpa" or not supports_triton(q):
+        return attention_reference(q, k, v, plan.runs, scale)
+    if impl == "triton":
+        return attention_triton(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton"])
+    return attention_triton_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton_fp8"])
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
+                        scale: float) -> torch.Tensor:
+    """SDPA, one call per run of equal-size frames (its [batch, heads, len, dim] view reads [N, heads, dim] memory
+    through a transpose, without a copy)."""
+    seq, heads, dim = q.shape
+    outs, start = [], 0
+    for length, count in runs:
+        end = start + length * count
+        qs, ks, vs = (t[start:end].view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        outs.append(o.transpose(1, 2).reshape(end - start, heads * dim))
+        start = end
+    if start != seq:
+        raise RuntimeError(f"vision attention planned for {start} patches, got {seq}")
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    if not (q.shape == k.shape == v.shape) or q.dim() != 3:
+        raise ValueError(f"q, k, v must be [N, heads, head_dim] alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if any(t.stride(2) != 1 for t in (q, k, v)):
+        raise ValueError("q, k, v need unit stride along head_dim")
+    if q.shape[2] < 16:
+        raise ValueError(f"the vision attention kernel needs head_dim >= 16, got {q.shape[2]}")
+    return tuple(q.shape)
+
+
+def head_split(dim: int, min_tail: int) -> tuple[int, int]:
+    """(D0, D1): head_dim as a power-of-two part D0 (at most 64) and a tail of D1 columns (a power of two, at least
+    min_tail, the tensor cores' k-step; 0 when D0 covers it all) whose columns past head_dim are masked to zero."""
+    d0 = 1 << min(dim.bit_length() - 1, 6)
+    tail = dim - d0
+    if tail > 64:
+        raise ValueError(f"the vision attention kernel takes head_dim up to 128, got {dim}")
+    return d0, 0 if tail == 0 else max(min_tail, triton.next_power_of_2(tail))
+
+
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
+                     config: KernelConfig = DEFAULT_CONFIGS["triton"]) -> torch.Tensor:
+    """The bf16/fp16 kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1): tensor descriptors where the rows fit
+    them, else pointer loads."""
+    seq, heads, dim = _check(q, k, v)
+    d0, d1 = head_split(dim, 16)
+    out = q.new_empty(seq, heads * dim)
+    if not seq:
+        return out
+    if config.tma and _rows_fit_descriptors(q, k, v):
+        _launch_descriptors(q, k, v, out, plan, scale, config, d0, d1)
+    else:
+        _launch_pointers(q, k, keys_contiguous(v), out, plan, scale * math.log2(math.e), None, config, d0, d1)
+    return out
+
+
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, heads, dim] -> (e4m3 [N, heads, dim], float32 scale [heads]): one scale per head, amax / 448."""
+    amax = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (x.float() / scale[None, :, None]).to(torch.float8_e4m3fn), scale
+
+
+def attention_triton_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
+                         config: KernelConfig = DEFAULT_CONFIGS["triton_fp8"]) -> torch.Tensor:
+    """The FP8 kernel: Q, K and V quantised per head, V in a [heads, dim, N] layout; the output in q's dtype."""
+    seq, heads, dim = _check(q, k, v)
+    if dim < 32:
+        raise ValueError(f"the FP8 vision attention kernel needs head_dim >= 32 (FP8's k-step), got {dim}")
+    d0, d1 = head_split(dim, 32)
+    out = q.new_empty(seq, heads * dim)
+    if not seq:
+        return out
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = map(quantize_per_head, (q, k, v))
+    _launch_pointers(q8, k8, keys_contiguous(v8), out, plan, scale * math.log2(math.e), (q_scale * k_scale, v_scale),
+                     config, d0, d1)
+    return out
+
+
+def keys_contiguous(v: torch.Tensor) -> torch.Tensor:
+    """v [N, heads, dim] as [heads, dim, N]. The pointer kernel reads V this way: Hopper's FP8 MMA needs it, and
+    Triton 3.6 on the H200 drops the masks of bf16 V tiles loaded from [N, heads, dim] rows (wrong tail columns,
+    reads past the frame; run73)."""
+    return v.permute(1, 2, 0).contiguous()
+
+
+def _rows_fit_descriptors(*tensors: torch.Tensor) -> bool:
+    """Whether each [N, heads, dim] tensor reads as 2-D rows a tensor descriptor takes: heads and dim packed; the
+    base, the row stride and each head's first column 16-byte aligned (a descriptor's offsets along its contiguous
+    dimension must be)."""
+    return all(t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and (t.shape[2] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config: KernelConfig, d0: int, d1: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    seq, heads, dim = q.shape
+    bn, tail = config.block_n, max(d1, 16)
+
+    def rows(t: torch.Tensor, block_cols: int) -> TensorDescriptor:
+        return TensorDescriptor(t, [seq, heads * dim], [t.stride(0), 1], [bn, block_cols])
+
+    table = plan.table(config.block_m, q.device)
+    _vision_attention_tma_kernel[(table.shape[0], heads)](
+        q, rows(k, d0), rows(k, tail), rows(v, d0), rows(v, tail), out, table, q.stride(0), q.stride(1),
+        out.stride(0), scale * math.log2(math.e),
+        HEAD_DIM=dim, D0=d0, D1=tail, HAS_TAIL=d1 > 0, BLOCK_M=config.block_m, BLOCK_N=bn,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _launch_pointers(q, k, vt, out, plan: AttentionPlan, qk_scale: float, fp8_scales, config: KernelConfig,
+                     d0: int, d1: int):
+    """fp8_scales: None, or the per-head (q * k, v) scales of e4m3 inputs."""
+    heads, dim = q.shape[1], q.shape[2]
+    table = plan.table(config.block_m, q.device)
+    qk_scales, v_scales = fp8_scales if fp8_scales is not None else (out, out)  # unread without FP8
+    _vision_attention_kernel[(table.shape[0], heads)](
+        q, k, vt, out, table, q.stride(0), q.stride(1), k.stride(0), k.stride(1), vt.stride(0), vt.stride(1),
+        out.stride(0), qk_scale, qk_scales, v_scales,
+        HEAD_DIM=dim, D0=d0, D1=max(d1, 1), HAS_TAIL=d1 > 0, FP8=fp8_scales is not None, P_SCALE=P_SCALE,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, end, stride_kn, stride_vd, qk_scale,
+                     offs_d0, offs_d1, d1_mask, MASK_KEYS: tl.constexpr, HAS_TAIL: tl.constexpr, FP8: tl.constexpr,
+                     P_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One tile of keys through pointer loads (V keys-contiguous): scores, online softmax, both P @ V parts."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k_ptr = k_base + offs_n[None, :] * stride_kn
+        if MASK_KEYS:
+            k0 = tl.load(k_ptr + offs_d0[:, None], mask=n_mask[None, :], other=0.0)
+        else:
+            k0 = tl.load(k_ptr + offs_d0[:, None])
+        s = tl.dot(q0, k0)
+        if HAS_TAIL:
+            k1 = tl.load(k_ptr + offs_d1[:, None], mask=n_mask[None, :] & d1_mask[:, None], other=0.0)
+            s += tl.dot(q1, k1)
+        s = s * qk_scale
+        if MASK_KEYS:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptr = v_base + offs_n[:, None]
+        if MASK_KEYS:
+            v0 = tl.load(v_ptr + offs_d0[None, :] * stride_vd, mask=n_mask[:, None], other=0.0)
+        else:
+            v0 = tl.load(v_ptr + offs_d0[None, :] * stride_vd)
+        if FP8:
+            pq = (p * P_SCALE).to(v0.dtype)
+        else:
+            pq = p.to(v0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0)
+        if HAS_TAIL:
+            v1 = tl.load(v_ptr + offs_d1[None, :] * stride_vd, mask=n_mask[:, None] & d1_mask[None, :], other=0.0)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1)
+        return acc0, acc1, m_new, l_i
+
+    @triton.jit
+    def _vision_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, stride_qn, stride_qh, stride_kn, stride_kh,
+                                 stride_vh, stride_vd, stride_on, qk_scale_base, qk_scale_head_ptr, v_scale_head_ptr,
+                                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                                 HAS_TAIL: tl.constexpr, FP8: tl.constexpr, P_SCALE: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (table row, head), pointer loads: BLOCK_M query rows of one frame against all its keys."""
+        row = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        q_start = tl.load(table_ptr + row * 3)
+        start = tl.load(table_ptr + row * 3 + 1)
+        end = tl.load(table_ptr + row * 3 + 2)
+        if FP8:  # the per-head scales of q * k, and of v
+            qk_scale = qk_scale_base * tl.load(qk_scale_head_ptr + head)
+            v_scale = tl.load(v_scale_head_ptr + head) / P_SCALE
+        else:
+            qk_scale = qk_scale_base
+            v_scale = 1.0
+        offs_m = (q_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        m_mask = offs_m < end
+        offs_d0 = tl.arange(0, D0)
+        offs_d1 = D0 + tl.arange(0, D1)
+        d1_mask = offs_d1 < HEAD_DIM
+        q_base = q_ptr + offs_m[:, None] * stride_qn + head * stride_qh
+        q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
+        q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :] & HAS_TAIL, other=0.0)
+        k_base = k_ptr + head * stride_kh
+        v_base = v_ptr + head * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, D1], tl.float32)
+        full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+        for start_n in range(start, full_end, BLOCK_N):
+            acc0, acc1, m_i, l_i = _attend_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, end,
+                                                stride_kn, stride_vd, qk_scale, offs_d0, offs_d1, d1_mask, False,
+                                                HAS_TAIL, FP8, P_SCALE, BLOCK_N)
+        if full_end < end:
+            acc0, acc1, m_i, l_i = _attend_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, full_end, end,
+                                                stride_kn, stride_vd, qk_scale, offs_d0, offs_d1, d1_mask, True,
+                                                HAS_TAIL, FP8, P_SCALE, BLOCK_N)
+        _store_rows(o_ptr, offs_m, m_mask, stride_on, head * HEAD_DIM, acc0, acc1, v_scale / l_i, offs_d0, offs_d1,
+                    d1_mask, HAS_TAIL)
+
+    @triton.jit
+    def _store_rows(o_ptr, offs_m, m_mask, stride_on, col0, acc0, acc1, inv, offs_d0, offs_d1, d1_mask,
+                    HAS_TAIL: tl.constexpr):
+        o_base = o_ptr + offs_m[:, None] * stride_on + col0
+        tl.store(o_base + offs_d0[None, :], (acc0 * inv[:, None]).to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+        if HAS_TAIL:
+            tl.store(o_base + offs_d1[None, :], (acc1 * inv[:, None]).to(o_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & d1_mask[None, :])
+
+    @triton.jit
+    def _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc, v1_desc, start_n, end, col0, col1,
+                         qk_scale, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts."""
+        s = tl.dot(q0, k0_desc.load([start_n, col0]).T)
+        if HAS_TAIL:
+            s += tl.dot(q1, k1_desc.load([start_n, col1]).T)
+        s = s * qk_scale
+        # keys past the frame (the next frame's, or zero-filled past the tensor), masked on the one tile that has
+        # them: masking every tile cost the 4-warp kernel 6% (run76); only with 8 warps was the branch slower (run77)
+        if start_n + BLOCK_N > end:
+            s = tl.where((start_n + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v0 = v0_desc.load([start_n, col0])
+        pq = p.to(v0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0)
+        if HAS_TAIL:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1_desc.load([start_n, col1]))
+        return acc0, acc1, m_new, l_i
+
+    @triton.jit
+    def _vision_attention_tma_kernel(q_ptr, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr, stride_qn,
+                                     stride_qh, stride_on, qk_scale,
+                                     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                                     HAS_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (table row, head), tensor descriptors: BLOCK_M query rows of one frame against all its keys."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        q_start = tl.load(table_ptr + row * 3)
+        start = tl.load(table_ptr + row * 3 + 1)
+        end = tl.load(table_ptr + row * 3 + 2)
+        offs_m = (q_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        m_mask = offs_m < end
+        offs_d0 = tl.arange(0, D0)
+        offs_d1 = D0 + tl.arange(0, D1)
+        d1_mask = offs_d1 < HEAD_DIM
+        q_base = q_ptr + offs_m[:, None] * stride_qn + head.to(tl.int64) * stride_qh
+        q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
+        q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :] & HAS_TAIL, other=0.0)
+        col0 = head * HEAD_DIM
+        col1 = col0 + D0
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, D1], tl.float32)
+        # one loop over every tile: a separate tail tile after a pipelined loop of descriptor loads read stale tiles
+        # on the H200 (Triton 3.6: NaN whenever a frame was not a whole number of 64- or 128-key tiles, run75)
+        for start_n in range(start, end, BLOCK_N):
+            acc0, acc1, m_i, l_i = _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc,
+                                                    v1_desc, start_n, end, col0, col1, qk_scale, HAS_TAIL, BLOCK_N)
+        _store_rows(o_ptr, offs_m, m_mask, stride_on, col0.to(tl.int64), acc0, acc1, 1.0 / l_i, offs_d0, offs_d1,
+                    d1_mask, HAS_TAIL)
