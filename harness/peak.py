@@ -42,7 +42,7 @@ from harness.system_config import (
     read_system_yaml,
     system_config_path,
 )
-from harness.tail_anatomy import sample_shapes, tail_anatomy
+from harness.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 from harness.user_conf import write_user_conf
 from workers.stats import early_stopping_min_queries
 
@@ -273,8 +273,9 @@ class PeakFinder:
         self._system_path = system_config_path(system)
         self._raw = read_system_yaml(self._system_path)
         engine = {**(self._raw.get("engine") or {}), **(engine_overrides or {})}
-        if step_trace_dir is not None:  # every worker's engine writes its step trace there (engine.step_trace_dir)
-            engine["step_trace_dir"] = str(Path(step_trace_dir).resolve())
+        self.step_trace_dir = Path(step_trace_dir).resolve() if step_trace_dir is not None else None
+        if self.step_trace_dir is not None:  # every worker's engine writes its step trace there (engine.step_trace_dir)
+            engine["step_trace_dir"] = str(self.step_trace_dir)
         self._raw = {**self._raw, "engine": engine}
         self.config = parse_system_config(self._raw, str(self._system_path))
         for name in search.scenarios:
@@ -333,7 +334,11 @@ class PeakFinder:
             if name not in shapes:
                 say(f"reading the {name} prompts' sizes for the tail anatomy")
                 shapes[name] = sample_shapes(self.config, name, self.cache_dir)
-            point["tail"] = tail_anatomy(read_sample_latencies(trace), shapes[name])
+            samples = read_sample_latencies(trace)
+            point["tail"] = tail_anatomy(samples, shapes[name])
+            if self.step_trace_dir is not None and "window_unix_s" in point:  # where the tail's time went
+                point["tail"]["timeline"] = timeline_anatomy(
+                    samples, engine_requests(self.step_trace_dir, tuple(point["window_unix_s"])))
             self.report.write()
 
     def _skeleton(self) -> dict[str, Any]:
@@ -436,14 +441,16 @@ class PeakFinder:
         system_yaml, config = self._point_system(point_dir, name, qps)
         write_user_conf(config, scenario, point_dir / "user.conf")
         say(f"{scenario.result_dir_name} at target {qps:g} QPS (point {index})")
+        started = time.time()
         run_test_process(str(system_yaml), scenario, LoadGenMode.PERFORMANCE, router, point_dir, self.cache_dir,
                          self.show_progress)
+        window = [round(started, 3), round(time.time(), 3)]  # the engines' request lines of this point lie inside
         point = read_point(log_dir_for(point_dir, LoadGenMode.PERFORMANCE), name, qps)
         over = ("" if point.over_bound_queries is None else f"; {point.over_bound_queries} of {point.queries} queries "
                 f"over the bound, early stopping needs {point.queries_early_stopping_needs}")
         say(f"{scenario.result_dir_name} {qps:g} QPS: {point.verdict}, {point.samples_per_s:.3f} samples/s, "
             f"p50 {point.p50_s:.2f} s, p90 {point.p90_s:.2f} s, p99 {point.p99_s:.2f} s{over}")
-        self.report.data["points"].append(dataclasses.asdict(point))
+        self.report.data["points"].append({**dataclasses.asdict(point), "window_unix_s": window})
         self.report.data["workload"]["scenarios"][name]["samples"] = point.samples
         self.report.write()
         return point

@@ -4,18 +4,22 @@ harness/plot.py reads it) joined with each sample's prompt (its image rows and i
 The report answers "is the tail the requests' own size, or queueing behind others?": for the slowest 1% of queries
 (the ones above LoadGen's p99), their own image and prompt sizes against the run's, and how many had a large image
 (at or above the run's 99th percentile of image rows, and at least LARGE_OVER_MEDIAN times its median) in flight
-when they were issued.
+when they were issued. With the engines' step traces (engine.step_trace_dir), `timeline_anatomy` adds where those
+queries spent their time: outside the engine (LoadGen, the SUT, the router and the wire), then preparation, queue,
+tower, prefill, stalled and decode as workers/core/step_trace.request_timeline splits a request.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.plot import SampleLatency
+from workers.core.step_trace import TIMELINE, read_requests, request_timeline
 from workers.stats import percentile
 from contract.tokenizer import IMAGE_PAD_ID
 
@@ -96,6 +100,65 @@ def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleSh
         "tail_with_own_large_image": sum(1 for s in known if shapes[s.sample_index].image_tokens >= big),
         "tail_with_large_image_in_flight": sum(1 for s in tail if in_flight_big(s)),
         "slowest": [describe(s) for s in reversed(tail[-SLOWEST_LISTED:])],
+    }
+
+
+_QUERY_ID = re.compile(r"^(q\d+)-s(\d+)")  # the SUT's request ids: q<query>-s<sample>[-r<resend>][#<attempt>]
+
+
+def engine_requests(trace_dir: Path, window_unix_s: tuple[float, float]) -> dict[int, list[dict]]:
+    """The engines' finished request lines of the queries submitted within the window (Unix seconds), by sample
+    index, in submission order; a query sent more than once (a resend, a migration) keeps its last line."""
+    last: dict[str, tuple[float, int, dict]] = {}  # query -> (submitted, sample index, line)
+    for line in read_requests(trace_dir):
+        match = _QUERY_ID.match(str(line["request"]))
+        start = line.get("submitted_s") if line.get("submitted_s") is not None else line.get("prepare_started_s")
+        if match is None or "t0_unix_s" not in line or start is None:
+            continue
+        submitted = line["t0_unix_s"] + start
+        if not window_unix_s[0] <= submitted <= window_unix_s[1]:
+            continue
+        previous = last.get(match.group(1))
+        if previous is None or _finished_unix(line) >= _finished_unix(previous[2]):
+            last[match.group(1)] = (previous[0] if previous else submitted, int(match.group(2)), line)
+    by_index: dict[int, list[dict]] = {}
+    for _, index, line in sorted(last.values(), key=lambda entry: entry[0]):
+        by_index.setdefault(index, []).append(line)
+    return by_index
+
+
+def _finished_unix(line: dict) -> float:
+    return line["t0_unix_s"] + (line.get("finished_s") or 0.0)  # lines of different engines: each its own clock
+
+
+def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, list[dict]],
+                     fraction: float = 0.01) -> dict:
+    """Where the slowest `fraction` of queries spent their time. LoadGen's samples and the engines' request lines
+    are joined by sample index, in issue order (the clocks of different processes are not compared); the time
+    LoadGen measured beyond the engine's is `outside_engine_s`."""
+    queue: dict[int, list[dict]] = {index: list(lines) for index, lines in requests.items()}
+    timelines: dict[int, dict] = {}
+    for position, sample in sorted(enumerate(samples), key=lambda item: item[1].issued_s):
+        lines = queue.get(sample.sample_index)
+        if not lines:
+            continue
+        line = lines.pop(0)
+        phases = request_timeline(line)
+        if phases is not None:
+            timelines[position] = {"outside_engine_s": round(max(sample.latency_s - sum(phases.values()), 0.0), 6),
+                                   **phases}
+    ordered = sorted(range(len(samples)), key=lambda i: samples[i].latency_s)
+    tail = [i for i in ordered[-max(1, math.ceil(fraction * len(samples))):] if i in timelines]
+    names = ("outside_engine_s", *TIMELINE)
+    return {
+        "matched_queries": len(timelines),
+        "tail_queries_matched": len(tail),
+        "tail_median_s": {name: round(statistics.median(timelines[i][name] for i in tail), 4) for name in names}
+        if tail else None,
+        "all_median_s": {name: round(statistics.median(t[name] for t in timelines.values()), 4) for name in names}
+        if timelines else None,
+        "slowest": [{"sample_index": samples[i].sample_index, "latency_s": round(samples[i].latency_s, 3),
+                     **timelines[i]} for i in reversed(tail[-SLOWEST_LISTED:])],
     }
 
 

@@ -267,3 +267,46 @@ def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tm
     # a trace from before the phases says so, naming the flag
     with pytest.raises(SystemExit, match="--step-phases .*no step line carries phases_ms"):
         layout_plan.main(["--step-phases", str(Path(__file__).parents[1] / "benchmarks" / "2026-12-01-run60-server-steps.jsonl.gz")])
+
+
+def test_each_request_line_places_its_tower_passes_and_prompt_chunks(tiny_moe_checkpoint, tmp_path):
+    from workers.core.step_trace import TIMELINE, request_timeline
+
+    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    run(engine)
+    engine.close()
+    lines = {line["request"]: line for line in read_requests(tmp_path)}
+    for _, rid, prompt in ARRIVALS:
+        line = lines[rid]
+        # every prompt token in exactly one traced chunk, in order, before the first token
+        assert sum(tokens for _, _, tokens in line["prefill_s"]) == len(prompt.token_ids), rid
+        assert [a for a, _, _ in line["prefill_s"]] == sorted(a for a, _, _ in line["prefill_s"])
+        assert all(line["admitted_s"] <= a <= b <= line["first_token_s"] for a, b, _ in line["prefill_s"]), rid
+        # one pass per image, each over before the first token
+        assert len(line["tower_s"]) == len(prompt.images), rid
+        assert all(line["admitted_s"] <= a < b <= line["first_token_s"] for a, b in line["tower_s"]), rid
+        phases = request_timeline(line)
+        assert list(phases) == list(TIMELINE) and all(v >= 0 for v in phases.values()), (rid, phases)
+        # the phases add up to the request's time (rounded to microseconds each)
+        assert sum(phases.values()) == pytest.approx(line["finished_s"] - line["prepare_started_s"], abs=1e-5)
+        assert line["t0_unix_s"] == pytest.approx(time.time(), abs=600)
+    # the image spread over two steps (its tower pass is twice a step's encoder budget) spans both
+    big_span = lines["big"]["tower_s"][0]
+    steps = [line for line in map(json.loads, next(tmp_path.glob("steps-*.jsonl")).read_text().splitlines())
+             if "request" not in line and big_span[0] <= line["t_s"] < big_span[1]]
+    assert len(steps) >= 2
+
+
+def test_a_timeline_splits_a_request_into_phases_that_add_up():
+    from workers.core.step_trace import request_timeline
+
+    line = {"request": "q1-s0", "submitted_s": 0.0, "prepare_started_s": 0.1, "prepared_s": 0.3, "admitted_s": 0.3,
+            "first_scheduled_s": 0.5, "first_token_s": 1.6, "finished_s": 2.0, "finish_reason": "stop",
+            # a pass spread over 0.4-0.9 (the first of its steps also ran another prompt), its chunks 0.8-0.9 and
+            # 1.2-1.5; other requests' steps 0.9-1.2 and 1.5-1.6
+            "tower_s": [[0.4, 0.9]], "prefill_s": [[0.8, 0.9, 8], [1.2, 1.5, 8]]}
+    assert request_timeline(line) == pytest.approx(
+        {"preprocess_s": 0.3, "queue_s": 0.1, "tower_s": 0.4, "prefill_s": 0.4, "stalled_s": 0.4, "decode_s": 0.4})
+    assert request_timeline({**line, "finish_reason": "abort"}) is None
+    old = {k: v for k, v in line.items() if k not in ("tower_s", "prefill_s")}  # written before the spans existed
+    assert request_timeline(old) is None

@@ -33,3 +33,56 @@ def test_the_tail_is_the_slowest_percent_with_the_large_images_in_flight_when_ea
 def test_an_empty_trace_is_an_error():
     with pytest.raises(ValueError, match="no samples"):
         tail_anatomy([], {})
+
+
+def request_line(request: str, t0: float, submitted: float, latency: float, **extra) -> dict:
+    """A finished request's trace line: submitted at t0 + submitted (Unix), 0.1 s preparing, its first token half
+    way, finished `latency` later."""
+    s = submitted
+    return {"request": request, "t0_unix_s": t0, "submitted_s": s, "prepare_started_s": s, "prepared_s": s + 0.1,
+            "admitted_s": s + 0.1, "first_scheduled_s": s + 0.1, "first_token_s": s + latency / 2,
+            "finished_s": s + latency, "finish_reason": "stop", "tower_s": [], "prefill_s": [[s + 0.1, s + 0.2, 8]],
+            **extra}
+
+
+def write_trace(path, lines) -> None:
+    import json
+
+    path.mkdir(exist_ok=True)
+    (path / f"steps-{len(list(path.iterdir()))}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_the_engines_lines_of_a_window_by_sample_in_submission_order_a_resent_query_by_its_last_line(tmp_path):
+    from harness.tail_anatomy import engine_requests
+
+    write_trace(tmp_path, [
+        request_line("q1-s7", 1000.0, 5.0, 1.0),
+        request_line("q2-s7", 1000.0, 3.0, 1.0),  # the same sample, issued earlier
+        request_line("q3-s4", 1000.0, 50.0, 1.0),  # after the window
+        request_line("warmup-0", 1000.0, 4.0, 1.0),  # not a LoadGen query
+        request_line("q4-s2#1", 1000.0, 6.0, 0.5, finish_reason="error"),  # a first attempt that failed ...
+    ])
+    write_trace(tmp_path, [request_line("q4-s2#2", 1002.0, 5.0, 0.5)])  # ... migrated to another engine
+    by_index = engine_requests(tmp_path, (1001.0, 1010.0))
+    assert {i: [line["request"] for line in lines] for i, lines in by_index.items()} == {
+        7: ["q2-s7", "q1-s7"], 2: ["q4-s2#2"]}
+
+
+def test_the_tails_time_is_split_into_the_engines_phases_and_the_rest():
+    from harness.tail_anatomy import timeline_anatomy
+
+    # 100 queries of sample i % 10; query 99 waited 2 s outside the engine, query 98 stalled inside it
+    samples = [SampleLatency(float(i), 1.0, i % 10) for i in range(100)]
+    samples[99] = SampleLatency(99.0, 3.0, 9)
+    samples[98] = SampleLatency(98.0, 2.5, 8)
+    lines: dict[int, list[dict]] = {}
+    for i in range(100):
+        latency = 2.4 if i == 98 else 0.9
+        lines.setdefault(i % 10, []).append(request_line(f"q{i}-s{i % 10}", 0.0, float(i), latency))
+    report = timeline_anatomy(samples, lines, fraction=0.02)
+    assert report["matched_queries"] == 100 and report["tail_queries_matched"] == 2
+    slowest = {q["sample_index"]: q for q in report["slowest"]}
+    assert [q["sample_index"] for q in report["slowest"]] == [9, 8]
+    assert slowest[9]["outside_engine_s"] == pytest.approx(2.1) and slowest[8]["outside_engine_s"] == pytest.approx(0.1)
+    assert slowest[8]["stalled_s"] == pytest.approx(1.2 - 0.2) and slowest[8]["decode_s"] == pytest.approx(1.2)
+    assert report["all_median_s"]["outside_engine_s"] == pytest.approx(0.1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -23,8 +24,13 @@ from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 class StepTrace:
     """Appends steps to DIR/steps-<pid>.jsonl, flushed every `flush_every` steps and on close; and, as each request
     finishes, one line for it ({"request": id, ...}: when it was submitted for preparation, prepared, admitted, first
-    scheduled, got its first token and finished, in seconds on the trace's clock), so that a request's latency can be
-    placed: preparation, waiting, tower passes, prefill, decodes."""
+    scheduled, got its first token and finished, in seconds on the trace's clock; `tower_s`, [start, end] of each of
+    its images' tower passes; `prefill_s`, [start, end, tokens] of each step that ran a chunk of its prompt; and
+    `t0_unix_s`, the trace clock's zero in Unix time, to place the request beside other processes' logs), so that a
+    request's latency can be placed: preparation, waiting, tower passes, prefill, decodes (request_timeline).
+
+    A pass run with its step's chunks (encode_now) spans that step; one encoded ahead, after the step's sampling,
+    runs into the next step, so it spans from this step's end to the next one's."""
 
     def __init__(self, directory: str | Path, flush_every: int = 8):
         self.path = Path(directory) / f"steps-{os.getpid()}.jsonl"
@@ -33,8 +39,11 @@ class StepTrace:
         self._flush_every = flush_every
         self._unflushed = 0
         self._t0 = time.monotonic()
+        self._t0_unix = round(time.time() - (time.monotonic() - self._t0), 6)
         self._sizes: set[int] = set()  # image sizes (patches) encoded so far: a new one builds a cuDNN plan
         self._requests: dict[str, dict] = {}  # admitted and not yet finished: their times so far
+        self._passes: dict[tuple[str, int], list] = {}  # (request, image) -> its tower pass's [start, end]
+        self._ahead: list[list] = []  # passes encoded after the last step's sampling: they end with the next step
 
     def record(self, started: float, ended: float, work: StepWork, waiting: int, running: int,
                phases: StepPhases | None = None) -> None:
@@ -65,15 +74,30 @@ class StepTrace:
             "submitted_s": self._t(submitted), "prepare_started_s": self._t(prepare_started),
             "prepared_s": self._t(prepare_ended), "admitted_s": self._t(now),
             "prompt_tokens": seq.num_prompt_tokens, "visual_tokens": sum(image.num_tokens for image in seq.images),
-            "first_scheduled_s": None, "first_token_s": None,
+            "first_scheduled_s": None, "first_token_s": None, "tower_s": [], "prefill_s": [],
+            "t0_unix_s": self._t0_unix,
         }
 
     def progress(self, out: SchedulerOutput, changed: Iterable[Sequence], started: float, ended: float) -> None:
-        """After a step that ran from `started` to `ended`: first chunks, first tokens, finished requests."""
+        """After a step that ran from `started` to `ended`: tower passes, prompt chunks, first tokens, finished
+        requests."""
+        for span in self._ahead:  # encoded after the previous step's sampling: they ran into this step
+            span[1] = self._t(ended)
+        self._ahead = []
+        for encode in out.encode_now:
+            self._tower(encode, self._t(started), self._t(ended))
+        for encode in out.encode_ahead:
+            span = self._tower(encode, self._t(ended), None)
+            if span is not None:
+                self._ahead.append(span)
         for chunk in out.chunks:
             times = self._requests.get(chunk.seq.request_id)
-            if times is not None and times["first_scheduled_s"] is None:
+            if times is None:
+                continue
+            if times["first_scheduled_s"] is None:
                 times["first_scheduled_s"] = self._t(started)
+            if chunk.start < chunk.seq.num_prompt_tokens:
+                times["prefill_s"].append([self._t(started), self._t(ended), chunk.num_tokens])
         for seq in changed:
             times = self._requests.get(seq.request_id)
             if times is None:
@@ -82,13 +106,30 @@ class StepTrace:
                 times["first_token_s"] = self._t(ended)
             if seq.is_finished:
                 del self._requests[seq.request_id]
+                self._passes = {key: span for key, span in self._passes.items() if key[0] != seq.request_id}
                 self._write({"request": seq.request_id, **times, "finished_s": self._t(ended),
                              "generated_tokens": seq.num_generated_tokens,
                              "finish_reason": seq.finish_reason.value if seq.finish_reason else None})
 
+    def _tower(self, encode, start: float, end: float | None) -> list | None:
+        """The [start, end] span of the request's pass over this image: opened by its first blocks, extended by each
+        later step that runs more of them."""
+        times = self._requests.get(encode.seq.request_id)
+        if times is None:
+            return None
+        span = self._passes.get(encode.key)
+        if span is None or encode.first_block == 0:  # a new pass (or one started again after a failed step)
+            span = [start, end]
+            self._passes[encode.key] = span
+            times["tower_s"].append(span)
+        else:
+            span[1] = end
+        return span
+
     def aborted(self, seq: Sequence, now: float) -> None:
         """A request aborted outside a step (its caller left): its line, finish_reason "abort"."""
         times = self._requests.pop(seq.request_id, None)
+        self._passes = {key: span for key, span in self._passes.items() if key[0] != seq.request_id}
         if times is not None:
             self._write({"request": seq.request_id, **times, "finished_s": self._t(now),
                          "generated_tokens": seq.num_generated_tokens, "finish_reason": "abort"})
@@ -178,6 +219,42 @@ def request_phases(lines: list[dict]) -> dict:
     return {"requests": len(done), "aborted": len(lines) - len(done), "phases": summary(done),
             "slowest_1pct": {"requests": len(tail), "phases": summary(tail),
                              "visual_tokens_median": percentile([line["visual_tokens"] for line in tail], 0.5, None)}}
+
+
+TIMELINE = ("preprocess_s", "queue_s", "tower_s", "prefill_s", "stalled_s", "decode_s")
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside the union of [start, end] spans."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def request_timeline(line: dict) -> dict[str, float] | None:
+    """A finished request's time from submission (or preparation) to its last token, split into TIMELINE's phases
+    that add up to it: preprocess (waiting for a preparation thread, decoding and patching its images), queue (until
+    the engine first ran its tower pass or a chunk of its prompt), tower (its passes, outside the steps that ran its
+    prompt chunks), prefill (the steps that ran its prompt chunks, their own tower work included), stalled (the rest
+    until its first token: steps that ran other requests' work while its prompt waited) and decode. None for a line
+    without the times (aborted, or written before tower and prefill spans existed)."""
+    start = line.get("submitted_s") if line.get("submitted_s") is not None else line.get("prepare_started_s")
+    needed = (start, line.get("prepared_s"), line.get("first_token_s"), line.get("finished_s"))
+    if any(t is None for t in needed) or "prefill_s" not in line or line.get("finish_reason") == "abort":
+        return None
+    prepared, first_token, finished = needed[1:]
+    towers = [(a, b if b is not None else first_token) for a, b in line["tower_s"]]
+    chunks = [(a, b) for a, b, _ in line["prefill_s"]]
+    engine_start = min([a for a, _ in towers + chunks] or [first_token])
+    prefill = _covered(chunks)
+    tower = _covered(towers + chunks) - prefill
+    phases = {"preprocess_s": prepared - start, "queue_s": max(engine_start - prepared, 0.0), "tower_s": tower,
+              "prefill_s": prefill, "stalled_s": max(first_token - max(engine_start, prepared) - tower - prefill, 0.0),
+              "decode_s": finished - first_token}
+    return {name: round(seconds, 6) for name, seconds in phases.items()}
 
 
 def read_step_lines(path: str | Path) -> list[dict]:
