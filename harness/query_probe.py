@@ -84,19 +84,23 @@ async def send(address: str, token: str | None, request_id: str, prompt, max_tok
 
 
 def probe(system: str, width: int, height: int, scenario: str, repeat: int, output: Path, cache_dir: Path,
-          ray_address: str | None = None, quality: int = 90) -> dict[str, Any]:
+          ray_address: str | None = None, quality: int = 90,
+          engine_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Starts the system's cluster with a step trace, sends the probe query `repeat` times, and returns the
-    figures of each (client times, and the engine's timeline of the same request)."""
+    figures of each (client times, and the engine's timeline of the same request). engine_overrides: settings over
+    the system's `engine` section (a scenario's own still win), validated with the rest."""
     path = system_config_path(system)
     raw = read_system_yaml(path)
     trace_dir = (output / "steps").resolve()
-    raw = {**raw, "engine": {**(raw.get("engine") or {}), "step_trace_dir": str(trace_dir)}}
+    engine = {**(raw.get("engine") or {}), **(engine_overrides or {}), "step_trace_dir": str(trace_dir)}
+    raw = {**raw, "engine": engine}
     config = parse_system_config(raw, str(path)).for_scenario(scenario)
     image = catalogue_jpeg(width, height, quality)
     prompt = probe_prompt(config, scenario, image)
     result: dict[str, Any] = {
         "system": config.system.name, "scenario": scenario, "image": f"{width}x{height}", "jpeg_bytes": len(image),
-        "prompt_tokens": len(prompt.token_ids), "image_tokens": prompt.token_ids.count(IMAGE_PAD_ID), "queries": [],
+        "prompt_tokens": len(prompt.token_ids), "image_tokens": prompt.token_ids.count(IMAGE_PAD_ID),
+        "engine_overrides": engine_overrides or {}, "queries": [],
     }
     check_startable(config, ray_address)
     checkpoint = resolve_checkpoint(config.model, cache_dir)
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from harness.cli import DEFAULT_CACHE, DEFAULT_SYSTEM, OneLineParser
+    from harness.peak import engine_setting
     from harness.pipeline import Interrupted
     from harness.system_config import ConfigError
 
@@ -135,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the cluster's logs and the step trace (default ./probe_output)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, metavar="DIR")
     parser.add_argument("--ray-address", default=None, metavar="ADDR", help="join this Ray cluster")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", type=engine_setting,
+                        help="an engine setting over the system's (repeatable; VALUE read as YAML), e.g. --engine "
+                             "vision_attention=triton")
     args = parser.parse_args(argv)
     try:
         width, height = (int(v) for v in args.image.lower().split("x"))
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeat must be at least 1")
     try:
         result = probe(args.system, width, height, args.scenario, args.repeat, args.output, args.cache_dir,
-                       args.ray_address)
+                       args.ray_address, engine_overrides=dict(args.engine))
     except ConfigError as exc:
         parser.error(str(exc))
     except Interrupted as exc:
