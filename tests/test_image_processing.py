@@ -18,8 +18,9 @@ import pytest
 import torch
 from PIL import Image, features
 
-from contract.vision_geometry import image_geometry
-from workers.inputs.image_processing import ImageDecodeError, decode_image, normalise_patches, patch_pixels, preprocess
+from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, image_geometry
+from workers.inputs.image_processing import (ImageDecodeError, decode_image, merge_block_patches, normalise_patches,
+                                             patch_pixels, preprocess, resized_pixels)
 
 Qwen2VLImageProcessorPil = pytest.importorskip(
     "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
@@ -141,6 +142,18 @@ def test_the_engine_keeps_uint8_patches_and_normalises_them_where_they_are_used(
     assert torch.equal(normalise_patches(patches, torch.bfloat16), pixel_values.bfloat16())  # rounded once
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_the_engine_keeps_resized_pixels_and_cuts_them_into_patches_on_the_device(device):
+    image = decode_image(rgb_jpeg(700, 300, 1), LIMIT)
+    pixels = resized_pixels(image)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (288, 704, 3)  # smart_resize: multiples of 32
+    want, _ = patch_pixels([image])
+    got = merge_block_patches(pixels.to(device))
+    assert got.device.type == device and torch.equal(got.cpu(), want)  # a permutation of the same bytes
+
+
+
 @pytest.mark.parametrize("width, height", [(333, 217), (1001, 769), (20, 30), (4000, 150)])
 def test_header_token_count_equals_processor_grid(width, height):
     data = rgb_jpeg(width, height, seed=7)
@@ -204,3 +217,18 @@ def test_decode_rejects_truncated_jpeg():
     with pytest.raises(ImageDecodeError, match="cannot decode JPEG 300x200"):
         decode_image(data[: len(data) // 2], LIMIT)
 
+
+
+def test_a_prepared_prompt_carries_each_images_resized_pixels_not_its_patches():
+    from contract.types import PromptInput
+    from workers.inputs.mm_inputs import prepare_prompt
+
+    data = rgb_jpeg(700, 300, 1)
+    pads = image_geometry(data).num_tokens
+    prompt = PromptInput([1, 151652, *[151655] * pads, 151653, 2], [data])
+    prepared = prepare_prompt(prompt, vocab_size=152064, image_token_id=151655, spatial_merge_size=2,
+                              min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_image_pixels=LIMIT)
+    (pixels,) = prepared.mm.pixels
+    assert pixels.shape == (288, 704, 3) and pixels.dtype == torch.uint8
+    assert prepared.mm.grid_thw.tolist() == [[1, 18, 44]]
+    assert torch.equal(pixels, resized_pixels(decode_image(data, LIMIT)))

@@ -21,7 +21,7 @@ from workers.core.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from workers.host_copy import HostCopy, to_device
 from workers.kv_cache import KvCache, KvExport, cache_dtype
-from workers.inputs.image_processing import normalise_patches
+from workers.inputs.image_processing import merge_block_patches, normalise_patches
 from workers.executor.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
 from workers.executor.step_graphs import MixedStepGraphs, step_graph_sizes
 from workers.model import fused_moe
@@ -389,13 +389,12 @@ class ModelRunner:
                 self._encoded[e.key] = (emb, list(ds))
 
     def _image_patches(self, encode: ImageEncode) -> tuple[torch.Tensor, torch.Tensor]:
-        """One image's uint8 patches on the device (on CUDA from page-locked memory: one asynchronous DMA, an
-        eighth of the float32 rows' bytes; normalised there) and its grid row."""
+        """One image's uint8 patches on the device and its grid row: its resized pixels copied there (on CUDA from
+        page-locked memory: one asynchronous DMA, an eighth of the float32 rows' bytes), cut into merge-block order
+        there (normalised by the caller)."""
         mm: MultiModalInput = encode.seq.mm
         index = encode.image.index
-        counts = mm.grid_thw.prod(-1).tolist()
-        first = sum(counts[:index])
-        return to_device(mm.patches[first : first + counts[index]], self.device), mm.grid_thw[index : index + 1]
+        return merge_block_patches(to_device(mm.pixels[index], self.device)), mm.grid_thw[index : index + 1]
 
     def _drop_image(self, key: ImageKey) -> None:
         self._encoded.pop(key, None)

@@ -13,7 +13,7 @@ import torch
 from contract.tokenizer import token_runs
 from contract.types import PromptInput
 from contract.vision_geometry import ImageGeometryError
-from workers.inputs.image_processing import ImageDecodeError, decode_image, patch_pixels
+from workers.inputs.image_processing import ImageDecodeError, decode_image, grid_of, resized_pixels, to_rgb
 
 
 class PromptError(ValueError):
@@ -23,7 +23,9 @@ class PromptError(ValueError):
 @dataclass
 class MultiModalInput:
     positions: torch.Tensor  # [3, prompt_len] int64 MRoPE positions of the prompt
-    patches: torch.Tensor  # [patches, 3, 256] uint8, normalised into the tower's rows on the device
+    # per image its smart-resized uint8 [H, W, 3]: cut into patches (merge_block_patches) and normalised into the
+    # tower's rows on the device, so the host only decodes and resizes
+    pixels: list[torch.Tensor]
     grid_thw: torch.Tensor | None  # [images, 3] int64
 
 
@@ -105,15 +107,16 @@ def prepare_prompt(
         except (ImageDecodeError, ImageGeometryError) as exc:
             raise PromptError(f"image {n}: {exc}") from exc
     try:
-        patches, grid_thw = patch_pixels(images, min_pixels, max_pixels)
+        pixels = [resized_pixels(to_rgb(image), min_pixels, max_pixels) for image in images]
     except (ValueError, ImageGeometryError) as exc:
         raise PromptError(f"image preprocessing failed: {exc}") from exc
+    grid_thw = torch.tensor([grid_of(p) for p in pixels], dtype=torch.int64)
     grids = [(int(h) // spatial_merge_size, int(w) // spatial_merge_size) for _, h, w in grid_thw.tolist()]
     spans = _image_spans(ids, image_token_id, [gh * gw for gh, gw in grids])
     positions, delta = mrope_positions(len(ids), spans, grids)
     digests = [hashlib.blake2b(data, digest_size=16).digest() for data in prompt.images]
     return PreparedPrompt(
-        mm=MultiModalInput(positions=positions, patches=patches, grid_thw=grid_thw),
+        mm=MultiModalInput(positions=positions, pixels=pixels, grid_thw=grid_thw),
         mrope_position_delta=delta,
         image_spans=[(s, n, d) for (s, n), d in zip(spans, digests)],
     )
