@@ -339,6 +339,7 @@ def test_encoder_pass_share_bounds_what_passes_take_from_whole_images():
                                  encoder_pass_share=share)
         sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))
         sched.add(image_seq("big", 40, [(0, 32)]))  # 32 rows: 4 a block, its pass over several steps
+        sched.add(seq("other", 4, max_tokens=50))  # another request: the pass is spread for it
         parts = []
         for _ in range(3):
             out = step(sched)
@@ -349,3 +350,23 @@ def test_encoder_pass_share_bounds_what_passes_take_from_whole_images():
     assert big_parts(0.5) == [4, 2, 2]
     assert big_parts(1.0) == [4, 4, 0]  # (the pass ended: 8 blocks)
     assert big_parts(0.0) == [4, 1, 1]  # the oldest pass's guaranteed block
+
+
+def test_the_only_requests_large_image_is_encoded_in_one_go_and_a_spread_pass_finishes_once_alone():
+    limits = SchedulerLimits(8, 64, 1000, max_num_encoder_tokens=16, vision=VisionCost(depth=8))
+    sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))
+    sched.add(image_seq("big", 40, [(0, 32)]))  # twice the step's encoder budget
+    out = step(sched)
+    # nobody else waits: the whole tower in this step, and the prompt in as few steps as the token budget allows
+    assert [(e.seq.request_id, e.first_block, e.num_blocks) for e in out.encode_now] == [("big", 0, 0)]
+    assert chunks(out) == [("big", 0, 40)]
+
+    sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))
+    sched.add(seq("short", 2, max_tokens=1))  # finishes after its first step
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    first = step(sched)
+    assert [(e.first_block, e.num_blocks) for e in first.encode_now] == [(0, 4)]  # spread while "short" is there
+    second = step(sched)
+    assert sched.find("short") is None
+    assert [(e.first_block, e.num_blocks) for e in second.encode_now] == [(4, 4)]  # alone now: the rest at once
+    assert ("big", 0, 40) in chunks(second)

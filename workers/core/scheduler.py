@@ -324,6 +324,11 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
+    def _alone(self, seq: Sequence) -> bool:
+        """Whether seq is the only request the engine has, running or waiting: nobody's latency gains from
+        spreading its tower pass over steps."""
+        return all(s is seq for s in self.running) and all(s is seq for s in self.waiting)
+
     def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
                      ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
         """What the chunk [start, start + n) of seq needs from the vision tower in this step: images to encode
@@ -349,8 +354,11 @@ class Scheduler:
             if not (rows + image.num_tokens <= room or (first and empty_after_evicting)):
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
-            if image_cost + cost <= encoder.left or (first and not encoder.used and vision.depth == 1):
-                whole.append(image)  # (a one-block cost model cannot split: a large image goes alone)
+            if image_cost + cost <= encoder.left or (first and not encoder.used and (
+                    vision.depth == 1 or self._alone(seq))):
+                # (a one-block cost model cannot split: a large image goes alone; and an image of the only request
+                # the engine has runs in one go: spreading its pass would only add steps to its own latency)
+                whole.append(image)
                 cost, rows = cost + image_cost, rows + image.num_tokens
                 continue
             if image_cost > encoder.total and vision.depth > 1:  # never fits one step: its first blocks now
@@ -380,6 +388,8 @@ class Scheduler:
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
             blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
+            if self._alone(seq) and not encoder.used:  # the others it was spread for have gone: finish it now
+                blocks = vision.depth - done
             if blocks <= 0 and not encoder.used:
                 blocks = 1
             if blocks <= 0:
