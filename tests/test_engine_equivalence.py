@@ -196,19 +196,25 @@ def test_an_image_already_in_the_kv_cache_is_not_encoded_again_when_its_prompt_c
     assert len(engine.scheduler.encoder_cache) == 0  # freed by the step that put its last rows in the KV cache
 
 
-@pytest.mark.parametrize("alone", [False, True])
+@pytest.mark.parametrize("companion", ["text", "image", "none"])
 def test_an_image_encoded_over_several_steps_a_few_tower_blocks_at_a_time_matches_transformers(checkpoint, reference,
-                                                                                               alone):
+                                                                                               companion):
     cases = {"img": reference([png(64, 64, seed=11)], [27, 28])}
-    if not alone:
+    if companion == "text":
         cases["text"] = reference([], [29, 30, 31])
-    # an encoder budget below the image's cost: its pass is spread over steps, one tower block a step, while the
-    # text prompt goes on (alone: steps that run only the tower's next block); its rows wait for the last block
+    if companion == "image":
+        cases["img2"] = reference([png(64, 64, seed=12)], [32, 33])
+    # an encoder budget below the image's cost: while another request is there its pass is spread over steps, one
+    # tower block a step, and the text prompt goes on (or the second image's request waits behind it: steps that run
+    # only the tower's next block); its rows wait for the last block. The only request's image runs in one go.
     engine = make_engine(checkpoint, max_num_encoder_tokens=2)
     depth = engine.scheduler.limits.vision.depth
     encoded = record_encodes(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
-    assert encoded == [(step, "img", f"blocks {step}-{step}") for step in range(depth)]
+    if companion == "none":
+        assert encoded == [(0, "img", "now")]
+    else:
+        assert encoded[:depth] == [(step, "img", f"blocks {step}-{step}") for step in range(depth)]
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
