@@ -333,6 +333,20 @@ def test_results_of_another_benchmark_are_reported_not_audited(tree):
     assert warning.rule_id == "system-benchmarks" and "gpt-oss-120b" in warning.reason
 
 
+@pytest.mark.parametrize("changes", [{"submitter": SUBMITTER.lower()}, {"division": "Closed"},
+                                     {"submitter": SUBMITTER.upper(), "division": "CLOSED"}])
+def test_submitter_and_division_are_compared_lower_cased_as_the_checker_does(tree, changes):
+    edit_json(system_json(tree), **changes)
+    assert failures(tree) == set()
+
+
+@pytest.mark.parametrize("field", ["submitter", "division"])
+def test_a_submitter_or_division_that_is_not_a_string_fails(tree, field):
+    edit_json(system_json(tree), **{field: ["x"]})
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == f"system-{field}" and "is not a string" in finding.reason
+
+
 def test_calibration_doc_may_live_under_documentation(tree):
     (sub(tree) / "documentation").mkdir()
     (sub(tree) / "calibration.md").rename(sub(tree) / "documentation" / "calibration.md")

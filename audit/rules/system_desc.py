@@ -113,17 +113,27 @@ def check_other_benchmarks(ctx: SystemContext) -> Outcome:
     return passed(f"only {MODEL} results", system_dir)
 
 
+def _matches_tree(ctx: SystemContext, field: str, expected: str, where: str) -> Outcome:
+    """`field` of the description against the tree's directory name, both lower-cased as SystemCheck's
+    submitter_check and division_check compare them (submission_checker/checks/system_check.py in
+    https://github.com/mlcommons/inference/tree/master/tools/submission/submission_checker): "Closed" is closed."""
+    value = ctx.description().get(field)
+    if not isinstance(value, str):
+        return failed(f"{field} {value!r} is not a string (the checker's .lower() raises on it and the system "
+                      f"check fails)", ctx.description_path)
+    ok = value.lower() == expected.lower()
+    return check_that(ok, f"{field} {value!r}" + ("" if ok else f" but the tree puts it under {where}"),
+                      ctx.description_path)
+
+
 def check_division_matches(ctx: SystemContext) -> Outcome:
-    value, expected = ctx.description().get("division"), ctx.submission.division
-    return check_that(value == expected, f"division {value!r}" + ("" if value == expected else
-                      f" but the tree puts it under {expected}/"), ctx.description_path)
+    division = ctx.submission.division
+    return _matches_tree(ctx, "division", division, f"{division}/")
 
 
 def check_submitter_matches(ctx: SystemContext) -> Outcome:
-    value, expected = ctx.description().get("submitter"), ctx.submission.submitter
-    return check_that(value == expected, f"submitter {value!r}" + ("" if value == expected else
-                      f" but the tree puts it under {ctx.submission.division}/{expected}/"),
-                      ctx.description_path)
+    sub = ctx.submission
+    return _matches_tree(ctx, "submitter", sub.submitter, f"{sub.division}/{sub.submitter}/")
 
 
 def check_scenario_set(ctx: SystemContext) -> Outcome:
@@ -159,8 +169,8 @@ RULES: tuple[Rule, ...] = (
          check_network_mode),
     Rule("system-benchmarks", "system", "other results folders under the system name benchmarks of the round",
          check_other_benchmarks),
-    Rule("system-division", "system", "division matches the tree", check_division_matches),
-    Rule("system-submitter", "system", "submitter matches the tree", check_submitter_matches),
+    Rule("system-division", "system", "division matches the tree (letter case aside)", check_division_matches),
+    Rule("system-submitter", "system", "submitter matches the tree (letter case aside)", check_submitter_matches),
     Rule("scenario-set", "system", "scenario dirs are the round's: required present, none unknown",
          check_scenario_set, scenarios=SCENARIOS),
 )
