@@ -325,8 +325,20 @@ def test_status_is_lower_cased_as_the_checker_does_but_not_stripped(tree):
     assert finding.rule_id == "system-status" and "stops with an error" in finding.reason
 
 
-def test_results_of_another_benchmark_are_reported_not_audited(tree):
-    (sub(tree) / "results" / SYSTEM / "gpt-oss-120b" / "Offline").mkdir(parents=True)
+@pytest.mark.parametrize("folder", ["llama3.1-8b", "llama3_1-8b"])
+def test_results_of_another_benchmark_fail_as_the_checker_judges_them_by_that_benchmarks_rules(tree, folder):
+    shutil.copytree(scen(tree, "Offline"), sub(tree) / "results" / SYSTEM / folder / "Offline")
+    report = audit_tree(tree)
+    assert not report.accepted
+    [finding] = report.failures
+    assert (finding.rule_id, finding.scenario) == ("system-benchmarks", "-")
+    assert f"{folder}/Offline" in finding.reason and "llama3.1-8b's own rules" in finding.reason
+    assert "Missing TEST06 in compliance dir" in finding.reason  # the checker's words for llama3.1-8b
+    assert "rejects the whole submission" in finding.reason
+
+
+def test_an_empty_folder_of_another_benchmark_is_reported_not_failed(tree):
+    (sub(tree) / "results" / SYSTEM / "gpt-oss-120b").mkdir()  # the checker finds no scenario in it to judge
     report = audit_tree(tree)
     assert report.accepted
     [warning] = [f for f in report.findings if f.status == "WARN"]
