@@ -36,6 +36,7 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class ChatRequest:
+    model: str | None  # None: the served model
     messages: list
     sampling: pb.SamplingParams
     stream: bool
@@ -70,7 +71,8 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options supports only include_usage", "stream_options")
         include_usage = _bool(options, "include_usage", "stream_options.include_usage")
-    return ChatRequest(messages, _sampling(body, default_max_tokens), stream, include_usage, _stop_strings(body))
+    return ChatRequest(body.get("model"), messages, _sampling(body, default_max_tokens), stream, include_usage,
+                       _stop_strings(body))
 
 
 def _sampling(body: dict, default_max_tokens: int) -> pb.SamplingParams:

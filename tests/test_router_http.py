@@ -21,6 +21,7 @@ from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 
 HTTP = {"http_listen": "127.0.0.1:0"}
+MODEL = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # the router's served_model_name
 
 
 def png_data_url(size=(64, 48)) -> str:
@@ -46,7 +47,7 @@ def test_openai_client_gets_the_same_text_as_the_grpc_path_streaming_or_not():
     async def body():
         async with Cluster(config=HTTP) as c:
             client = openai_client(c)
-            whole = await client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=24, temperature=0)
+            whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
             prompt = encode_chat(MESSAGES, load_tokenizer())
             req = pb.GenerateRequest(request_id="g", prompt_token_ids=prompt.token_ids, images=prompt.images,
                                      sampling=pb.SamplingParams(max_tokens=24))
@@ -55,7 +56,7 @@ def test_openai_client_gets_the_same_text_as_the_grpc_path_streaming_or_not():
             assert whole.choices[0].finish_reason == "length"
             assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt.token_ids), 24)
             stream = await client.chat.completions.create(
-                model="any", messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+                model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
                 stream_options={"include_usage": True},
             )
             events = [e async for e in stream]
@@ -76,7 +77,7 @@ def test_remote_image_urls_are_rejected_with_400_and_never_fetched():
                 {"type": "image_url", "image_url": {"url": "http://198.51.100.7/cat.jpg"}},
                 {"type": "text", "text": "what is this"}]}]
             with pytest.raises(openai.BadRequestError, match="remote image URLs are not fetched"):
-                await client.chat.completions.create(model="any", messages=remote)
+                await client.chat.completions.create(model=MODEL, messages=remote)
             assert all(e.requests_seen == [] for e in c.engines)
             await client.close()
 
@@ -88,10 +89,10 @@ def test_flood_beyond_admission_gets_http_429():
         limits = {"max_inflight_total": 1, "max_queue": 0}
         async with Cluster(roles=("aggregated",), step_delay_s=0.05, config=HTTP | {"limits": limits}) as c:
             client = openai_client(c)
-            held = await client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=50, stream=True)
+            held = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True)
             await anext(aiter(held))  # the one slot is taken
             with pytest.raises(openai.RateLimitError):
-                await client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=5)
+                await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
             await held.close()
             await client.close()
 
@@ -113,7 +114,7 @@ def test_health_and_prometheus_metrics_endpoints():
     async def body():
         async with Cluster(config=HTTP) as c:
             client = openai_client(c)
-            await client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=4)
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
             base = f"http://127.0.0.1:{c.router.http_port}"
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"{base}/health") as resp:
@@ -158,7 +159,7 @@ TEXT = [{"role": "user", "content": "Name a product category."}]
 def test_bad_numeric_or_boolean_parameters_get_400_naming_the_parameter(field, value):
     async def body():
         async with Cluster(config=HTTP) as c:
-            status, reply = await post_chat(c, {"model": "any", "messages": TEXT, field: value})
+            status, reply = await post_chat(c, {"model": MODEL, "messages": TEXT, field: value})
             assert status == 400, reply
             assert reply["error"]["param"] == field and field in reply["error"]["message"]
             assert reply["error"]["type"] == "invalid_request_error"
@@ -176,7 +177,7 @@ def test_unsupported_parameters_get_400_naming_the_parameter(field, value):
         async with Cluster(config=HTTP) as c:
             client = openai_client(c)
             with pytest.raises(openai.BadRequestError) as caught:
-                await client.chat.completions.create(model="any", messages=TEXT, max_tokens=4, extra_body={field: value})
+                await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=4, extra_body={field: value})
             assert caught.value.body["param"] == field and "not supported" in caught.value.body["message"]
             assert all(e.requests_seen == [] for e in c.engines)
             await client.close()
@@ -189,7 +190,7 @@ def test_no_op_values_of_unsupported_parameters_are_accepted():
         async with Cluster(config=HTTP) as c:
             client = openai_client(c)
             reply = await client.chat.completions.create(
-                model="any", messages=TEXT, max_tokens=3, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0)
+                model=MODEL, messages=TEXT, max_tokens=3, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0)
             assert len(reply.choices) == 1 and reply.usage.completion_tokens == 3
             await client.close()
 
@@ -200,7 +201,7 @@ def test_stop_string_ends_the_text_before_it_and_the_worker_stops_streaming_or_n
     async def body():
         async with Cluster(config=HTTP, step_delay_s=0.005) as c:
             client = openai_client(c)
-            free = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=40, temperature=0)
+            free = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=40, temperature=0)
             text = free.choices[0].message.content
             at = len(text) // 3
             stop = text[at:at + 5]  # likely spans a token boundary: the tail must be held back while streaming
@@ -208,7 +209,7 @@ def test_stop_string_ends_the_text_before_it_and_the_worker_stops_streaming_or_n
             for stream in (False, True):
                 seen = [len(e.requests_seen) for e in c.engines]
                 got = await client.chat.completions.create(
-                    model="any", messages=TEXT, max_tokens=2000, temperature=0, stop=["never-in-the-text", stop],
+                    model=MODEL, messages=TEXT, max_tokens=2000, temperature=0, stop=["never-in-the-text", stop],
                     stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
                 if stream:
                     events = [e async for e in got]
@@ -237,7 +238,7 @@ def test_stop_token_id_ends_generation_without_its_text():
             tokens, _ = await collect(c.client.generate(req))
             cut = next(i for i in range(4, 12) if tokens[i] not in tokens[:i])
             client = openai_client(c)
-            got = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=12, temperature=0,
+            got = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=12, temperature=0,
                                                        extra_body={"stop_token_ids": [tokens[cut]]})
             assert got.choices[0].message.content == load_tokenizer().decode(tokens[:cut])
             assert got.choices[0].finish_reason == "stop"
@@ -258,14 +259,14 @@ def test_prompt_longer_than_max_model_len_or_the_kv_pool_gets_400_naming_the_lim
             await c.client.wait_for_workers(1, timeout=10)
             client = openai_client(c)
             with pytest.raises(openai.BadRequestError, match=r"maximum context length \(max_model_len\) is 512 tokens"):
-                await client.chat.completions.create(model="any", messages=big, max_tokens=4)
+                await client.chat.completions.create(model=MODEL, messages=big, max_tokens=4)
             await c.workers[0].stop(0)
             c.workers.clear()
             await c.add_worker("small-pool", engine=InstantEngine(total_kv_blocks=8, block_size=16), kv_block_size=16)
             await wait_until(lambda: [e.worker_id for e in c.router.registry.entries() if e.healthy] == ["small-pool"])
             with pytest.raises(openai.BadRequestError, match=r"KV cache of worker small-pool holds \(8 blocks of 16"):
-                await client.chat.completions.create(model="any", messages=big, max_tokens=4)
-            assert (await client.chat.completions.create(model="any", messages=TEXT, max_tokens=2)).choices
+                await client.chat.completions.create(model=MODEL, messages=big, max_tokens=4)
+            assert (await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=2)).choices
             await client.close()
 
     run(body())
@@ -275,10 +276,33 @@ def test_models_retrieve_returns_the_model_whose_id_holds_a_slash():
     async def body():
         async with Cluster(config=HTTP) as c:
             client = openai_client(c)
-            model = await client.models.retrieve("Qwen/Qwen3-VL-235B-A22B-Instruct")
-            assert (model.id, model.object) == ("Qwen/Qwen3-VL-235B-A22B-Instruct", "model")
-            with pytest.raises(openai.NotFoundError):
+            model = await client.models.retrieve(MODEL)
+            assert (model.id, model.object) == (MODEL, "model")
+            with pytest.raises(openai.NotFoundError) as caught:
                 await client.models.retrieve("Qwen/some-other-model")
+            assert caught.value.body == model_not_found("Qwen/some-other-model")
+            await client.close()
+
+    run(body())
+
+
+def model_not_found(model: str) -> dict:
+    """vLLM's body for a model it does not serve (OpenAIServing._check_model), with OpenAI's error code."""
+    return {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model",
+            "code": "model_not_found"}
+
+
+def test_a_chat_request_for_a_model_not_served_gets_404_model_not_found_and_reaches_no_worker():
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            client = openai_client(c)
+            for stream in (False, True):
+                with pytest.raises(openai.NotFoundError) as caught:
+                    await client.chat.completions.create(model="gpt-4", messages=TEXT, max_tokens=4, stream=stream)
+                assert caught.value.status_code == 404 and caught.value.body == model_not_found("gpt-4")
+            assert all(e.requests_seen == [] for e in c.engines)
+            status, reply = await post_chat(c, {"messages": TEXT, "max_tokens": 2})  # no model: the served one
+            assert status == 200 and reply["model"] == MODEL
             await client.close()
 
     run(body())
@@ -308,10 +332,10 @@ def test_json_schema_response_from_the_tiny_checkpoint_parses_and_validates(tiny
             client = openai_client(c)
             for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
                 got = await client.chat.completions.create(
-                    model="any", messages=TEXT, max_tokens=300, response_format=response_format, **sampling)
+                    model=MODEL, messages=TEXT, max_tokens=300, response_format=response_format, **sampling)
                 assert got.choices[0].finish_reason == "stop", got.choices[0].message.content
                 jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
-            free = await client.chat.completions.create(model="any", messages=TEXT, max_tokens=20, temperature=0)
+            free = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=20, temperature=0)
             with pytest.raises(json.JSONDecodeError):  # the random model alone writes no JSON: the grammar did
                 json.loads(free.choices[0].message.content)
             await client.close()
@@ -328,7 +352,7 @@ def test_invalid_json_schema_gets_400_before_any_worker_sees_it():
             client = openai_client(c)
             bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
             with pytest.raises(openai.BadRequestError, match="Invalid type: strin") as caught:
-                await client.chat.completions.create(model="any", messages=TEXT, response_format=bad)
+                await client.chat.completions.create(model=MODEL, messages=TEXT, response_format=bad)
             assert caught.value.body["param"] == "response_format.json_schema.schema"
             assert all(e.requests_seen == [] for e in c.engines)
             await client.close()
