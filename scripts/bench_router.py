@@ -95,7 +95,8 @@ def grpc_request():
                               sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
 
 
-def http_sender(session, url: str, model: str = "instant", headers: dict | None = None) -> Callable[[], Awaitable[None]]:
+def http_sender(session, url: str, model: str = "instant",
+                headers: dict | None = None) -> Callable[[], Awaitable[None]]:
     """A closed-loop sender of one chat request; `model` must be one the server serves (our router: its
     served_model_name, anything else is 404)."""
     body = {"model": model, "messages": [{"role": "user", "content": TEXT}], "max_tokens": OUTPUT_TOKENS}
