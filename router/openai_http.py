@@ -151,6 +151,8 @@ class HttpFrontend:
                 return await self._stream(request, request_id, reply, chat)
             return await self._complete(request_id, reply)
         finally:
+            if reply.stopped:
+                self.dispatcher.complete_early(request_id)  # counted as STOP, not as a caller gone away
             await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
 
     def _check_fits(self, num_prompt_tokens: int) -> None:

@@ -9,6 +9,7 @@ import io
 import json
 
 import aiohttp
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -16,7 +17,7 @@ from PIL import Image
 
 from contract.wire import pb
 from workers.sim.instant_engine import InstantEngine
-from tests.router_fixtures import Cluster, collect, run
+from tests.router_fixtures import Cluster, collect, request, run
 from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 
@@ -281,6 +282,61 @@ def test_models_retrieve_returns_the_model_whose_id_holds_a_slash():
             with pytest.raises(openai.NotFoundError) as caught:
                 await client.models.retrieve("Qwen/some-other-model")
             assert caught.value.body == model_not_found("Qwen/some-other-model")
+            await client.close()
+
+    run(body())
+
+
+async def ended_requests(cluster: Cluster) -> tuple[dict[str, float], float]:
+    """What /metrics says of ended requests: the request total by outcome, and the duration histogram's count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{http_base(cluster)}/metrics") as resp:
+            families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    totals = {s.labels["outcome"]: s.value for s in families["q3vl_router_requests"].samples
+              if s.name.endswith("_total")}
+    [count] = [s.value for s in families["q3vl_router_request_duration_seconds"].samples if s.name.endswith("_count")]
+    return totals, count
+
+
+def test_metrics_count_every_request_that_ends_whatever_ended_it():
+    async def body():
+        async with Cluster(config=HTTP, step_delay_s=0.01) as c:
+            client = openai_client(c)
+
+            async def counted(outcome: str, total: float) -> None:  # some endings are recorded just after the reply
+                async def seen():
+                    totals, duration_count = await ended_requests(c)
+                    return totals.get(outcome) == total and duration_count == sum(totals.values())
+                async with asyncio.timeout(10):
+                    while not await seen():
+                        await asyncio.sleep(0.02)
+
+            free = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=12, temperature=0)
+            await counted("LENGTH", 1)
+            text = free.choices[0].message.content
+            stop = text[len(text) // 2:len(text) // 2 + 3]
+            for stream in (False, True):  # a stop string: the router ends the request itself
+                got = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=500, temperature=0,
+                                                           stop=[stop], stream=stream)
+                if stream:
+                    _ = [e async for e in got]
+            await counted("STOP", 2)
+            tokens = load_tokenizer().encode(text)
+            await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=12, temperature=0,
+                                                 extra_body={"stop_token_ids": [tokens[2]]})  # the worker's EOS
+            await counted("STOP", 3)
+            held = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=2000, stream=True)
+            await anext(aiter(held))
+            await held.close()  # the client goes away mid-stream
+            await counted("CANCELLED", 1)
+            late = request("late", max_tokens=2000, deadline_s=0.2)  # the deadline passes on the worker
+            with pytest.raises(grpc.aio.AioRpcError):
+                await collect(c.client.generate(late))
+            await counted("ERROR", 1)
+            totals, duration_count = await ended_requests(c)
+            assert totals == {"LENGTH": 1, "STOP": 3, "CANCELLED": 1, "ERROR": 1} and duration_count == 6
             await client.close()
 
     run(body())
