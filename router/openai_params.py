@@ -172,7 +172,9 @@ def _number(body: dict, name: str, ok, rule: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value) or not ok(value):
+    if not _is_number(value):  # "0.5" is a string, not a number below 0: say which rule it breaks
+        raise BadRequest(f"{name} must be a number, got {json.dumps(value)}", name)
+    if not ok(value):
         raise BadRequest(f"{name} {rule}, got {json.dumps(value)}", name)
     return float(value)
 

@@ -169,6 +169,17 @@ def test_bad_numeric_or_boolean_parameters_get_400_naming_the_parameter(field, v
     run(body())
 
 
+@pytest.mark.parametrize("field, value", [("temperature", "0.5"), ("top_p", "1"), ("temperature", [0.5])])
+def test_a_sampling_number_sent_as_a_string_gets_400_saying_it_must_be_a_number(field, value):
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            status, reply = await post_chat(c, {"model": MODEL, "messages": TEXT, field: value})
+            assert status == 400 and reply["error"]["param"] == field
+            assert reply["error"]["message"] == f"{field} must be a number, got {json.dumps(value)}"
+
+    run(body())
+
+
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("logprobs", True), ("top_logprobs", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"1": 5}), ("ignore_eos", True),
