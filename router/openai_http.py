@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from contract.chat import encode_chat
+from contract.chat import MessageError, encode_chat
 from contract.network import split_host_port
 from contract.tokenizer import QwenTokenizer, load_tokenizer
 from contract.transport import bearer_ok
@@ -128,9 +128,9 @@ class HttpFrontend:
             chat = parse_chat_request(await request.json(), self.config.default_max_tokens)
             if chat.model not in (None, self.config.served_model_name):  # never answered by another model
                 return _model_not_found(chat.model)
-            prompt = encode_chat(chat.messages, self.tokenizer)  # ValueError names the bad message / image
+            prompt = encode_chat(chat.messages, self.tokenizer)  # MessageError names the bad message / image
             self._check_fits(len(prompt.token_ids))
-        except BadRequest as exc:
+        except (BadRequest, MessageError) as exc:
             return _error(400, str(exc), param=exc.param)
         except (json.JSONDecodeError, ValueError) as exc:
             return _error(400, str(exc))

@@ -180,6 +180,49 @@ def test_a_sampling_number_sent_as_a_string_gets_400_saying_it_must_be_a_number(
     run(body())
 
 
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.parametrize("part, problem", [
+    (image_part("http://198.51.100.7/cat.jpg"), "remote image URLs are not fetched"),
+    (image_part("data:image/png;base64,@@@"), "bad base64"),
+    (image_part("data:image/png;base64," + base64.b64encode(b"hello").decode()), "cannot read image header"),
+    (image_part("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 30).decode()), ""),
+    ({"type": "image_url", "image_url": {}}, "image_url.url is missing"),
+])
+def test_a_bad_image_gets_400_naming_its_message_part(part, problem):
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+            status, reply = await post_chat(c, {"model": MODEL, "messages": messages})
+            assert status == 400, reply
+            assert reply["error"]["param"] == "messages[0].content[1].image_url"
+            assert reply["error"]["message"].startswith("messages[0].content[1].image_url: ") and problem in \
+                reply["error"]["message"]
+            assert all(e.requests_seen == [] for e in c.engines)
+
+    run(body())
+
+
+@pytest.mark.parametrize("messages, param", [
+    (["hi"], "messages[0]"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 7}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], "messages[0].content[0]"),
+    ([{"role": "system", "content": [image_part(png_data_url())]}, {"role": "user", "content": "hi"}],
+     "messages[0].content[0]"),
+])
+def test_a_bad_message_gets_400_naming_it(messages, param):
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            status, reply = await post_chat(c, {"model": MODEL, "messages": messages})
+            assert status == 400, reply
+            assert reply["error"]["param"] == param and reply["error"]["message"].startswith(f"{param}: ")
+
+    run(body())
+
+
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("logprobs", True), ("top_logprobs", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"1": 5}), ("ignore_eos", True),
