@@ -2,7 +2,8 @@
 /health and /metrics, serving through the same Dispatcher as the gRPC RouterService.
 
 Images come only as data: URLs (remote URLs get 400 and are never fetched); a flood beyond admission gets 429;
-a prompt longer than the workers' context or KV pool gets 400 naming the limit; fields: router/openai_params.py.
+a prompt longer than the workers' context or KV pool gets 400 naming the limit; a model other than the served one
+gets 404 model_not_found; fields: router/openai_params.py.
 """
 
 from __future__ import annotations

@@ -127,10 +127,9 @@ def _subdirs(folder: Path) -> list[str]:
 def _judged_elsewhere(folder: Path, ctx: SystemContext) -> str:
     """'llama3.1-8b/Offline (Missing TEST06 in compliance dir) is judged by ... llama3.1-8b's own rules': the
     compliance dirs as ComplianceCheck.dir_exists_check wants them (closed division only)."""
-    benchmark = BENCHMARK_ALIASES.get(folder.name, folder.name)
-    tests = [t for t, models in ctx.submission.round.benchmark_compliance.items() if benchmark in models]
-    if ctx.submission.division == "open":
-        tests = []
+    benchmark, sub = BENCHMARK_ALIASES.get(folder.name, folder.name), ctx.submission
+    tests = [] if sub.division == "open" else [
+        t for t, models in sub.round.benchmark_compliance.items() if benchmark in models]
     dirs = []
     for scenario in _subdirs(folder):
         missing = [t for t in tests if not (folder / scenario / t).is_dir()]
