@@ -19,6 +19,15 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 
+class MessageError(ValueError):
+    """A message, or a part of one, that cannot be used. `param` names it as OpenAI's error `param` would
+    (`messages[0].content[1].image_url`), and the message starts with it."""
+
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param}: {problem}")
+        self.param = param
+
+
 @dataclass(frozen=True)
 class RenderedChat:
     """The template's text (one <|image_pad|> per image, as the chat template writes it), the images
@@ -33,83 +42,89 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]], min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
 ) -> RenderedChat:
     """Applies the Qwen3-VL Instruct chat template with the generation prompt and sizes the images from
-    their headers; raises ValueError naming the message, part or image that cannot be used."""
+    their headers; raises MessageError naming the message, part or image that cannot be used."""
     if not messages:
         raise ValueError("messages is empty")
     parts: list[str] = []
-    images: list[bytes] = []
+    images: list[tuple[str, bytes]] = []  # (the part it came from, its bytes)
     for i, message in enumerate(messages):
-        role = message.get("role")
-        content = message.get("content")
         where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise MessageError(where, f"a message must be an object, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
         if role == "system":
             if i != 0:
-                raise ValueError(f"{where}: a system message is only allowed first")
+                raise MessageError(where, "a system message is only allowed first")
             parts.append(f"<|im_start|>system\n{_render_content(content, where, images=None)}<|im_end|>\n")
         elif role in ("user", "assistant"):
             images_ok = images if role == "user" else None
             parts.append(f"<|im_start|>{role}\n{_render_content(content, where, images_ok)}<|im_end|>\n")
         else:
-            raise ValueError(f"{where}: unsupported role {role!r} (expected system, user or assistant)")
+            raise MessageError(f"{where}.role", f"unsupported role {role!r} (expected system, user or assistant)")
     parts.append(GENERATION_PROMPT)
-    return RenderedChat("".join(parts), images, visual_token_counts(images, min_pixels, max_pixels))
+    counts = _visual_token_counts(images, min_pixels, max_pixels)
+    return RenderedChat("".join(parts), [data for _, data in images], counts)
 
 
-def _render_content(content: Any, where: str, images: list[bytes] | None) -> str:
-    """Text of one message's content; images (user turns only) are appended to `images` in order."""
+def _render_content(content: Any, where: str, images: list[tuple[str, bytes]] | None) -> str:
+    """Text of one message's content; images (user turns only) are appended to `images` in order, each with
+    the param that names its part."""
     if isinstance(content, str):
         return content
     if not isinstance(content, Sequence):
-        raise ValueError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+        raise MessageError(f"{where}.content",
+                           f"content must be a string or a list of parts, got {type(content).__name__}")
     out: list[str] = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(part, Mapping):
-            raise ValueError(f"{at}: a content part must be an object, got {type(part).__name__}")
+            raise MessageError(at, f"a content part must be an object, got {type(part).__name__}")
         kind = part.get("type")
         if kind in ("image", "image_url") or "image" in part or "image_url" in part:
             if images is None:
-                raise ValueError(f"{at}: images are only allowed in user messages")
-            images.append(_image_bytes(part, at))
+                raise MessageError(at, "images are only allowed in user messages")
+            field = "image" if "image" in part else "image_url"
+            images.append((f"{at}.{field}", _image_bytes(part, f"{at}.{field}")))
             out.append(IMAGE_PLACEHOLDER)
         elif "text" in part:
             text = part["text"]
             if not isinstance(text, str):
-                raise ValueError(f"{at}: text must be a string")
+                raise MessageError(f"{at}.text", "text must be a string")
             out.append(text)
         else:
-            raise ValueError(f"{at}: unsupported content part type {kind!r}")
+            raise MessageError(at, f"unsupported content part type {kind!r}")
     return "".join(out)
 
 
-def _image_bytes(part: Mapping[str, Any], at: str) -> bytes:
-    """The encoded image of an `image` (raw bytes) or `image_url` (data: URL) part."""
+def _image_bytes(part: Mapping[str, Any], param: str) -> bytes:
+    """The encoded image of an `image` (raw bytes) or `image_url` (data: URL) part; `param` names its field."""
     if "image" in part:
         data = part["image"]
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"{at}: 'image' must hold the encoded image bytes")
+            raise MessageError(param, "'image' must hold the encoded image bytes")
         return bytes(data)
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, Mapping) else image_url
     if not isinstance(url, str):
-        raise ValueError(f"{at}: image_url.url is missing")
-    return decode_data_url(url, at)
+        raise MessageError(param, "image_url.url is missing")
+    return decode_data_url(url, param)
 
 
 def decode_data_url(url: str, at: str = "image_url") -> bytes:
-    """Bytes of a `data:image/...;base64,...` URL. Remote URLs are refused: nothing here fetches."""
+    """Bytes of a `data:image/...;base64,...` URL. Remote URLs are refused: nothing here fetches. MessageError
+    names `at`."""
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("http", "https"):
-        raise ValueError(f"{at}: remote image URLs are not fetched ({url[:80]}); send a data: URL")
+        raise MessageError(at, f"remote image URLs are not fetched ({url[:80]}); send a data: URL")
     if scheme != "data":
-        raise ValueError(f"{at}: unsupported image URL scheme {scheme!r}; send a data: URL")
+        raise MessageError(at, f"unsupported image URL scheme {scheme!r}; send a data: URL")
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise ValueError(f"{at}: data URL must be base64 encoded (data:image/<format>;base64,...)")
+        raise MessageError(at, "data URL must be base64 encoded (data:image/<format>;base64,...)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{at}: bad base64 in data URL: {exc}") from exc
+        raise MessageError(at, f"bad base64 in data URL: {exc}") from exc
 
 
 def expand_image_pads(token_ids: list[int], visual_tokens: Sequence[int]) -> list[int]:
@@ -127,14 +142,14 @@ def expand_image_pads(token_ids: list[int], visual_tokens: Sequence[int]) -> lis
     return out
 
 
-def visual_token_counts(images: Sequence[bytes], min_pixels: int, max_pixels: int) -> list[int]:
-    """<|image_pad|> count of each image, read from its header; ValueError names the image."""
+def _visual_token_counts(images: Sequence[tuple[str, bytes]], min_pixels: int, max_pixels: int) -> list[int]:
+    """<|image_pad|> count of each image, read from its header; MessageError names its part and the image."""
     counts = []
-    for k, data in enumerate(images):
+    for k, (param, data) in enumerate(images):
         try:
             counts.append(image_geometry(data, min_pixels, max_pixels).num_tokens)
         except ImageGeometryError as exc:
-            raise ValueError(f"image {k}: {exc}") from exc
+            raise MessageError(param, f"image {k}: {exc}") from exc
     return counts
 
 

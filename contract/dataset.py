@@ -291,6 +291,21 @@ def find_shards(root: Path, kind: str) -> list[Path]:
     return shards
 
 
+def catalogue_size(path: str | Path, dataset: DatasetKind = "product-catalogue") -> int:
+    """Rows of the catalogue at `path`, from its shards' parquet footers alone (no row is read);
+    DatasetNotFoundError / DatasetFormatError as load_catalogue raises them."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetNotFoundError(f"{dataset}: {root} is not a directory.\n{download_hint(dataset, root)}")
+    rows = 0
+    for shard in find_shards(root, dataset):
+        try:
+            rows += pq.read_metadata(shard).num_rows
+        except pa.ArrowException as exc:
+            raise DatasetFormatError(f"{shard}: not a readable parquet file ({exc})") from None
+    return rows
+
+
 def load_catalogue(path: str | Path, dataset: DatasetKind = "product-catalogue") -> Catalogue:
     """Opens a downloaded (or synthetic) catalogue; reads only parquet footers until samples are asked for."""
     if dataset not in DATASETS:

@@ -390,21 +390,33 @@ class SystemConfig(_Strict):
 
     @model_validator(mode="after")
     def _performance_samples_fit_datasets(self) -> SystemConfig:
-        # LoadGen cannot keep more samples loaded than the QSL has; found here, not after the cluster is up.
+        # LoadGen cannot keep more samples loaded than the QSL has (it would log the count and load fewer); found
+        # here, not after the cluster is up.
         for name, kind in DATASET_FOR_SCENARIO.items():
             section = getattr(self.scenarios, name)
-            if section is not None and kind in self.datasets and section.performance_sample_count > (
-                    size := self.dataset_size(name)):
+            if section is None or kind not in self.datasets:
+                continue
+            if section.performance_sample_count > (size := self.dataset_size(name)):
+                path = self.datasets[kind].path
+                where = "" if self.datasets[kind].synthetic_count is not None else f" at {path}"
                 raise ValueError(f"scenarios.{name}.performance_sample_count: {section.performance_sample_count} "
-                                 f"is more than the {size} samples of datasets.{kind}")
+                                 f"is more than the {size} samples of datasets.{kind}{where}")
         return self
 
     def dataset_size(self, scenario: ScenarioName) -> int:
-        """Samples in the scenario's catalogue: N for synthetic:N, else the published dataset's size."""
-        from contract.dataset import DATASETS
+        """Samples in the scenario's catalogue: N for synthetic:N; for a path, the rows its parquet shards hold
+        (footers only); the published dataset's size where the path is not on this machine (yet)."""
+        from contract.dataset import DATASETS, DatasetFormatError, catalogue_size
 
-        count = self.dataset(scenario).synthetic_count
-        return count if count is not None else DATASETS[DATASET_FOR_SCENARIO[scenario]].size
+        dataset, kind = self.dataset(scenario), DATASET_FOR_SCENARIO[scenario]
+        if dataset.synthetic_count is not None:
+            return dataset.synthetic_count
+        if not Path(dataset.path).is_dir():
+            return DATASETS[kind].size
+        try:
+            return catalogue_size(dataset.path, kind)
+        except (DatasetFormatError, OSError) as exc:  # DatasetNotFoundError is an OSError
+            raise ValueError(f"datasets.{kind}.path: {str(exc).splitlines()[0]}") from None
 
     def scenario(self, name: ScenarioName) -> ScenarioSection:
         section = getattr(self.scenarios, name)

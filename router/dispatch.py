@@ -61,6 +61,8 @@ class _Active:
     upstream_id: str = ""
     attempts: int = 0
     emitted: list[int] = field(default_factory=list)
+    complete_early: bool = False  # the caller has its whole answer before the final chunk (a stop string)
+    outcome: str | None = None  # how it ended, once counted
 
 
 class Dispatcher:
@@ -102,15 +104,28 @@ class Dispatcher:
                     self.inflight -= 1
                     self.admission.notify()
 
+            ended_by = "CANCELLED"  # the caller closed the stream or went away before the final chunk
             try:
                 async for chunk in self._serve(request, active, deadline, arrival):
                     if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         leave()  # before the caller has its answer, which may send the next request at once
+                        self._count_end(active, arrival, pb.FinishReason.Name(chunk.finish_reason))
                     yield chunk
+            except Exception:  # RouterError (a deadline, a worker's refusal) or a failure of the router's own
+                ended_by = "ERROR"
+                raise
             finally:
                 leave()
+                self._count_end(active, arrival, "STOP" if active.complete_early else ended_by)
         finally:
             self._active.pop(request.request_id, None)
+
+    def complete_early(self, request_id: str) -> None:
+        """The caller has the whole answer before the final chunk (a stop string matched): when it closes the
+        stream, which cancels the worker's request, the request counts as ended by STOP, not CANCELLED."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.complete_early = True
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request: the worker aborts it and the stream ends with finish_reason ABORT."""
@@ -126,6 +141,14 @@ class Dispatcher:
                 log.info("abort of %s on %s failed: %s", request_id, entry.worker_id, exc.code())
         self.admission.notify()
         return True
+
+    def _count_end(self, active: _Active, arrival: float, outcome: str) -> None:
+        """Every admitted request is counted once, as it ends, whatever ended it (the final chunk's reason, a
+        stop string, the caller going away, an error); the duration is arrival to that moment."""
+        if active.outcome is None:
+            active.outcome = outcome
+            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.duration.observe(time.monotonic() - arrival)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -194,15 +217,12 @@ class Dispatcher:
                     if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         chunk.prompt_tokens = len(request.prompt_token_ids)
                         chunk.completion_tokens = already + len(emitted)
-                        self.metrics.duration.observe(now - arrival)
-                        self.metrics.requests.labels(outcome=pb.FinishReason.Name(chunk.finish_reason)).inc()
                     yield chunk
                 return
             except _WorkerFailed as failure:
                 if active.aborted:
                     continue  # ends as ABORT at the top of the loop
                 if retries >= self.config.migration.max_retries:
-                    self.metrics.requests.labels(outcome="ERROR").inc()
                     yield self._final(request, active, pb.ERROR, f"{failure.stage} failed after "
                                       f"{retries} migrations: {failure}")
                     return

@@ -45,7 +45,9 @@ class RouterMetrics:
     def __init__(self, registry: Registry, queue_depth: Callable[[], int], inflight: Callable[[], int]):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests", "admitted requests by how they ended: STOP (EOS, a stop token or a stop string), "
+            "LENGTH, ABORT, ERROR, CANCELLED (the caller went away)", ["outcome"], registry=r)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -54,7 +56,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.duration = Histogram(
-            f"{PREFIX}_request_duration_seconds", "arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_request_duration_seconds", "arrival to the request's end", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.decisions = Counter(f"{PREFIX}_routing_decisions", "picks by worker and stage", ["worker", "stage"], registry=r)
         self.migrations = Counter(f"{PREFIX}_migrations", "requests replayed on another worker", ["kind"], registry=r)

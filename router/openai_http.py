@@ -2,7 +2,8 @@
 /health and /metrics, serving through the same Dispatcher as the gRPC RouterService.
 
 Images come only as data: URLs (remote URLs get 400 and are never fetched); a flood beyond admission gets 429;
-a prompt longer than the workers' context or KV pool gets 400 naming the limit; fields: router/openai_params.py.
+a prompt longer than the workers' context or KV pool gets 400 naming the limit; a model other than the served one
+gets 404 model_not_found; fields: router/openai_params.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from contract.chat import encode_chat
+from contract.chat import MessageError, encode_chat
 from contract.network import split_host_port
 from contract.tokenizer import QwenTokenizer, load_tokenizer
 from contract.transport import bearer_ok
@@ -40,10 +41,18 @@ _HTTP_STATUS = {
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> web.Response:
-    """OpenAI's error body; code is the HTTP status, as vLLM writes it."""
-    error = {"message": message, "type": kind, "param": param, "code": status}
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: int | str | None = None) -> web.Response:
+    """OpenAI's error body; code is the HTTP status, as vLLM writes it, unless a code is named."""
+    error = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
     return web.json_response({"error": error}, status=status)
+
+
+def _model_not_found(model: str) -> web.Response:
+    """404 for a model this router does not serve: vLLM's message, type and param (OpenAIServing._check_model in
+    https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/engine/serving.py), with OpenAI's
+    error code model_not_found where vLLM repeats the status."""
+    return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
 
 class HttpFrontend:
@@ -101,7 +110,7 @@ class HttpFrontend:
     async def model(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
         if model_id != self.config.served_model_name:
-            return _error(404, f"the model {model_id!r} does not exist", param="model")
+            return _model_not_found(model_id)
         return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -118,9 +127,11 @@ class HttpFrontend:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(await request.json(), self.config.default_max_tokens)
-            prompt = encode_chat(chat.messages, self.tokenizer)  # ValueError names the bad message / image
+            if chat.model not in (None, self.config.served_model_name):  # never answered by another model
+                return _model_not_found(chat.model)
+            prompt = encode_chat(chat.messages, self.tokenizer)  # MessageError names the bad message / image
             self._check_fits(len(prompt.token_ids))
-        except BadRequest as exc:
+        except (BadRequest, MessageError) as exc:
             return _error(400, str(exc), param=exc.param)
         except (json.JSONDecodeError, ValueError) as exc:
             return _error(400, str(exc))
@@ -141,6 +152,8 @@ class HttpFrontend:
                 return await self._stream(request, request_id, reply, chat)
             return await self._complete(request_id, reply)
         finally:
+            if reply.stopped:
+                self.dispatcher.complete_early(request_id)  # counted as STOP, not as a caller gone away
             await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
 
     def _check_fits(self, num_prompt_tokens: int) -> None:

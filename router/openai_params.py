@@ -36,6 +36,7 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class ChatRequest:
+    model: str | None  # None: the served model
     messages: list
     sampling: pb.SamplingParams
     stream: bool
@@ -70,7 +71,8 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options supports only include_usage", "stream_options")
         include_usage = _bool(options, "include_usage", "stream_options.include_usage")
-    return ChatRequest(messages, _sampling(body, default_max_tokens), stream, include_usage, _stop_strings(body))
+    return ChatRequest(body.get("model"), messages, _sampling(body, default_max_tokens), stream, include_usage,
+                       _stop_strings(body))
 
 
 def _sampling(body: dict, default_max_tokens: int) -> pb.SamplingParams:
@@ -170,7 +172,9 @@ def _number(body: dict, name: str, ok, rule: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value) or not ok(value):
+    if not _is_number(value):  # "0.5" is a string, not a number below 0: say which rule it breaks
+        raise BadRequest(f"{name} must be a number, got {json.dumps(value)}", name)
+    if not ok(value):
         raise BadRequest(f"{name} {rule}, got {json.dumps(value)}", name)
     return float(value)
 

@@ -95,8 +95,11 @@ def grpc_request():
                               sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
 
 
-def http_sender(session, url: str, headers: dict | None = None) -> Callable[[], Awaitable[None]]:
-    body = {"model": "instant", "messages": [{"role": "user", "content": TEXT}], "max_tokens": OUTPUT_TOKENS}
+def http_sender(session, url: str, model: str = "instant",
+                headers: dict | None = None) -> Callable[[], Awaitable[None]]:
+    """A closed-loop sender of one chat request; `model` must be one the server serves (our router: its
+    served_model_name, anything else is 404)."""
+    body = {"model": model, "messages": [{"role": "user", "content": TEXT}], "max_tokens": OUTPUT_TOKENS}
 
     async def send() -> None:
         async with session.post(url, json=body, headers=headers) as resp:
@@ -113,6 +116,7 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
     from contract.transport import open_channel
     from contract.wire import pb_grpc
     from router.client import RouterClient
+    from router.config import RouterConfig
 
     grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                         "--policy", policy], lines=2)
@@ -134,7 +138,8 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
         result["grpc_direct_to_worker"] = await closed_loop(direct, args.concurrency, args.seconds)
         result["grpc"] = await closed_loop(via_router, args.concurrency, args.seconds)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
-            result["http"] = await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions"),
+            served = RouterConfig.model_fields["served_model_name"].default
+            result["http"] = await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions", served),
                                                args.concurrency, args.seconds)
     procs.stop()
     return result

@@ -325,12 +325,38 @@ def test_status_is_lower_cased_as_the_checker_does_but_not_stripped(tree):
     assert finding.rule_id == "system-status" and "stops with an error" in finding.reason
 
 
-def test_results_of_another_benchmark_are_reported_not_audited(tree):
-    (sub(tree) / "results" / SYSTEM / "gpt-oss-120b" / "Offline").mkdir(parents=True)
+@pytest.mark.parametrize("folder", ["llama3.1-8b", "llama3_1-8b"])
+def test_results_of_another_benchmark_fail_as_the_checker_judges_them_by_that_benchmarks_rules(tree, folder):
+    shutil.copytree(scen(tree, "Offline"), sub(tree) / "results" / SYSTEM / folder / "Offline")
+    report = audit_tree(tree)
+    assert not report.accepted
+    [finding] = report.failures
+    assert (finding.rule_id, finding.scenario) == ("system-benchmarks", "-")
+    assert f"{folder}/Offline" in finding.reason and "llama3.1-8b's own rules" in finding.reason
+    assert "Missing TEST06 in compliance dir" in finding.reason  # the checker's words for llama3.1-8b
+    assert "rejects the whole submission" in finding.reason
+
+
+def test_an_empty_folder_of_another_benchmark_is_reported_not_failed(tree):
+    (sub(tree) / "results" / SYSTEM / "gpt-oss-120b").mkdir()  # the checker finds no scenario in it to judge
     report = audit_tree(tree)
     assert report.accepted
     [warning] = [f for f in report.findings if f.status == "WARN"]
     assert warning.rule_id == "system-benchmarks" and "gpt-oss-120b" in warning.reason
+
+
+@pytest.mark.parametrize("changes", [{"submitter": SUBMITTER.lower()}, {"division": "Closed"},
+                                     {"submitter": SUBMITTER.upper(), "division": "CLOSED"}])
+def test_submitter_and_division_are_compared_lower_cased_as_the_checker_does(tree, changes):
+    edit_json(system_json(tree), **changes)
+    assert failures(tree) == set()
+
+
+@pytest.mark.parametrize("field", ["submitter", "division"])
+def test_a_submitter_or_division_that_is_not_a_string_fails(tree, field):
+    edit_json(system_json(tree), **{field: ["x"]})
+    [finding] = audit_tree(tree).failures
+    assert finding.rule_id == f"system-{field}" and "is not a string" in finding.reason
 
 
 def test_calibration_doc_may_live_under_documentation(tree):

@@ -157,6 +157,29 @@ def test_performance_sample_count_above_the_published_dataset_is_named():
     assert parse_system_config(data, "test.yaml").dataset_size("interactive") == 8000
 
 
+def test_performance_sample_count_above_a_catalogue_on_disk_is_named_with_its_row_count(tmp_path):
+    from harness.synthetic_catalogue import write_synthetic_catalogue
+
+    write_synthetic_catalogue(tmp_path / "cat", 32, seed=0, dataset="product-catalogue")  # 32 rows in 3 shards
+    data = cpu_tiny()
+    data["datasets"]["product-catalogue"]["path"] = str(tmp_path / "cat")
+    data["scenarios"]["server"]["performance_sample_count"] = 64
+    assert ("scenarios.server.performance_sample_count: 64 is more than the 32 samples of datasets.product-catalogue "
+            f"at {tmp_path / 'cat'}") in error_for(data)
+    data["scenarios"]["server"]["performance_sample_count"] = 32
+    assert parse_system_config(data, "test.yaml").dataset_size("server") == 32
+
+
+def test_a_catalogue_path_without_its_shards_is_named_at_validation(tmp_path):
+    (tmp_path / "cat" / "data").mkdir(parents=True)
+    data = cpu_tiny()
+    data["datasets"]["product-catalogue"]["path"] = str(tmp_path / "cat")
+    assert "datasets.product-catalogue.path: product-catalogue: no train shards in" in error_for(data)
+    for name in ("train-00000-of-00001.parquet", "test-00000-of-00001.parquet"):
+        (tmp_path / "cat" / "data" / name).write_bytes(b"not parquet")
+    assert "datasets.product-catalogue.path: " in error_for(data) and "not a readable parquet file" in error_for(data)
+
+
 def test_bad_synthetic_dataset_names_the_key():
     data = cpu_tiny()
     data["datasets"]["product-catalogue"]["path"] = "synthetic:lots"

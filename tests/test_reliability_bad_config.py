@@ -114,6 +114,19 @@ def test_a_submitter_that_is_not_a_path_component_is_refused_before_anything_sta
     assert not (tmp_path / "out").exists()
 
 
+def test_more_performance_samples_than_a_catalogue_on_disk_holds_is_refused_before_anything_starts(tmp_path):
+    from harness.synthetic_catalogue import write_synthetic_catalogue
+
+    write_synthetic_catalogue(tmp_path / "cat", 32, seed=0, dataset="product-catalogue")
+    data = copy.deepcopy(BASE)
+    data["datasets"]["product-catalogue"]["path"] = str(tmp_path / "cat")
+    data["scenarios"]["server"]["performance_sample_count"] = 64
+    rc, stderr = harness_error(tmp_path, data)
+    assert rc == 2
+    assert "scenarios.server.performance_sample_count: 64 is more than the 32 samples" in error_line(stderr)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
     system = tmp_path / "system.yaml"
     system.write_text(yaml.safe_dump(BASE) + "router_shards: 1\nrouter_shards: 2\n")

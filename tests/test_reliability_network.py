@@ -203,6 +203,9 @@ def post_chat(base: str, body: dict, token: str | None = TOKEN) -> tuple[int, di
         return exc.code, json.loads(exc.read())
 
 
+SERVED_MODEL = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # the router's served_model_name: others get 404
+
+
 def test_remote_image_urls_get_400_and_are_never_fetched(router):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordingHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -211,7 +214,7 @@ def test_remote_image_urls_get_400_and_are_never_fetched(router):
             url = f"{scheme}://127.0.0.1:{server.server_port}/product.jpg"
             messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                      {"type": "text", "text": "What is this?"}]}]
-            status, reply = post_chat(router["http"], {"model": "q3vl", "messages": messages, "max_tokens": 4})
+            status, reply = post_chat(router["http"], {"model": SERVED_MODEL, "messages": messages, "max_tokens": 4})
             assert status == 400, reply
             assert "remote image URLs are not fetched" in reply["error"]["message"]
         assert RecordingHandler.hits == []
@@ -262,7 +265,7 @@ def test_http_flood_gets_429_and_health_stays_ok(router):
             messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}},
                                                      {"type": "text", "text": "Describe it."}]}]
             status, reply = await asyncio.to_thread(
-                post_chat, router["http"], {"model": "q3vl", "messages": messages, "max_tokens": 4})
+                post_chat, router["http"], {"model": SERVED_MODEL, "messages": messages, "max_tokens": 4})
             assert status == 429, reply
             await asyncio.gather(*held)
             with urllib.request.urlopen(f"{router['http']}/health", timeout=10) as health:

@@ -122,6 +122,9 @@ def png_data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+SERVED_MODEL = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # the router's served_model_name: others get 404
+
+
 def test_openai_client_over_http_gets_the_same_text_as_grpc(cluster):
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_data_url()}},
@@ -132,7 +135,8 @@ def test_openai_client_over_http_gets_the_same_text_as_grpc(cluster):
         async with RouterClient(cluster["address"]) as client:
             tokens, _ = await collect(client.generate(greedy("img", prompt.token_ids, 16, prompt.images)))
         http = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster['http_port']}/v1", api_key="x", max_retries=0)
-        reply = await http.chat.completions.create(model="q3vl", messages=messages, max_tokens=16, temperature=0)
+        reply = await http.chat.completions.create(model=SERVED_MODEL, messages=messages, max_tokens=16,
+                                                  temperature=0)
         await http.close()
         assert reply.choices[0].message.content == load_tokenizer().decode(tokens)
         assert reply.usage.prompt_tokens == len(prompt.token_ids)

@@ -51,8 +51,10 @@ SYSTEM_DESC_NETWORK_FIELDS = (
     "net_software_stack_loadgen", "network_protocol", "number_connections", "nic_sut", "number_nic_sut",
     "net_software_stack_sut", "network_topology",
 )
-# Folder names the checker maps to a benchmark of the round besides its own names (MODEL_CONFIG model_mapping).
-BENCHMARK_ALIASES = ("ssd-resnet34", "mobilenet", "resnet50", "llama3_1-405b", "llama3_1-8b", "llama3_1-8b-edge")
+# Folder names the checker maps to a benchmark besides its own names (MODEL_CONFIG model_mapping, v6.0 and v6.1).
+BENCHMARK_ALIASES: Mapping[str, str] = MappingProxyType({
+    "ssd-resnet34": "retinanet", "mobilenet": "resnet", "resnet50": "resnet", "llama3_1-405b": "llama3.1-405b",
+    "llama3_1-8b": "llama3.1-8b", "llama3_1-8b-edge": "llama3.1-8b-edge"})
 
 SYSTEM_DESC_REQUIRED_FIELDS = (
     "division", "submitter", "status", "system_name", "number_of_nodes", "host_processor_model_name",
@@ -99,6 +101,9 @@ class RoundRules:
     accuracy_targets: Mapping[str, float]
     accuracy_sample_count: Mapping[str, int]
     latency_constraint_ns: Mapping[str, int]
+    # The compliance tests the checker requires of the other benchmarks' scenario dirs in the closed division
+    # (MODEL_CONFIG[round]["models_TEST0x"], read by ComplianceCheck.get_test_list): test -> benchmarks.
+    benchmark_compliance: Mapping[str, tuple[str, ...]]
     # Compliance (audit) tests this benchmark requires: none in v6.0/v6.1 (the models_TEST0x lists of the
     # checker's constants.py leave it out).
     compliance_tests: tuple[str, ...] = ()
@@ -130,6 +135,13 @@ ROUNDS: Mapping[str, RoundRules] = MappingProxyType({
                     "llama3.1-8b-edge", "llama2-70b-99", "llama2-70b-99.9", "stable-diffusion-xl", "mixtral-8x7b",
                     "llama3.1-405b", "rgat", "pointpainting", "deepseek-r1", "whisper", "gpt-oss-120b",
                     "wan-2.2-t2v-a14b", MODEL, "dlrm-v3", "yolo-95", "yolo-99"),
+        benchmark_compliance=MappingProxyType({
+            "TEST01": ("resnet", "retinanet", "bert-99", "bert-99.9", "dlrm-v2-99", "dlrm-v2-99.9", "3d-unet-99",
+                       "3d-unet-99.9", "stable-diffusion-xl", "rgat", "pointpainting", "whisper", "yolo-99", "yolo-95"),
+            "TEST04": ("resnet", "stable-diffusion-xl", "pointpainting", "wan-2.2-t2v-a14b"),
+            "TEST06": ("llama2-70b-99", "llama2-70b-99.9", "llama3.1-405b", "llama3.1-8b", "mixtral-8x7b",
+                       "deepseek-r1"),
+            "TEST07": ("gpt-oss-120b",), "TEST08": ("dlrm-v3",), "TEST09": ("gpt-oss-120b",)}),
     ),
     "v6.1": RoundRules(
         version="v6.1",
@@ -144,6 +156,12 @@ ROUNDS: Mapping[str, RoundRules] = MappingProxyType({
                     "llama3.1-8b-edge", "llama2-70b-99.9", "stable-diffusion-xl", "rgat", "deepseek-r1", "whisper",
                     "gpt-oss-120b", "wan-2.2-t2v-a14b", MODEL, "qwen3.6-27b", "dlrm-v3", "yolo-95", "yolo-99",
                     "e2e-rag-qna", "e2e-rag-db"),
+        benchmark_compliance=MappingProxyType({
+            "TEST01": ("resnet", "bert-99", "bert-99.9", "3d-unet-99", "3d-unet-99.9", "stable-diffusion-xl", "rgat",
+                       "whisper", "yolo-99", "yolo-95"),
+            "TEST04": ("resnet", "stable-diffusion-xl", "wan-2.2-t2v-a14b"),
+            "TEST06": ("llama2-70b-99.9", "llama3.1-8b", "deepseek-r1"),
+            "TEST07": ("gpt-oss-120b",), "TEST08": ("dlrm-v3",), "TEST09": ("gpt-oss-120b", "e2e-rag-qna")}),
     ),
 })
 DEFAULT_VERSION = "v6.1"

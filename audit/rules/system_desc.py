@@ -3,6 +3,8 @@ system type, network mode, division and submitter as the checker reads them), ot
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from audit.rules.base import (Outcome, Rule, SubmissionContext, SystemContext, Unavailable, check_that, failed,
                               passed)
 from audit.rules.rounds import (BENCHMARK_ALIASES, MODEL, SCENARIOS, SYSTEM_DESC_IS_NETWORK,
@@ -98,32 +100,66 @@ def check_network_mode(ctx: SystemContext) -> Outcome:
 
 
 def check_other_benchmarks(ctx: SystemContext) -> Outcome:
-    """Results folders of other benchmarks under the system: the checker judges them by their own rules (not
-    done here) and stops on a folder that names no benchmark of the round."""
-    system_dir = ctx.results_dir.parent
-    others = sorted(p.name for p in system_dir.iterdir() if p.is_dir() and p.name != MODEL)
-    known = set(ctx.submission.round.benchmarks) | set(BENCHMARK_ALIASES)
-    unknown = [name for name in others if name not in known]
+    """Results folders of other benchmarks under the system. The official checker judges each of their scenario
+    dirs by that benchmark's own rules (loader.py yields every results/<system>/<benchmark>/<scenario>, and
+    main.py exits 1, "submission has errors", when any of them fails), which this audit does not apply: such
+    dirs fail here, with the compliance tests the checker wants of them that are missing. A folder that names no
+    benchmark of the round stops the checker; one with no scenario dir it never looks into."""
+    system_dir, rules = ctx.results_dir.parent, ctx.submission.round
+    others = sorted(p for p in system_dir.iterdir() if p.is_dir() and p.name != MODEL)
+    unknown = [p.name for p in others if p.name not in rules.benchmarks and p.name not in BENCHMARK_ALIASES]
     if unknown:
-        return failed(f"not a {ctx.submission.round.version} benchmark: {', '.join(unknown)} ({CHECKER_STOPS})",
-                      system_dir)
+        return failed(f"not a {rules.version} benchmark: {', '.join(unknown)} ({CHECKER_STOPS})", system_dir)
+    judged = [_judged_elsewhere(p, ctx) for p in others if _subdirs(p)]
+    if judged:
+        return failed("; ".join(judged) + ", which this audit does not apply; the official checker rejects the "
+                      "whole submission when one of them fails", system_dir)
     if others:
-        return Outcome("WARN", f"results for {', '.join(others)} are not audited here; the official checker "
-                               f"applies those benchmarks' rules", system_dir)
+        return Outcome("WARN", f"{', '.join(p.name for p in others)}: no scenario dir, nothing the official "
+                               f"checker judges", system_dir)
     return passed(f"only {MODEL} results", system_dir)
 
 
+def _subdirs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+def _judged_elsewhere(folder: Path, ctx: SystemContext) -> str:
+    """'llama3.1-8b/Offline (Missing TEST06 in compliance dir) is judged by ... llama3.1-8b's own rules': the
+    compliance dirs as ComplianceCheck.dir_exists_check wants them (closed division only)."""
+    benchmark, sub = BENCHMARK_ALIASES.get(folder.name, folder.name), ctx.submission
+    tests = [] if sub.division == "open" else [
+        t for t, models in sub.round.benchmark_compliance.items() if benchmark in models]
+    dirs = []
+    for scenario in _subdirs(folder):
+        missing = [t for t in tests if not (folder / scenario / t).is_dir()]
+        dirs.append(f"{folder.name}/{scenario}" + (f" (Missing {', '.join(missing)} in compliance dir)"
+                                                   if missing else ""))
+    verb = "is" if len(dirs) == 1 else "are"
+    return f"{', '.join(dirs)} {verb} judged by the official checker under {benchmark}'s own rules"
+
+
+def _matches_tree(ctx: SystemContext, field: str, expected: str, where: str) -> Outcome:
+    """`field` of the description against the tree's directory name, both lower-cased as SystemCheck's
+    submitter_check and division_check compare them (submission_checker/checks/system_check.py in
+    https://github.com/mlcommons/inference/tree/master/tools/submission/submission_checker): "Closed" is closed."""
+    value = ctx.description().get(field)
+    if not isinstance(value, str):
+        return failed(f"{field} {value!r} is not a string (the checker's .lower() raises on it and the system "
+                      f"check fails)", ctx.description_path)
+    ok = value.lower() == expected.lower()
+    return check_that(ok, f"{field} {value!r}" + ("" if ok else f" but the tree puts it under {where}"),
+                      ctx.description_path)
+
+
 def check_division_matches(ctx: SystemContext) -> Outcome:
-    value, expected = ctx.description().get("division"), ctx.submission.division
-    return check_that(value == expected, f"division {value!r}" + ("" if value == expected else
-                      f" but the tree puts it under {expected}/"), ctx.description_path)
+    division = ctx.submission.division
+    return _matches_tree(ctx, "division", division, f"{division}/")
 
 
 def check_submitter_matches(ctx: SystemContext) -> Outcome:
-    value, expected = ctx.description().get("submitter"), ctx.submission.submitter
-    return check_that(value == expected, f"submitter {value!r}" + ("" if value == expected else
-                      f" but the tree puts it under {ctx.submission.division}/{expected}/"),
-                      ctx.description_path)
+    sub = ctx.submission
+    return _matches_tree(ctx, "submitter", sub.submitter, f"{sub.division}/{sub.submitter}/")
 
 
 def check_scenario_set(ctx: SystemContext) -> Outcome:
@@ -157,10 +193,10 @@ RULES: tuple[Rule, ...] = (
     Rule("system-type", "system", "system_type is datacenter and/or edge", check_system_type),
     Rule("system-network", "system", "is_network is a string and \"true\" only in the network division",
          check_network_mode),
-    Rule("system-benchmarks", "system", "other results folders under the system name benchmarks of the round",
-         check_other_benchmarks),
-    Rule("system-division", "system", "division matches the tree", check_division_matches),
-    Rule("system-submitter", "system", "submitter matches the tree", check_submitter_matches),
+    Rule("system-benchmarks", "system", "no results of other benchmarks under the system (the checker judges them "
+         "by their own rules, this audit does not)", check_other_benchmarks),
+    Rule("system-division", "system", "division matches the tree (letter case aside)", check_division_matches),
+    Rule("system-submitter", "system", "submitter matches the tree (letter case aside)", check_submitter_matches),
     Rule("scenario-set", "system", "scenario dirs are the round's: required present, none unknown",
          check_scenario_set, scenarios=SCENARIOS),
 )
