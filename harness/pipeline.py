@@ -3,18 +3,16 @@ its own process, tear down, lay out the submission tree (scored and truncated), 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
+from harness.interrupts import deferred, interruptible
 from harness.loadgen_run import TRACE_FILE
 from harness.preflight import check_engine_device, check_output_writable
 from harness.progress import format_table
@@ -32,10 +30,6 @@ PLOT_FILE = "latency.png"
 CHILD_STOP_TIMEOUT_S = 10.0
 
 
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: everything started is torn down before exiting."""
-
-
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     system: str
@@ -51,22 +45,6 @@ class RunOptions:
 def say(message: str) -> None:
     """A progress message for the person at the terminal."""
     print(f"[q3vl] {message}", file=sys.stderr, flush=True)
-
-
-def _raise_interrupted(signum, _frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Inside the block SIGINT and SIGTERM raise Interrupted, so every context manager unwinds (stops what it
-    started)."""
-    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def check_startable(config: SystemConfig, ray_address: str | None) -> None:
@@ -108,7 +86,7 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     # The router's log stays in scenario_dir (appended run after run, read live); LoadGen's raw logs, user.conf
     # and the plot are staged and replace the previous run's only once every test has completed.
     scenario_dir.mkdir(parents=True, exist_ok=True)
-    with StagedRunLogs(scenario_dir, discard_on=(Interrupted, KeyboardInterrupt)) as staging:
+    with StagedRunLogs(scenario_dir, discard_on=(KeyboardInterrupt,)) as staging:
         write_user_conf(config, scenario, staging / "user.conf")
         say(f"starting the router and {config.workers.num_workers} workers (Ray)")
         started = time.monotonic()
@@ -137,21 +115,29 @@ def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router:
     ]
     if not show_progress:
         command.append("--no-progress")
-    child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
+    child = None
     try:
+        with deferred():  # a signal inside Popen would lose the child it has just started
+            child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
         rc = child.wait()
     except BaseException:
-        child.terminate()
-        try:
-            child.wait(timeout=CHILD_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        if show_progress:  # the child died mid-bar: what is said next starts on a line of its own
-            print(file=sys.stderr, flush=True)
+        if child is not None:
+            with deferred():  # a second Ctrl-C must not leave the child running
+                _stop_child(child)
+            if show_progress:  # the child died mid-bar: what is said next starts on a line of its own
+                print(file=sys.stderr, flush=True)
         raise
     if rc != 0:
         raise RuntimeError(f"the LoadGen {test.value} test exited with status {rc}")
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:

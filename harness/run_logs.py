@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from harness.interrupts import deferred
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +31,14 @@ class StagedRunLogs:
         self.staging: Path | None = None
 
     def __enter__(self) -> Path:
+        with deferred() as held:
+            staging = self._stage()
+            if held:  # interrupted meanwhile: the staging dir just made is not left behind
+                shutil.rmtree(staging, ignore_errors=True)
+                self.staging = None
+        return staging
+
+    def _stage(self) -> Path:
         parent = self.final.parent
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{self.final.name}.partial-*"):  # left by a run that was killed or failed
@@ -45,7 +55,8 @@ class StagedRunLogs:
         if staging is None:
             return
         if exc_type is None:
-            _move_entries(staging, self.final)
+            with deferred():  # never half moved: a signal meanwhile is delivered once every entry is in place
+                _move_entries(staging, self.final)
         elif issubclass(exc_type, self._discard_on):
             shutil.rmtree(staging, ignore_errors=True)
         else:

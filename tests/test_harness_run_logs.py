@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pipeline import Interrupted
+from harness.interrupts import Interrupted
 from harness.run_logs import StagedRunLogs
 
 
