@@ -192,6 +192,17 @@ class HarnessRun:
         """Waits for `predicate`, or for the run to end (it may finish on the surviving workers first)."""
         wait_for(lambda: predicate() or self.process.poll() is not None, timeout_s, what)
 
+    def kill(self) -> None:
+        """SIGKILLs whatever of the run still runs (a test that failed must not leave its run going)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.communicate()
+
     def finish(self, timeout_s: float = 600.0) -> RunReport:
         try:
             self.stdout, self.stderr = self.process.communicate(timeout=timeout_s)

@@ -14,6 +14,7 @@ from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.interrupts import deferred, interruptible
 from harness.loadgen_run import TRACE_FILE
+from harness.output_lock import OutputLock
 from harness.preflight import check_engine_device, check_output_writable
 from harness.progress import format_table
 from harness.ray_network import RayUnreachable, probe_address
@@ -61,15 +62,18 @@ def check_startable(config: SystemConfig, ray_address: str | None) -> None:
 
 
 def run_submission(options: RunOptions) -> int:
-    """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything."""
+    """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything (also
+    when another run holds the output directory)."""
     config = load_system_config(options.system)
     config.scenario(options.scenario.value)  # the scenario must be configured for this system
     check_startable(config, options.ray_address)
     if options.ray_address is None and config.model.simulated_hardware is None:
         check_engine_device(config, options.scenario.value)  # a joined cluster's GPUs are on its own nodes
-    check_output_writable(options.output.resolve())
-    with interruptible():
-        return _run(config, options)
+    # Before anything touches the output: a second run into it is refused here (OutputInUse, exit 2).
+    with OutputLock(options.output.resolve()):
+        check_output_writable(options.output.resolve())
+        with interruptible():
+            return _run(config, options)
 
 
 def _run(config: SystemConfig, options: RunOptions) -> int:

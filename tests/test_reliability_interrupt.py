@@ -19,17 +19,6 @@ CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 EXIT_TIMEOUT_S = 150.0  # teardown after the signal: actors still building their engines, then Ray
 
 
-def stop_leftover(run: HarnessRun) -> None:
-    """A failed test must not leave its run going: SIGKILL whatever of it still runs."""
-    if run.process is not None and run.process.poll() is None:
-        for pid in [*descendants(run.pid), run.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        run.process.communicate()
-
-
 def assert_interrupted_cleanly(run: HarnessRun, watch: ProcessWatch, sig: signal.Signals, stderr: str) -> None:
     assert run.process.returncode == 130, stderr[-3000:]
     assert f"interrupted by {sig.name}" in stderr, stderr[-3000:]
@@ -60,7 +49,7 @@ def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_sub
         os.kill(run.pid, sig)
         stderr = run.process.communicate(timeout=EXIT_TIMEOUT_S)[1]
     finally:
-        stop_leftover(run)
+        run.kill()
     assert_interrupted_cleanly(run, watch, sig, stderr)
     assert previous.read_text() == "[]\n"
     for line in stderr.splitlines():  # tqdm redraws with \r, which splitlines() also splits at
@@ -87,5 +76,5 @@ def test_sigint_while_the_system_starts_exits_130_and_leaves_nothing_running(mom
         os.kill(run.pid, signal.SIGINT)
         stderr = run.process.communicate(timeout=EXIT_TIMEOUT_S)[1]
     finally:
-        stop_leftover(run)
+        run.kill()
     assert_interrupted_cleanly(run, watch, signal.SIGINT, stderr)
