@@ -130,7 +130,9 @@ class HarnessRun:
         return self.process.pid
 
     def router_log(self) -> str:
-        path = self.scenario_dir / "router.log"
+        """The run's router log: in its staging dir while it runs (or after it failed), in place once complete."""
+        staged = sorted(self.scenario_dir.parent.glob(f".{self.scenario_dir.name}.partial-*/router.log"))
+        path = staged[-1] if staged else self.scenario_dir / "router.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
     def count_in_router_log(self, pattern: str) -> int:

@@ -87,14 +87,14 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     kind = DATASET_FOR_SCENARIO[scenario.value]
     dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
 
-    # The router's log stays in scenario_dir (appended run after run, read live); LoadGen's raw logs, user.conf
-    # and the plot are staged and replace the previous run's only once every test has completed.
+    # Everything the run writes there (user.conf, the router's config and log, LoadGen's raw logs, the plot) is
+    # staged and replaces the previous run's only once every test has completed.
     scenario_dir.mkdir(parents=True, exist_ok=True)
     with StagedRunLogs(scenario_dir, discard_on=(KeyboardInterrupt,)) as staging:
         write_user_conf(config, scenario, staging / "user.conf")
         say(f"starting the router and {config.workers.num_workers} workers (Ray)")
         started = time.monotonic()
-        with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
+        with Cluster(config, checkpoint, staging, options.ray_address) as cluster:
             say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
             for test in options.mode.tests:
                 say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")

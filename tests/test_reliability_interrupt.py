@@ -1,7 +1,7 @@
 """An interrupted run (SIGINT or SIGTERM while the system starts or while LoadGen runs) exits 130, tears down Ray,
 the router and the workers (no process of the run is left, nor the embedded Ray's temp dir), never leaves an
-output directory that looks like a complete submission, keeps the previous run's raw logs as they were, and
-says so on a line of its own (not on the progress bar's)."""
+output directory that looks like a complete submission, keeps the previous run's raw logs and router log as they
+were, and says so on a line of its own (not on the progress bar's)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ from harness.ray_network import temp_dirs_of
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 EXIT_TIMEOUT_S = 150.0  # teardown after the signal: actors still building their engines, then Ray
+
+
+def previous_router_log(run: HarnessRun) -> dict[Path, str]:
+    """A good earlier run's router log and config in the scenario dir (a later run must not append to them)."""
+    files = {run.scenario_dir / "router.log": "router listening on 127.0.0.1:1 (an earlier run)\n",
+             run.scenario_dir / "router.yaml": "listen: 127.0.0.1:1\n"}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return files
 
 
 def assert_interrupted_cleanly(run: HarnessRun, watch: ProcessWatch, sig: signal.Signals, stderr: str) -> None:
@@ -36,6 +46,7 @@ def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_sub
     previous = run.scenario_dir / "accuracy" / "mlperf_log_accuracy.json"
     previous.parent.mkdir(parents=True)
     previous.write_text("[]\n")  # a previous run's raw log
+    router_files = previous_router_log(run)
     run.start()
     watch = ProcessWatch(run.pid)
     try:
@@ -52,6 +63,7 @@ def test_interrupt_during_the_loadgen_test_stops_every_process_and_writes_no_sub
         run.kill()
     assert_interrupted_cleanly(run, watch, sig, stderr)
     assert previous.read_text() == "[]\n"
+    assert {path: path.read_text() for path in router_files} == router_files
     for line in stderr.splitlines():  # tqdm redraws with \r, which splitlines() also splits at
         for marker in ("[q3vl]", "run_submission.sh:"):
             assert marker not in line or line.startswith(marker), f"{marker} shares a line: {line!r}"
@@ -69,6 +81,7 @@ START_MOMENTS = {"ray-api-server": "ray/dashboard/dashboard.py", "driver-connect
 @pytest.mark.parametrize("moment", list(START_MOMENTS))
 def test_sigint_while_the_system_starts_exits_130_and_leaves_nothing_running(moment, tmp_path):
     run = HarnessRun(soak_system(tmp_path, 8, qps=2.0), tmp_path / "out", CACHE)
+    router_files = previous_router_log(run)
     run.start()
     watch = ProcessWatch(run.pid)
     try:
@@ -78,3 +91,4 @@ def test_sigint_while_the_system_starts_exits_130_and_leaves_nothing_running(mom
     finally:
         run.kill()
     assert_interrupted_cleanly(run, watch, signal.SIGINT, stderr)
+    assert {path: path.read_text() for path in router_files} == router_files

@@ -1,5 +1,6 @@
 """One run at a time per --output: a second run into an output that a live run holds is refused at once (exit 2,
-naming the lock file and its holder's pid) and touches nothing there; a lock whose holder died blocks nothing."""
+naming the lock file and its holder's pid) and touches nothing there; a lock whose holder died blocks nothing.
+The first run, completed, replaces the earlier run's router log whole (written aside, renamed into place)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def test_a_lock_left_by_a_killed_process_does_not_block_and_a_released_lock_leav
 def test_a_second_run_into_the_same_output_is_refused_at_once_and_the_first_finishes_untouched(tmp_path):
     first = HarnessRun(soak_system(tmp_path / "first", 8, qps=2.0), tmp_path / "out", CACHE)
     second = HarnessRun(soak_system(tmp_path / "second", 8, qps=2.0), tmp_path / "out", CACHE)  # its own ports
+    earlier_log = first.scenario_dir / "router.log"  # an earlier run's, in the same output
+    earlier_log.parent.mkdir(parents=True)
+    earlier_log.write_text("router listening on 127.0.0.1:1 (an earlier run)\n")
     first.start()
     watch = ProcessWatch(first.pid)
     try:
@@ -85,5 +89,8 @@ def test_a_second_run_into_the_same_output_is_refused_at_once_and_the_first_fini
     assert first.process.returncode == 1, first_err[-3000:]  # ran to the end: the audit rejects cpu-tiny
     assert "LoadGen rejected" not in first_err
     assert (first.scenario_dir / "accuracy" / "mlperf_log_accuracy.json").is_file()
+    log = earlier_log.read_text()  # replaced whole by the first run's, not appended to
+    assert "an earlier run" not in log and log.count("router listening on") == 1
+    assert (first.scenario_dir / "router.yaml").is_file()
     assert (tmp_path / "out" / "submission").is_dir()
     assert not (tmp_path / "out" / LOCK_FILE).exists()
