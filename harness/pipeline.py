@@ -161,7 +161,7 @@ def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
             dataset_dir: Path, kind: str, checkpoint: Path) -> int:
     from audit.accuracy import evaluate_accuracy_log
-    from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
+    from audit.submission_tree import IncompleteTree
     from contract.dataset import load_catalogue
 
     scenario = options.scenario.result_dir_name
@@ -173,9 +173,7 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
 
     tree = options.output.resolve() / SUBMISSION_DIR
     say(f"laying out the submission tree in {tree}")
-    builder = SubmissionTreeBuilder(
-        tree, submitter=config.system.submitter, system_name=config.system.name, division=config.system.division
-    )
+    builder = submission_builder(config, tree)
     try:
         with builder:
             builder.add_system_description(config.system.system_desc_path)
@@ -196,6 +194,15 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
     say("auditing the submission tree")
     audit = subprocess.run([sys.executable, "-m", "audit", str(tree)], check=False)
     return audit.returncode
+
+
+def submission_builder(config: SystemConfig, tree: Path):
+    """The system's submission tree builder; its final swap holds SIGINT/SIGTERM until the new tree is in place
+    (an interrupt in the middle left the old tree in .submission.old-*, or no tree at all)."""
+    from audit.submission_tree import SubmissionTreeBuilder
+
+    return SubmissionTreeBuilder(tree, submitter=config.system.submitter, system_name=config.system.name,
+                                 division=config.system.division, commit_guard=deferred)
 
 
 def _summary_table(scenario_dir: Path, mode: Mode, accuracy, scenario: Scenario) -> str:
