@@ -90,7 +90,7 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     # Everything the run writes there (user.conf, the router's config and log, LoadGen's raw logs, the plot) is
     # staged and replaces the previous run's only once every test has completed.
     scenario_dir.mkdir(parents=True, exist_ok=True)
-    with StagedRunLogs(scenario_dir, discard_on=(KeyboardInterrupt,)) as staging:
+    with StagedRunLogs(scenario_dir) as staging:  # an interrupt (a KeyboardInterrupt) discards the staging dir
         write_user_conf(config, scenario, staging / "user.conf")
         say(f"starting the router and {config.workers.num_workers} workers (Ray)")
         started = time.monotonic()

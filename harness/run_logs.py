@@ -22,8 +22,10 @@ logger = logging.getLogger(__name__)
 
 class StagedRunLogs:
     """Context manager: `with StagedRunLogs(final) as staging:` write into `staging`; a clean exit moves its
-    entries into `final`, an exception leaves `final` untouched (Interrupted or KeyboardInterrupt also deletes
-    `staging`; any other failure keeps it, named in the log, until the next run's start clears it)."""
+    entries into `final`, an exception leaves `final` untouched (an interrupt, any KeyboardInterrupt, the harness's
+    Interrupted included, also deletes `staging`; any other failure keeps it, named in the log, until the next
+    run's start clears it). A signal while the staging dir is made or its entries are moved is delivered once
+    that is done (interrupts.deferred)."""
 
     def __init__(self, final: Path, discard_on: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> None:
         self.final = final
