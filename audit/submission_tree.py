@@ -3,6 +3,7 @@ aside, in a hidden sibling directory, and swaps it into place only when complete
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -11,8 +12,9 @@ import re
 import shlex
 import shutil
 import tempfile
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from audit.accuracy import write_accuracy_txt
 from audit.rules.rounds import (ACCURACY_OPTIONAL_FILES, FAILED_SAMPLES_FILE, FILED_FAILED_SAMPLES,
@@ -50,7 +52,10 @@ class SubmissionTreeBuilder:
     `output_dir` is copied into the staging dir first, so each run adds or replaces only what it adds.
     """
 
-    def __init__(self, output_dir: Path, *, submitter: str, system_name: str, division: str = "closed"):
+    def __init__(self, output_dir: Path, *, submitter: str, system_name: str, division: str = "closed",
+                 commit_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext):
+        """`commit_guard()` is entered around commit's swap of the staged tree into place: the harness passes one
+        that holds SIGINT/SIGTERM until the swap is over (this package installs no signal handler itself)."""
         if division not in ("closed", "open"):
             raise ValueError(f"division must be closed or open, got {division!r}")
         for label, value in (("submitter", submitter), ("system_name", system_name)):
@@ -62,6 +67,7 @@ class SubmissionTreeBuilder:
         self.system_name = system_name
         self._staging: Path | None = None
         self._lock_path = self.output_dir.parent / f".{self.output_dir.name}.lock"
+        self._commit_guard = commit_guard
         self._lock_fd: int | None = None
 
     # -- transaction ---------------------------------------------------------------------------------
@@ -105,18 +111,13 @@ class SubmissionTreeBuilder:
             shutil.rmtree(retired, ignore_errors=True)
 
     def commit(self) -> Path:
-        """Checks the staged tree is complete, then renames it into place; returns `output_dir`."""
+        """Checks the staged tree is complete, then swaps it into place; returns `output_dir`."""
         staging = self._require_staging()
         try:
             self._check_complete()
-            if self.output_dir.exists():
-                retired = Path(tempfile.mkdtemp(prefix=f".{self.output_dir.name}.old-", dir=staging.parent))
-                os.rename(self.output_dir, retired / "tree")
-                os.rename(staging, self.output_dir)
-                shutil.rmtree(retired)
-            else:
-                os.rename(staging, self.output_dir)
-            self._staging = None
+            with self._commit_guard():
+                self._swap_in(staging)
+                self._staging = None
             log.info("submission tree committed at %s", self.output_dir)
             return self.output_dir
         except BaseException:
@@ -124,6 +125,25 @@ class SubmissionTreeBuilder:
             raise
         finally:
             self._unlock()
+
+    def _swap_in(self, staging: Path) -> None:
+        """Renames `staging` to `output_dir`, the tree there first renamed aside (a directory cannot be renamed
+        over a non-empty one) and deleted once the new one is in place; if the second rename fails, the old tree
+        is put back. Nothing is left aside on any exit but a kill (which the next begin() clears up)."""
+        if not self.output_dir.exists():
+            os.rename(staging, self.output_dir)
+            return
+        retired = Path(tempfile.mkdtemp(prefix=f".{self.output_dir.name}.old-", dir=staging.parent))
+        try:
+            os.rename(self.output_dir, retired / "tree")
+            try:
+                os.rename(staging, self.output_dir)
+            except BaseException:
+                os.rename(retired / "tree", self.output_dir)
+                raise
+        finally:
+            if self.output_dir.exists():  # never the only copy of a tree
+                shutil.rmtree(retired, ignore_errors=True)
 
     def abort(self) -> None:
         """Deletes the staging dir; `output_dir` is untouched."""

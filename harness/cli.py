@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = run_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
-    from harness.pipeline import Interrupted, RunOptions, run_submission
+    from harness.interrupts import signal_name
+    from harness.pipeline import RunOptions, run_submission
 
     options = RunOptions(
         system=args.system,
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_submission(options)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    except Interrupted as exc:
-        print(f"{parser.prog}: interrupted by {exc}; everything started was stopped", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Interrupted, or Ray's KeyboardInterrupt for it
+        print(f"{parser.prog}: interrupted by {signal_name(exc)}; everything started was stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # the traceback for the developer, one line for everyone else
         logging.getLogger("harness").debug("run failed", exc_info=True)

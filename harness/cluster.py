@@ -24,6 +24,7 @@ from contract.tokenizer import load_tokenizer
 from contract.transport import call_metadata, open_channel
 from contract.types import PromptInput
 from contract.wire import pb, pb_grpc
+from harness.interrupts import deferred
 from harness.ray_workers import (
     RaySession,
     ServedEngine,
@@ -89,14 +90,13 @@ class RouterProcess:
         self._run_dir.mkdir(parents=True, exist_ok=True)
         conf = self._run_dir / "router.yaml"
         conf.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-        log = (self._run_dir / "router.log").open("ab")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "router", "--config", str(conf), "--log-level", "INFO"],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            start_new_session=True,  # Ctrl-C in the terminal reaches the harness, which stops the router
-        )
-        log.close()
+        with deferred(), (self._run_dir / "router.log").open("ab") as log:  # a signal in Popen would lose the child
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "router", "--config", str(conf), "--log-level", "INFO"],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,  # Ctrl-C in the terminal reaches the harness, which stops the router
+            )
         line = _read_line(self._process, ROUTER_START_TIMEOUT_S)
         prefix = "router listening on "
         if not line.startswith(prefix):
@@ -305,16 +305,18 @@ class Cluster:
 
     def stop(self) -> None:
         """Idempotent: actors, Ray (stopped and its session files removed if embedded, disconnected if joined),
-        then the router; each runs even if the one before it failed."""
-        try:
-            if self._fleet is not None:
-                self._fleet.stop()
-                self._fleet = None
-        finally:
+        then the router; each runs even if the one before it failed. A signal meanwhile (a second Ctrl-C) is
+        delivered once all of it is done, never in the middle."""
+        with deferred():
             try:
-                if self._ray is not None:
-                    self._ray, session = None, self._ray
-                    session.close()
+                if self._fleet is not None:
+                    self._fleet.stop()
+                    self._fleet = None
             finally:
-                for router in self._routers:
-                    router.stop()
+                try:
+                    if self._ray is not None:
+                        self._ray, session = None, self._ray
+                        session.close()
+                finally:
+                    for router in self._routers:
+                        router.stop()

@@ -130,7 +130,9 @@ class HarnessRun:
         return self.process.pid
 
     def router_log(self) -> str:
-        path = self.scenario_dir / "router.log"
+        """The run's router log: in its staging dir while it runs (or after it failed), in place once complete."""
+        staged = sorted(self.scenario_dir.parent.glob(f".{self.scenario_dir.name}.partial-*/router.log"))
+        path = staged[-1] if staged else self.scenario_dir / "router.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
     def count_in_router_log(self, pattern: str) -> int:
@@ -191,6 +193,17 @@ class HarnessRun:
     def _recover(self, predicate, timeout_s: float, what: str) -> None:
         """Waits for `predicate`, or for the run to end (it may finish on the surviving workers first)."""
         wait_for(lambda: predicate() or self.process.poll() is not None, timeout_s, what)
+
+    def kill(self) -> None:
+        """SIGKILLs whatever of the run still runs (a test that failed must not leave its run going)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.communicate()
 
     def finish(self, timeout_s: float = 600.0) -> RunReport:
         try:

@@ -30,7 +30,8 @@ from audit.loadgen_logs import parse_detail_log, parse_summary_log
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
-from harness.pipeline import RUNS_DIR, check_startable, interruptible, run_test_process, say
+from harness.interrupts import interruptible
+from harness.pipeline import RUNS_DIR, check_startable, run_test_process, say
 from harness.plot import read_sample_latencies
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.system_config import (

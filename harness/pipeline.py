@@ -3,19 +3,18 @@ its own process, tear down, lay out the submission tree (scored and truncated), 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
+from harness.interrupts import deferred, interruptible
 from harness.loadgen_run import TRACE_FILE
+from harness.output_lock import OutputLock
 from harness.preflight import check_engine_device, check_output_writable
 from harness.progress import format_table
 from harness.ray_network import RayUnreachable, probe_address
@@ -30,10 +29,6 @@ SUBMISSION_DIR = "submission"
 RUNS_DIR = "runs"
 PLOT_FILE = "latency.png"
 CHILD_STOP_TIMEOUT_S = 10.0
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: everything started is torn down before exiting."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +48,6 @@ def say(message: str) -> None:
     print(f"[q3vl] {message}", file=sys.stderr, flush=True)
 
 
-def _raise_interrupted(signum, _frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Inside the block SIGINT and SIGTERM raise Interrupted, so every context manager unwinds (stops what it
-    started)."""
-    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def check_startable(config: SystemConfig, ray_address: str | None) -> None:
     """ConfigError, before anything starts, when the system cannot be brought up as configured."""
     if not config.system.system_desc_path.is_file():
@@ -83,15 +62,18 @@ def check_startable(config: SystemConfig, ray_address: str | None) -> None:
 
 
 def run_submission(options: RunOptions) -> int:
-    """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything."""
+    """Returns the audit's exit status (0 accepted, 1 rejected); raises ConfigError before starting anything (also
+    when another run holds the output directory)."""
     config = load_system_config(options.system)
     config.scenario(options.scenario.value)  # the scenario must be configured for this system
     check_startable(config, options.ray_address)
     if options.ray_address is None and config.model.simulated_hardware is None:
         check_engine_device(config, options.scenario.value)  # a joined cluster's GPUs are on its own nodes
-    check_output_writable(options.output.resolve())
-    with interruptible():
-        return _run(config, options)
+    # Before anything touches the output: a second run into it is refused here (OutputInUse, exit 2).
+    with OutputLock(options.output.resolve()):
+        check_output_writable(options.output.resolve())
+        with interruptible():
+            return _run(config, options)
 
 
 def _run(config: SystemConfig, options: RunOptions) -> int:
@@ -105,14 +87,14 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
     kind = DATASET_FOR_SCENARIO[scenario.value]
     dataset_dir = resolve_dataset(config.dataset(scenario.value), kind, options.cache_dir)
 
-    # The router's log stays in scenario_dir (appended run after run, read live); LoadGen's raw logs, user.conf
-    # and the plot are staged and replace the previous run's only once every test has completed.
+    # Everything the run writes there (user.conf, the router's config and log, LoadGen's raw logs, the plot) is
+    # staged and replaces the previous run's only once every test has completed.
     scenario_dir.mkdir(parents=True, exist_ok=True)
-    with StagedRunLogs(scenario_dir, discard_on=(Interrupted, KeyboardInterrupt)) as staging:
+    with StagedRunLogs(scenario_dir) as staging:  # an interrupt (a KeyboardInterrupt) discards the staging dir
         write_user_conf(config, scenario, staging / "user.conf")
         say(f"starting the router and {config.workers.num_workers} workers (Ray)")
         started = time.monotonic()
-        with Cluster(config, checkpoint, scenario_dir, options.ray_address) as cluster:
+        with Cluster(config, checkpoint, staging, options.ray_address) as cluster:
             say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
             for test in options.mode.tests:
                 say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
@@ -137,21 +119,29 @@ def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router:
     ]
     if not show_progress:
         command.append("--no-progress")
-    child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
+    child = None
     try:
+        with deferred():  # a signal inside Popen would lose the child it has just started
+            child = subprocess.Popen(command, start_new_session=True)  # signals reach it only through us
         rc = child.wait()
     except BaseException:
-        child.terminate()
-        try:
-            child.wait(timeout=CHILD_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        if show_progress:  # the child died mid-bar: what is said next starts on a line of its own
-            print(file=sys.stderr, flush=True)
+        if child is not None:
+            with deferred():  # a second Ctrl-C must not leave the child running
+                _stop_child(child)
+            if show_progress:  # the child died mid-bar: what is said next starts on a line of its own
+                print(file=sys.stderr, flush=True)
         raise
     if rc != 0:
         raise RuntimeError(f"the LoadGen {test.value} test exited with status {rc}")
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
@@ -171,7 +161,7 @@ def _plot(config: SystemConfig, scenario: Scenario, scenario_dir: Path) -> None:
 def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_conf: Path,
             dataset_dir: Path, kind: str, checkpoint: Path) -> int:
     from audit.accuracy import evaluate_accuracy_log
-    from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder
+    from audit.submission_tree import IncompleteTree
     from contract.dataset import load_catalogue
 
     scenario = options.scenario.result_dir_name
@@ -183,9 +173,7 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
 
     tree = options.output.resolve() / SUBMISSION_DIR
     say(f"laying out the submission tree in {tree}")
-    builder = SubmissionTreeBuilder(
-        tree, submitter=config.system.submitter, system_name=config.system.name, division=config.system.division
-    )
+    builder = submission_builder(config, tree)
     try:
         with builder:
             builder.add_system_description(config.system.system_desc_path)
@@ -206,6 +194,15 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
     say("auditing the submission tree")
     audit = subprocess.run([sys.executable, "-m", "audit", str(tree)], check=False)
     return audit.returncode
+
+
+def submission_builder(config: SystemConfig, tree: Path):
+    """The system's submission tree builder; its final swap holds SIGINT/SIGTERM until the new tree is in place
+    (an interrupt in the middle left the old tree in .submission.old-*, or no tree at all)."""
+    from audit.submission_tree import SubmissionTreeBuilder
+
+    return SubmissionTreeBuilder(tree, submitter=config.system.submitter, system_name=config.system.name,
+                                 division=config.system.division, commit_guard=deferred)
 
 
 def _summary_table(scenario_dir: Path, mode: Mode, accuracy, scenario: Scenario) -> str:

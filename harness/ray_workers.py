@@ -5,15 +5,15 @@ A prefill/decode pair with a KV link connects it (workers/serve/kv_transfer.py) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import ipaddress
 import itertools
 import logging
-import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness.interrupts import deferred
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.config import KvLinkConfig
@@ -129,27 +130,45 @@ class RaySession:
 def init_ray(settings: RaySection, address: str | None) -> RaySession:
     """Joins `address`, or starts an embedded local Ray on loopback with its session files in a fresh temp dir.
 
-    ray.init installs its own SIGTERM handler (it aborts the process); the caller's handlers are put back
-    so that SIGTERM still tears everything down in order.
+    SIGINT and SIGTERM are held until Ray is up (or has failed and been shut down); if one came meanwhile, Ray is
+    shut down again and the signal then delivered. Raised inside ray.init, an interrupt was caught and logged by
+    Ray's start-up (the run went on), or left a half-built core worker that crashed the process on shutdown with
+    the temp dir left behind. ray.init would also make SIGTERM exit the process at once (`sys.exit`, mid-start);
+    while it runs SIGTERM stays the caller's.
     """
     if ray.is_initialized():
         return RaySession(owned=False)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    if address is not None:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        session = RaySession(owned=True)
-    else:
-        session = RaySession(owned=True, temp_dir=make_temp_dir())
-        try:
-            _start_embedded(settings, session.temp_dir)
-        except BaseException:
+    with deferred("Ray has started") as held, _ray_keeps_the_sigterm_handler():
+        if address is not None:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            session = RaySession(owned=True)
+        else:
+            session = RaySession(owned=True, temp_dir=make_temp_dir())
+            try:
+                _start_embedded(settings, session.temp_dir)
+            except BaseException:
+                session.close()
+                raise
+            logger.info("embedded Ray on loopback, its session files in %s", session.temp_dir)
+        if held:  # interrupted while starting: nothing of it is left when the signal is delivered
             session.close()
-            raise
-        logger.info("embedded Ray on loopback, its session files in %s", session.temp_dir)
-    if threading.current_thread() is threading.main_thread():
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     return session
+
+
+@contextlib.contextmanager
+def _ray_keeps_the_sigterm_handler() -> Iterator[None]:
+    """ray.init installs a SIGTERM handler of its own through ray._private.utils.set_sigterm_handler (a private
+    function: if a Ray release drops it, nothing is changed and SIGTERM during ray.init exits at once, as before)."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    original = getattr(utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
 
 
 def _start_embedded(settings: RaySection, temp_dir: Path) -> None:

@@ -15,13 +15,17 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from harness.interrupts import deferred
+
 logger = logging.getLogger(__name__)
 
 
 class StagedRunLogs:
     """Context manager: `with StagedRunLogs(final) as staging:` write into `staging`; a clean exit moves its
-    entries into `final`, an exception leaves `final` untouched (Interrupted or KeyboardInterrupt also deletes
-    `staging`; any other failure keeps it, named in the log, until the next run's start clears it)."""
+    entries into `final`, an exception leaves `final` untouched (an interrupt, any KeyboardInterrupt, the harness's
+    Interrupted included, also deletes `staging`; any other failure keeps it, named in the log, until the next
+    run's start clears it). A signal while the staging dir is made or its entries are moved is delivered once
+    that is done (interrupts.deferred)."""
 
     def __init__(self, final: Path, discard_on: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> None:
         self.final = final
@@ -29,6 +33,14 @@ class StagedRunLogs:
         self.staging: Path | None = None
 
     def __enter__(self) -> Path:
+        with deferred() as held:
+            staging = self._stage()
+            if held:  # interrupted meanwhile: the staging dir just made is not left behind
+                shutil.rmtree(staging, ignore_errors=True)
+                self.staging = None
+        return staging
+
+    def _stage(self) -> Path:
         parent = self.final.parent
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{self.final.name}.partial-*"):  # left by a run that was killed or failed
@@ -45,7 +57,8 @@ class StagedRunLogs:
         if staging is None:
             return
         if exc_type is None:
-            _move_entries(staging, self.final)
+            with deferred():  # never half moved: a signal meanwhile is delivered once every entry is in place
+                _move_entries(staging, self.final)
         elif issubclass(exc_type, self._discard_on):
             shutil.rmtree(staging, ignore_errors=True)
         else:

@@ -19,8 +19,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from pydantic import ValidationError  # noqa: E402
 
 from harness.cli import DEFAULT_CACHE, DEFAULT_SYSTEM, OneLineParser  # noqa: E402
+from harness.interrupts import signal_name  # noqa: E402
 from harness.peak import PeakFinder, PeakSearch, default_report_path, engine_setting  # noqa: E402
-from harness.pipeline import Interrupted  # noqa: E402
 from harness.system_config import ConfigError  # noqa: E402
 
 DEFAULT_OUTPUT = Path("peak_output")
@@ -82,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--{str(error['loc'][0]).replace('_', '-')}: {message}" if error["loc"] else message)
     except ConfigError as exc:
         parser.error(str(exc))
-    except Interrupted as exc:
-        print(f"find_peak.py: interrupted by {exc}; everything started was stopped; the points so far are in "
+    except KeyboardInterrupt as exc:  # Interrupted, or Ray's KeyboardInterrupt for it
+        print(f"find_peak.py: interrupted by {signal_name(exc)}; everything started was stopped; the points so far are in "
               f"{report_path}", file=sys.stderr)
         return 130
     except Exception as exc:  # the traceback for the developer (-v), one line for everyone else

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pipeline import Interrupted
+from harness.interrupts import Interrupted
 from harness.run_logs import StagedRunLogs
 
 
@@ -17,7 +17,7 @@ def previous_run(final: Path) -> None:
     (final / "accuracy").mkdir()
     (final / "accuracy" / "mlperf_log_accuracy.json").write_text("[]\n")
     (final / "latency.png").write_bytes(b"previous plot")
-    (final / "router.log").write_text("router, appended run after run\n")
+    (final / "router.log").write_text("the previous run's router log\n")
 
 
 def staged_entries(final: Path) -> list[str]:

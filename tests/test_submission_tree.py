@@ -208,6 +208,27 @@ def test_leftovers_of_a_killed_run_are_cleared_and_an_interrupted_swap_is_undone
             not p.name.endswith(".lock")] == []
 
 
+def test_a_swap_that_fails_halfway_puts_the_old_tree_back_and_leaves_nothing_aside(tmp_path, runs, repo,
+                                                                                  monkeypatch):
+    import os
+
+    out = build(tmp_path / "submission", runs, repo, ["Offline"])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rename = os.rename
+
+    def new_tree_refused(src, dst):  # the staged tree's rename into place, not the old tree's way back
+        if Path(dst) == out and Path(src).name.startswith(".submission.partial-"):
+            raise OSError(28, "No space left on device")
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", new_tree_refused)
+    with pytest.raises(OSError, match="No space left"), builder(out) as b:
+        add_scenario(b, "Server", runs)
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo", "submission"]
+
+
 def _checkpoint(root: Path, config: dict) -> Path:
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(config))
