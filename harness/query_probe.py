@@ -16,7 +16,8 @@ from typing import Any
 
 from harness.assets import resolve_checkpoint
 from harness.cluster import Cluster
-from harness.pipeline import check_startable, interruptible, say
+from harness.interrupts import interruptible
+from harness.pipeline import check_startable, say
 from harness.system_config import (
     image_pixel_limits, parse_system_config, read_system_yaml, system_config_path,
 )
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness.cli import DEFAULT_CACHE, DEFAULT_SYSTEM, OneLineParser
     from harness.peak import engine_setting
-    from harness.pipeline import Interrupted
+    from harness.interrupts import Interrupted
     from harness.system_config import ConfigError
 
     parser = OneLineParser(prog="probe_query.py", description=__doc__.splitlines()[0])
