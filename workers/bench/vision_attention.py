@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
 from workers.model.vision import VisionTower, build_vision_module
 from workers.tiny_checkpoint import released_config, transformers_config
@@ -49,19 +49,8 @@ def parse_configs(text: str) -> list[va.KernelConfig]:
 
 
 def median_ms(fn, reps: int) -> float:
-    """Median of `reps` event-timed calls after two warm-up calls."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median of `reps` event-timed calls, in ms, after a warm-up call."""
+    return median_us(fn, reps) / 1e3
 
 
 def tower_inputs(patches: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
