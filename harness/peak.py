@@ -42,6 +42,7 @@ from harness.system_config import (
     parse_system_config,
     read_system_yaml,
     system_config_path,
+    with_engine_settings,
 )
 from harness.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 from harness.user_conf import write_user_conf
@@ -272,12 +273,11 @@ class PeakFinder:
         """engine_overrides: settings over the system's `engine` section (a scenario's own engine settings still win),
         validated with the rest, e.g. {"mixed_step_graphs": False} for the search without those graphs."""
         self._system_path = system_config_path(system)
-        self._raw = read_system_yaml(self._system_path)
-        engine = {**(self._raw.get("engine") or {}), **(engine_overrides or {})}
+        engine = dict(engine_overrides or {})
         self.step_trace_dir = Path(step_trace_dir).resolve() if step_trace_dir is not None else None
         if self.step_trace_dir is not None:  # every worker's engine writes its step trace there (engine.step_trace_dir)
             engine["step_trace_dir"] = str(self.step_trace_dir)
-        self._raw = {**self._raw, "engine": engine}
+        self._raw = with_engine_settings(read_system_yaml(self._system_path), engine)
         self.config = parse_system_config(self._raw, str(self._system_path))
         for name in search.scenarios:
             self.config.scenario(name)  # ConfigError now when a scenario is not configured

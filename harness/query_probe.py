@@ -19,9 +19,10 @@ from harness.cluster import Cluster
 from harness.interrupts import interruptible
 from harness.pipeline import check_startable, say
 from harness.system_config import (
-    image_pixel_limits, parse_system_config, read_system_yaml, system_config_path,
+    image_pixel_limits, parse_system_config, read_system_yaml, system_config_path, with_engine_settings,
 )
 from contract.tokenizer import IMAGE_PAD_ID
+from harness.tail_anatomy import outside_engine_s
 from workers.core.step_trace import read_requests, request_timeline
 
 
@@ -91,10 +92,8 @@ def probe(system: str, width: int, height: int, scenario: str, repeat: int, outp
     figures of each (client times, and the engine's timeline of the same request). engine_overrides: settings over
     the system's `engine` section (a scenario's own still win), validated with the rest."""
     path = system_config_path(system)
-    raw = read_system_yaml(path)
     trace_dir = (output / "steps").resolve()
-    engine = {**(raw.get("engine") or {}), **(engine_overrides or {}), "step_trace_dir": str(trace_dir)}
-    raw = {**raw, "engine": engine}
+    raw = with_engine_settings(read_system_yaml(path), {**(engine_overrides or {}), "step_trace_dir": str(trace_dir)})
     config = parse_system_config(raw, str(path)).for_scenario(scenario)
     image = catalogue_jpeg(width, height, quality)
     prompt = probe_prompt(config, scenario, image)
@@ -117,7 +116,7 @@ def probe(system: str, width: int, height: int, scenario: str, repeat: int, outp
         timeline = request_timeline(line) if line else None
         figures["engine"] = timeline
         if timeline is not None:
-            figures["outside_engine_s"] = round(max(figures["end_to_end_s"] - sum(timeline.values()), 0.0), 4)
+            figures["outside_engine_s"] = round(outside_engine_s(figures["end_to_end_s"], timeline), 4)
     return result
 
 

@@ -561,6 +561,12 @@ def read_system_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
 
 
+def with_engine_settings(raw: Any, settings: dict[str, Any]) -> Any:
+    """A system file's YAML data (read_system_yaml) with `settings` over its `engine` section; validated with the rest
+    by parse_system_config (a scenario's own engine settings still win there)."""
+    return {**raw, "engine": {**(raw.get("engine") or {}), **settings}}
+
+
 def system_config_path(name_or_path: str | Path) -> Path:
     """mlperf_configs/<name>.yaml for a system name; a YAML path as given."""
     path = Path(name_or_path)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.plot import SampleLatency
-from workers.core.step_trace import TIMELINE, read_requests, request_timeline
+from workers.core.step_trace import TIMELINE, read_requests, request_start, request_timeline
 from workers.stats import percentile
 from contract.tokenizer import IMAGE_PAD_ID
 
@@ -64,8 +64,7 @@ def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleSh
     images in flight when each was issued."""
     if not samples:
         raise ValueError("no samples: the trace log holds no completed queries")
-    ordered = sorted(samples, key=lambda s: s.latency_s)
-    tail = ordered[-max(1, math.ceil(fraction * len(ordered))):]
+    tail = [samples[i] for i in slowest_positions(samples, fraction)]
     image_rows = [shapes[s.sample_index].image_tokens for s in samples if s.sample_index in shapes]
     big = max(percentile(image_rows, 0.99, empty=math.inf), LARGE_OVER_MEDIAN * (_median(image_rows) or 0))
     big_queries = [s for s in samples if s.sample_index in shapes and shapes[s.sample_index].image_tokens >= big]
@@ -112,7 +111,7 @@ def engine_requests(trace_dir: Path, window_unix_s: tuple[float, float]) -> dict
     last: dict[str, tuple[float, int, dict]] = {}  # query -> (submitted, sample index, line)
     for line in read_requests(trace_dir):
         match = _QUERY_ID.match(str(line["request"]))
-        start = line.get("submitted_s") if line.get("submitted_s") is not None else line.get("prepare_started_s")
+        start = request_start(line)
         if match is None or "t0_unix_s" not in line or start is None:
             continue
         submitted = line["t0_unix_s"] + start
@@ -125,6 +124,18 @@ def engine_requests(trace_dir: Path, window_unix_s: tuple[float, float]) -> dict
     for _, index, line in sorted(last.values(), key=lambda entry: entry[0]):
         by_index.setdefault(index, []).append(line)
     return by_index
+
+
+def slowest_positions(samples: Sequence[SampleLatency], fraction: float) -> list[int]:
+    """Positions of the slowest `fraction` of the samples (at least one), fastest of them first."""
+    ordered = sorted(range(len(samples)), key=lambda i: samples[i].latency_s)
+    return ordered[-max(1, math.ceil(fraction * len(ordered))):]
+
+
+def outside_engine_s(latency_s: float, phases: Mapping[str, float]) -> float:
+    """What a query's latency measured outside the engine holds beyond the engine's timeline of it (the client, the
+    router, the wire)."""
+    return round(max(latency_s - sum(phases.values()), 0.0), 6)
 
 
 def _finished_unix(line: dict) -> float:
@@ -145,10 +156,8 @@ def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, li
         line = lines.pop(0)
         phases = request_timeline(line)
         if phases is not None:
-            timelines[position] = {"outside_engine_s": round(max(sample.latency_s - sum(phases.values()), 0.0), 6),
-                                   **phases}
-    ordered = sorted(range(len(samples)), key=lambda i: samples[i].latency_s)
-    tail = [i for i in ordered[-max(1, math.ceil(fraction * len(samples))):] if i in timelines]
+            timelines[position] = {"outside_engine_s": outside_engine_s(sample.latency_s, phases), **phases}
+    tail = [i for i in slowest_positions(samples, fraction) if i in timelines]
     names = ("outside_engine_s", *TIMELINE)
     return {
         "matched_queries": len(timelines),

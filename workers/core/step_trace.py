@@ -106,7 +106,7 @@ class StepTrace:
                 times["first_token_s"] = self._t(ended)
             if seq.is_finished:
                 del self._requests[seq.request_id]
-                self._passes = {key: span for key, span in self._passes.items() if key[0] != seq.request_id}
+                self._forget_passes(seq.request_id)
                 self._write({"request": seq.request_id, **times, "finished_s": self._t(ended),
                              "generated_tokens": seq.num_generated_tokens,
                              "finish_reason": seq.finish_reason.value if seq.finish_reason else None})
@@ -126,10 +126,13 @@ class StepTrace:
             span[1] = end
         return span
 
+    def _forget_passes(self, request_id: str) -> None:
+        self._passes = {key: span for key, span in self._passes.items() if key[0] != request_id}
+
     def aborted(self, seq: Sequence, now: float) -> None:
         """A request aborted outside a step (its caller left): its line, finish_reason "abort"."""
         times = self._requests.pop(seq.request_id, None)
-        self._passes = {key: span for key, span in self._passes.items() if key[0] != seq.request_id}
+        self._forget_passes(seq.request_id)
         if times is not None:
             self._write({"request": seq.request_id, **times, "finished_s": self._t(now),
                          "generated_tokens": seq.num_generated_tokens, "finish_reason": "abort"})
@@ -195,6 +198,12 @@ PHASES = (  # (name, from, to): a finished request's time split at its trace poi
 )
 
 
+def request_start(line: dict) -> float | None:
+    """When a request line's time starts: its submission for preparation, or, for a request driven without a
+    serving engine (no submitted_s), its preparation."""
+    return line.get("submitted_s") if line.get("submitted_s") is not None else line.get("prepare_started_s")
+
+
 def request_phases(lines: list[dict]) -> dict:
     """Where finished requests' time went: for each phase (PHASES), its p50 / p90 / p99 over the requests that have
     both ends (a request driven without a serving engine has no submitted_s), and the same for the slowest 1% by
@@ -204,8 +213,7 @@ def request_phases(lines: list[dict]) -> dict:
     if not lines:
         raise ValueError("no request lines in the trace (traces written before request lines existed have none)")
     done = [line for line in lines if line.get("finish_reason") != "abort" and line.get("finished_s") is not None]
-    start = lambda line: line["submitted_s"] if line.get("submitted_s") is not None else line["prepare_started_s"]  # noqa: E731
-    total = sorted(done, key=lambda line: line["finished_s"] - start(line))
+    total = sorted(done, key=lambda line: line["finished_s"] - request_start(line))
     tail = total[int(0.99 * len(total)):] if total else []
 
     def summary(group: list[dict]) -> dict:
@@ -241,7 +249,7 @@ def request_timeline(line: dict) -> dict[str, float] | None:
     prompt chunks), prefill (the steps that ran its prompt chunks, their own tower work included), stalled (the rest
     until its first token: steps that ran other requests' work while its prompt waited) and decode. None for a line
     without the times (aborted, or written before tower and prefill spans existed)."""
-    start = line.get("submitted_s") if line.get("submitted_s") is not None else line.get("prepare_started_s")
+    start = request_start(line)
     needed = (start, line.get("prepared_s"), line.get("first_token_s"), line.get("finished_s"))
     if any(t is None for t in needed) or "prefill_s" not in line or line.get("finish_reason") == "abort":
         return None

@@ -105,9 +105,13 @@ def merge_block_patches(pixels: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 3, 1, 4, 6, 2, 5).reshape(grid_h * grid_w, 3, PATCH_SIZE * PATCH_SIZE)
 
 
-def grid_of(pixels: torch.Tensor) -> tuple[int, int, int]:
-    """The (t, h, w) patch grid of resized pixels [H, W, 3]: one frame of H/16 x W/16 patches."""
-    return 1, pixels.shape[0] // PATCH_SIZE, pixels.shape[1] // PATCH_SIZE
+def resized_images(images: Sequence[Image.Image], min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Images -> (each one's resized_pixels after to_rgb, grid_thw int64 [n_images, 3]: one frame of H/16 x W/16
+    patches each)."""
+    pixels = [resized_pixels(to_rgb(image), min_pixels, max_pixels) for image in images]
+    grid_thw = torch.tensor([(1, p.shape[0] // PATCH_SIZE, p.shape[1] // PATCH_SIZE) for p in pixels], dtype=torch.int64)
+    return pixels, grid_thw
 
 
 def patch_pixels(
@@ -118,9 +122,8 @@ def patch_pixels(
     vision tower's rows). The engine keeps resized_pixels and cuts them on the device instead."""
     if not images:
         raise ValueError("preprocess needs at least one image")
-    pixels = [resized_pixels(to_rgb(image), min_pixels, max_pixels) for image in images]
+    pixels, grid_thw = resized_images(images, min_pixels, max_pixels)
     patches = torch.cat([merge_block_patches(p) for p in pixels])
-    grid_thw = torch.tensor([grid_of(p) for p in pixels], dtype=torch.int64)
     log.debug("cut %d images into %d patches", len(pixels), patches.shape[0])
     return patches, grid_thw
 

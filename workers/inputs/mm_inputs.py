@@ -13,7 +13,7 @@ import torch
 from contract.tokenizer import token_runs
 from contract.types import PromptInput
 from contract.vision_geometry import ImageGeometryError
-from workers.inputs.image_processing import ImageDecodeError, decode_image, grid_of, resized_pixels, to_rgb
+from workers.inputs.image_processing import ImageDecodeError, decode_image, resized_images
 
 
 class PromptError(ValueError):
@@ -107,10 +107,9 @@ def prepare_prompt(
         except (ImageDecodeError, ImageGeometryError) as exc:
             raise PromptError(f"image {n}: {exc}") from exc
     try:
-        pixels = [resized_pixels(to_rgb(image), min_pixels, max_pixels) for image in images]
+        pixels, grid_thw = resized_images(images, min_pixels, max_pixels)
     except (ValueError, ImageGeometryError) as exc:
         raise PromptError(f"image preprocessing failed: {exc}") from exc
-    grid_thw = torch.tensor([grid_of(p) for p in pixels], dtype=torch.int64)
     grids = [(int(h) // spatial_merge_size, int(w) // spatial_merge_size) for _, h, w in grid_thw.tolist()]
     spans = _image_spans(ids, image_token_id, [gh * gw for gh, gw in grids])
     positions, delta = mrope_positions(len(ids), spans, grids)

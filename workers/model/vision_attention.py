@@ -170,7 +170,7 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if config.tma and _rows_fit_descriptors(q, k, v):
         _launch_descriptors(q, k, v, out, plan, scale, config, d0, d1)
     else:
-        _launch_pointers(q, k, keys_contiguous(v), out, plan, scale * math.log2(math.e), None, config, d0, d1)
+        _launch_pointers(q, k, keys_contiguous(v), out, plan, scale, None, config, d0, d1)
     return out
 
 
@@ -192,8 +192,7 @@ def attention_triton_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan
     if not seq:
         return out
     (q8, q_scale), (k8, k_scale), (v8, v_scale) = map(quantize_per_head, (q, k, v))
-    _launch_pointers(q8, k8, keys_contiguous(v8), out, plan, scale * math.log2(math.e), (q_scale * k_scale, v_scale),
-                     config, d0, d1)
+    _launch_pointers(q8, k8, keys_contiguous(v8), out, plan, scale, (q_scale * k_scale, v_scale), config, d0, d1)
     return out
 
 
@@ -230,7 +229,7 @@ def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config:
     )
 
 
-def _launch_pointers(q, k, vt, out, plan: AttentionPlan, qk_scale: float, fp8_scales, config: KernelConfig,
+def _launch_pointers(q, k, vt, out, plan: AttentionPlan, scale: float, fp8_scales, config: KernelConfig,
                      d0: int, d1: int):
     """fp8_scales: None, or the per-head (q * k, v) scales of e4m3 inputs."""
     heads, dim = q.shape[1], q.shape[2]
@@ -238,7 +237,7 @@ def _launch_pointers(q, k, vt, out, plan: AttentionPlan, qk_scale: float, fp8_sc
     qk_scales, v_scales = fp8_scales if fp8_scales is not None else (out, out)  # unread without FP8
     _vision_attention_kernel[(table.shape[0], heads)](
         q, k, vt, out, table, q.stride(0), q.stride(1), k.stride(0), k.stride(1), vt.stride(0), vt.stride(1),
-        out.stride(0), qk_scale, qk_scales, v_scales,
+        out.stride(0), scale * math.log2(math.e), qk_scales, v_scales,
         HEAD_DIM=dim, D0=d0, D1=max(d1, 1), HAS_TAIL=d1 > 0, FP8=fp8_scales is not None, P_SCALE=P_SCALE,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
     )
