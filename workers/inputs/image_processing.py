@@ -96,8 +96,8 @@ def resized_pixels(image: Image.Image, min_pixels: int = MIN_PIXELS, max_pixels:
 
 def merge_block_patches(pixels: torch.Tensor) -> torch.Tensor:
     """uint8 [H, W, 3] (any device) -> uint8 patches [H/16 * W/16, 3, 256] in 2x2 merge-block order: a permutation
-    of the bytes, done where the pixels are (on the GPU one copy kernel instead of ~0.1 s of the host's time for a
-    4,000 px image)."""
+    of the bytes, done where the pixels are (on the GPU one copy kernel; on the host issue 31 measured 117 ms for a
+    4,000 px image's patching)."""
     height, width, _ = pixels.shape
     grid_h, grid_w = height // PATCH_SIZE, width // PATCH_SIZE
     blocks = pixels.reshape(grid_h // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, grid_w // MERGE_SIZE, MERGE_SIZE, PATCH_SIZE, 3)
