@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import torch
+
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.kv_cache import KvExport
@@ -22,6 +24,11 @@ class ModelInputs:
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
+        self.decode_device = None
+        if config.image_decode == "nvjpeg":
+            import torchvision.io  # noqa: F401  (fails at start, not at the first image, where torchvision is absent)
+
+            self.decode_device = torch.device(config.device)
 
     def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
                       prefill_only: bool, kv_import: KvExport | None) -> Sequence:
@@ -41,6 +48,7 @@ class ModelInputs:
             min_pixels=cfg.min_pixels,
             max_pixels=cfg.max_pixels,
             max_image_pixels=cfg.max_image_pixels,
+            decode_device=self.decode_device,
         )
         token_ids = list(prompt.token_ids) + resume
         if kv_import is not None:
