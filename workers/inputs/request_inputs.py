@@ -5,6 +5,7 @@ schema compiled to a grammar. A request that cannot be served raises PromptError
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence as Seq
 
 import torch
@@ -26,8 +27,7 @@ class ModelInputs:
         self.eos_token_ids = eos_token_ids
         self.decode_device = None
         if config.image_decode == "nvjpeg":
-            import torchvision.io  # noqa: F401  (fails at start, not at the first image, where torchvision is absent)
-
+            importlib.import_module("torchvision.io")  # fails at start, not at the first image, without torchvision
             self.decode_device = torch.device(config.device)
 
     def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
