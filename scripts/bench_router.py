@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from contract import event_loop  # noqa: E402
 from harness.load_test import Procs, closed_loop, drain  # noqa: E402
 
 PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly
@@ -232,9 +233,9 @@ def main() -> None:
     parser.add_argument("--http-workers", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.grpc_workers:
-        asyncio.run(serve_grpc_workers(args.grpc_workers, args.workers))
+        event_loop.run(serve_grpc_workers(args.grpc_workers, args.workers))
     elif args.http_workers:
-        asyncio.run(serve_http_workers(args.http_workers))
+        event_loop.run(serve_http_workers(args.http_workers))
     else:
         print(json.dumps(asyncio.run(bench(args)), indent=2))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from contract import event_loop
 from contract.network import MIB, is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         await server.stop()
         served.async_engine.shutdown()
 
-    asyncio.run(serve())
+    event_loop.run(serve())
 
 
 if __name__ == "__main__":
