@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from contract import event_loop
-from contract.network import MIB, is_loopback, split_host_port
+from contract.network import MIB, KeepaliveConfig, is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
@@ -155,8 +155,9 @@ class WorkerServer:
         kv_hold_s: float = 60.0,
         generation_defaults: SamplingParams | None = None,
         kv_link: KvLink | None = None,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
-        """kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
+        """keepalive: of this worker's channels (to the router, to prefill peers). kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
         every held KV over it at once, a decode worker takes KV announced over it from it."""
         if not is_loopback(listen) and not token:
             raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
@@ -176,6 +177,7 @@ class WorkerServer:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kv_hold_s = kv_hold_s
         self.kv_link = kv_link
+        self.keepalive = keepalive
         if kv_link is not None and pb.WorkerRole.Name(self.role).lower() != kv_link.config.role:
             raise ValueError(f"kv_link role {kv_link.config.role!r} does not match worker role {pb.WorkerRole.Name(self.role).lower()!r}")
         self.port = 0
@@ -319,7 +321,7 @@ class WorkerServer:
         channel = self._peers.get(handle.worker_address)
         if channel is None:
             channel = self._peers[handle.worker_address] = open_channel(
-                handle.worker_address, max_message_bytes=self.max_message_bytes
+                handle.worker_address, max_message_bytes=self.max_message_bytes, keepalive=self.keepalive
             )
         stub = pb_grpc.WorkerServiceStub(channel)
         chunks = [c async for c in stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id),
@@ -360,7 +362,7 @@ class WorkerServer:
         if self.router_address is None:
             return
         await report_to_router(self.router_address, self.info, self.load_report, self._metadata,
-                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held)
+                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held, self.keepalive)
 
 
 def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
