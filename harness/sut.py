@@ -25,6 +25,7 @@ from typing import Protocol
 import grpc.aio
 import mlperf_loadgen as lg
 
+from contract import event_loop
 from contract.types import PromptInput
 from contract.wire import pb
 from harness.progress import Progress
@@ -113,7 +114,7 @@ class RouterSUT:
         self.resent = 0  # queries sent again because the router was unreachable or their call was cancelled
         self._tasks: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(settings.max_inflight) if settings.max_inflight else contextlib.nullcontext()
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
         self._thread.start()
         self._client: RouterClient | ShardedRouterClient = self._call(self._connect())

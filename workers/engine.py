@@ -244,7 +244,9 @@ class LLMEngine:
         seq = self.scheduler.held.get(request_id)
         if seq is None:
             raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")
-        return self.executor.export_kv(seq, on_device)
+        export = self.executor.export_kv(seq, on_device)
+        export.image_layout = seq.image_layout  # what a decode worker needs of the images it is not sent
+        return export
 
     def close(self) -> None:
         """Frees the decode graphs and stops the other ranks of a multi-GPU instance (the executor's close); closes

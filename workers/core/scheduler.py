@@ -518,7 +518,16 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> str:
+        """Frees seq's blocks; it waits to be computed again, or, when it cannot be (Sequence.recomputable), finishes
+        PREEMPTED."""
         log.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
+        if not seq.recomputable:
+            out.encode_now = [e for e in out.encode_now if e.seq is not seq]
+            self.finish(seq, FinishReason.PREEMPTED, "preempted, and its prompt's images are not here to compute "
+                        "it again")
+            out.rejected.append(seq)
+            self.num_preemptions += 1
+            return seq.request_id
         self.running.remove(seq)
         self.block_manager.free(seq)
         out.encoder_drop.extend(self._forget_images(seq.request_id))

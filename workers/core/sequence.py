@@ -43,6 +43,11 @@ class Sequence:
     image_spans: list[tuple[int, int, bytes]] = field(default_factory=list)
     # A workers.grammar.GrammarState when sampling.json_schema is set: the sampler masks and advances it.
     grammar: Any = None
+    # Per image its visual-token grid and digest (workers.kv_cache.ImageLayout): what a KV export hands on.
+    image_layout: tuple = ()
+    # False for a KV import whose prompt came without its images: preempted, it cannot be computed again here and
+    # finishes PREEMPTED instead (its caller serves it elsewhere).
+    recomputable: bool = True
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -16,6 +16,7 @@ from contract.types import PromptInput
 from contract.vision_geometry import PATCH_SIZE, ImageGeometryError, smart_resize
 from workers.inputs.device_image import decode_resized, is_jpeg
 from workers.inputs.image_processing import ImageDecodeError, load_rgb, open_image, resized_pixels
+from workers.kv_cache import ImageLayout
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,10 @@ class MultiModalInput:
 
 @dataclass
 class PreparedPrompt:
-    mm: MultiModalInput | None  # None for a text-only prompt (positions are then 1-D)
+    mm: MultiModalInput | None  # None for a text-only prompt (positions are then 1-D), or one laid out from a KV import
     mrope_position_delta: int
     image_spans: list[tuple[int, int, bytes]]  # (first index, token count, content digest) per image
+    image_layout: tuple[ImageLayout, ...] = ()  # per image its visual-token grid and digest (what a KV export carries)
 
 
 def _image_spans(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[tuple[int, int]]:
@@ -59,6 +61,12 @@ def _image_spans(token_ids: list[int], image_token_id: int, counts: list[int]) -
         if used == length:
             run, used = run + 1, 0
     return spans
+
+
+def mrope_delta(prompt_len: int, spans: list[tuple[int, int]], grids: list[tuple[int, int]]) -> int:
+    """The delta mrope_positions returns, from the layout alone: an image of gh * gw tokens advances the positions by
+    max(gh, gw), text by one a token, so they end sum(max(gh, gw) - gh * gw) past the token indices."""
+    return sum(max(gh, gw) - gh * gw for gh, gw in grids[: len(spans)])
 
 
 def mrope_positions(
@@ -136,4 +144,26 @@ def prepare_prompt(
         mm=MultiModalInput(positions=positions, pixels=pixels, grid_thw=grid_thw),
         mrope_position_delta=delta,
         image_spans=[(s, n, d) for (s, n), d in zip(spans, digests)],
+        image_layout=tuple(ImageLayout(gh, gw, d) for (gh, gw), d in zip(grids, digests)),
+    )
+
+
+def layout_imported_prompt(token_ids: list[int], layout: tuple[ImageLayout, ...], *, vocab_size: int,
+                           image_token_id: int) -> PreparedPrompt:
+    """The prompt of a KV import sent without its images (a decode worker's): checked as prepare_prompt checks one
+    (token ids in range, each image's <|image_pad|> run as long as its grid says) and laid out from the images'
+    grids, never their pixels. Its MRoPE delta is what the KV must carry; mm is None (the KV holds the prompt, and
+    such a prompt cannot be computed again here)."""
+    if not token_ids:
+        raise PromptError("prompt is empty")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    grids = [(image.grid_rows, image.grid_cols) for image in layout]
+    spans = _image_spans(token_ids, image_token_id, [gh * gw for gh, gw in grids])
+    return PreparedPrompt(
+        mm=None,
+        mrope_position_delta=mrope_delta(len(token_ids), spans, grids),
+        image_spans=[(s, n, image.digest) for (s, n), image in zip(spans, layout)],
+        image_layout=tuple(layout),
     )
