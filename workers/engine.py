@@ -193,6 +193,9 @@ class LLMEngine:
             self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, seq.num_prompt_tokens))
             return
         seq.arrival = next(self._arrivals)
+        if prepared.latency_bound_s > 0:  # from the caller's hand-over: its wait for preparation counts against it
+            waited = prepared.prepare_ended - prepared.submitted if prepared.submitted is not None else 0.0
+            seq.deadline = self.scheduler.clock() + prepared.latency_bound_s - max(waited, 0.0)
         self.scheduler.add(seq)
         if self._step_trace is not None:
             self._step_trace.admitted(seq, prepared.submitted, prepared.prepare_started, prepared.prepare_ended,
@@ -278,6 +281,10 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
 
+    def _step_seconds(self, started: float, updated: float) -> float:
+        """What the step that ran from started to updated took, for the scheduler's StepClock: its wall time."""
+        return updated - started
+
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one batch; returns outputs of requests that got tokens or finished. With
         config.overlap_decode_steps, a decode-only step's successor may already be queued on the device when this
@@ -324,6 +331,8 @@ class LLMEngine:
             if self._hands_out(seq):
                 outputs.append(self._output(seq))
         self.last_step_phases = StepPhases(scheduled - started, executed - scheduled, wait, time.monotonic() - executed)
+        if not out.is_empty:
+            self.scheduler.observe_step(self._step_seconds(started, updated), out)
         if self._step_trace is not None:
             if not out.is_empty:
                 self._step_trace.record(started, updated, step_work(out, self._vision_depth),

@@ -45,6 +45,7 @@ class PreparedRequest:
     submitted: float | None = None
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
+    latency_bound_s: float = 0.0  # the caller's bound from `submitted` (0: none): the sequence's deadline
 
 
 @runtime_checkable
@@ -158,7 +159,7 @@ class ServingEngine(Protocol):
 
     def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
                  resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                 kv_import: KvExport | None = None) -> AsyncIterator[RequestOutput]: ...
+                 kv_import: KvExport | None = None, latency_bound_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -6,20 +6,25 @@ arrival order (first come, first served), capped by an optional prefill-token li
 budget of its own (prompt rows of images encoded per step) and a cache of encoded images (workers/core/encoder_cache.py):
 a chunk that reaches an image not encoded yet encodes it in its step, or stops before it when the budget or the
 cache has no room. What budget is left encodes the images of the next step's likely prompts ahead, behind this
-step's sampling. When KV blocks run out the youngest running sequence is preempted and later recomputed. Never
-touches a tensor: SchedulerOutput lists what the model runner does.
+step's sampling. An image costing more than a step's budget is encoded over several steps while other requests
+are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py);
+waiting requests with a bound are admitted by deadline. When KV blocks run out the youngest running sequence is
+preempted and later recomputed. Never touches a tensor: SchedulerOutput lists what the model runner does.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract.types import FinishReason
 from workers.core.block_manager import BlockManager, block_hash, cdiv
 from workers.core.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
+from workers.core.slack import StepClock
 from workers.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -154,8 +159,12 @@ class _EncoderBudget:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int]):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int],
+                 clock: Callable[[], float] = time.monotonic):
         self.limits = limits
+        # The engine's clock (Sequence.deadline is on it; a virtual one in the simulation), and what its steps take
+        self.clock = clock
+        self.step_clock = StepClock()
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -171,8 +180,17 @@ class Scheduler:
     # ---- admission and removal ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queues seq for admission: by deadline among the waiting requests that have one, ahead of those that have
+        none (arrival order among equal bounds, as their deadlines follow their arrivals)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.deadline is None:
+            self.waiting.append(seq)
+            return
+        later = next((n for n, s in enumerate(self.waiting) if s.deadline is None or s.deadline > seq.deadline), None)
+        if later is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(later, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,6 +228,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and not seq.prefill_only:
+            self.step_clock.observe_output(seq.num_generated_tokens)
         self._forget_images(seq.request_id)  # the runner drops its outputs on release
         if seq.prefill_only and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.held[seq.request_id] = seq
@@ -324,10 +344,31 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
-    def _alone(self, seq: Sequence) -> bool:
-        """Whether seq is the only request the engine has, running or waiting: nobody's latency gains from
-        spreading its tower pass over steps."""
-        return all(s is seq for s in self.running) and all(s is seq for s in self.waiting)
+    def _may_run_whole(self, seq: Sequence, cost: float) -> bool:
+        """Whether `cost` of tower work for seq may run in one step rather than spread over steps: nobody else is
+        there, or everybody else has a latency bound and a slack that outlasts that work (as this engine's steps
+        measured it) or is already past saving. Requests without a bound (Offline) keep passes spread: a whole pass
+        would stall their decodes for no bound of theirs."""
+        others = [s for s in (*self.running, *self.waiting) if s is not seq]
+        if not others:
+            return True
+        seconds = self.step_clock.tower_s(cost)
+        if seconds is None:
+            return False
+        now = self.clock()
+        for other in others:
+            slack = self.step_clock.slack(other, now)
+            if slack is None or 0.0 <= slack < seconds:
+                return False
+        return True
+
+    def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
+        """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take."""
+        vision = self.limits.vision
+        cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else
+                   e.num_blocks * vision.block_cost(e.image.num_tokens) for e in (*out.encode_now, *out.encode_ahead))
+        if out.chunks or cost:
+            self.step_clock.observe_step(seconds, cost)
 
     def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
                      ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
@@ -355,9 +396,9 @@ class Scheduler:
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
-                    vision.depth == 1 or self._alone(seq))):
-                # (a one-block cost model cannot split: a large image goes alone; and an image of the only request
-                # the engine has runs in one go: spreading its pass would only add steps to its own latency)
+                    vision.depth == 1 or self._may_run_whole(seq, image_cost))):
+                # (a one-block cost model cannot split: a large image goes alone; and where no other request needs
+                # the steps to keep coming, spreading its pass would only add steps to its own latency)
                 whole.append(image)
                 cost, rows = cost + image_cost, rows + image.num_tokens
                 continue
@@ -388,8 +429,8 @@ class Scheduler:
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
             blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
-            if self._alone(seq) and not encoder.used:  # the others it was spread for have gone: finish it now
-                blocks = vision.depth - done
+            if not encoder.used and self._may_run_whole(seq, (vision.depth - done) * per_block):
+                blocks = vision.depth - done  # those it was spread for have gone, or can wait for the rest now
             if blocks <= 0 and not encoder.used:
                 blocks = 1
             if blocks <= 0:

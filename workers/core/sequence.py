@@ -48,6 +48,8 @@ class Sequence:
     # False for a KV import whose prompt came without its images: preempted, it cannot be computed again here and
     # finishes PREEMPTED instead (its caller serves it elsewhere).
     recomputable: bool = True
+    # When the caller's latency bound runs out, on the engine's clock (Scheduler.clock); None: no bound (Offline).
+    deadline: float | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -97,7 +97,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
         outputs = s.engine.generate(
             rid, prompt, sampling, resume_token_ids=list(request.resume_token_ids),
-            prefill_only=request.prefill_only, kv_import=kv_import,
+            prefill_only=request.prefill_only, kv_import=kv_import, latency_bound_s=request.latency_bound_s,
         )
         s.running.add(rid)
         try:

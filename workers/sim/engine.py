@@ -174,6 +174,10 @@ class SimulatedEngine(LLMEngine):
                     self._trace.leave(o.request_id, self.executor.overrun_s)
         return outputs
 
+    def _step_seconds(self, started: float, updated: float) -> float:
+        """The step model's time for the step (what realtime sleeps, and a virtual clock advances by)."""
+        return self.executor.last_step_s
+
     # the executor's clock, as the drivers read it
     @property
     def last_step_s(self) -> float:
