@@ -34,12 +34,12 @@ class GpuTimeSplit:
         self.vision: list[tuple[object, object]] = []
         self.images_per_encode: list[int] = []  # the vision tower's batch sizes (images per call)
         runner = engine.runner
-        execute, encode = runner.execute, runner.vision.encode
+        launch, encode = runner.launch, runner.vision.encode
 
-        def timed_execute(out, *upcoming):
+        def timed_launch(out, after=None):  # execute() launches too: every step's kernels lie between the events
             kind = "decode" if all(c.num_tokens == 1 for c in out.chunks) else "prefill"
             start, end = self._event(), self._event()
-            result = execute(out, *upcoming)
+            result = launch(out, after)
             end.record() if self.cuda else None
             self.steps.append((kind, start, end))
             return result
@@ -52,7 +52,7 @@ class GpuTimeSplit:
             self.vision.append((start, end))
             return result
 
-        runner.execute, runner.vision.encode = timed_execute, timed_encode
+        runner.launch, runner.vision.encode = timed_launch, timed_encode
 
     def _event(self):
         if not self.cuda:
