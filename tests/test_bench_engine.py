@@ -106,3 +106,13 @@ def test_profiling_decode_steps_is_refused_without_a_gpu(tmp_path, capsys):
     else:
         raise AssertionError("--profile-decode was accepted on the CPU")
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_profiled_windows_gpu_timeline_gives_kernels_busy_time_and_gaps_per_step():
+    from workers.bench.engine_probes import timeline_per_step
+
+    # two steps: three kernels and a copy overlapping the second (28 us busy), 2 us between the first two kernels
+    # (launch latency), 100 us waiting for the host
+    ops = [("k1", 0.0, 10.0), ("k2", 12.0, 20.0), ("Memcpy HtoD (Pinned -> Device)", 19.0, 21.0), ("k3", 121.0, 130.0)]
+    assert timeline_per_step(ops, 2) == {"kernels": 1.5, "copies": 0.5, "busy_ms": 0.014, "short_gaps_ms": 0.001,
+                                         "long_gaps_ms": 0.05}
