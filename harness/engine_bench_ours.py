@@ -238,7 +238,8 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             times.append(time.perf_counter() - s)
             phases.append(engine.last_step_phases.ms())
         if extra:
-            label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
+            label = (f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}, layer "
+                     f"fusions {args.layer_fusions}, overlap {engine.config.overlap_decode_steps}: decode batch {batch}")
             result["decode_profile"] = {
                 str(batch): profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label)[1],
                 f"{batch}_host": profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label + ", host ops",

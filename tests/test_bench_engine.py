@@ -87,6 +87,17 @@ def test_no_workload_gives_the_part_figures_alone_on_the_moe_tables_asked_for(tm
     assert ours["moe_configs"] == str(tmp_path) and ours["overlap_decode_steps"] is True
 
 
+def test_layer_fusions_both_runs_each_precision_with_the_fused_launches_off_then_on(capsys, monkeypatch):
+    from workers.model import norm_quant, route_align
+
+    monkeypatch.setattr(norm_quant, "FUSED", True)  # on CUDA each part is a process of its own; here they are put back
+    monkeypatch.setattr(route_align, "FUSED", True)
+    result = bench_engine.main(["--shape", "tiny", "--skip-baseline", "--workloads", "none", "--layer-fusions", "both"])
+    capsys.readouterr()
+    assert result["ours_unfused"]["layer_fusions"] is False and result["ours"]["layer_fusions"] is True
+    assert norm_quant.FUSED and route_align.FUSED  # the last part ran with them on
+
+
 def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
     for argv in (["--workloads", "none"], ["--workloads", "none", "--skip-baseline", "--catalogue-only"]):
         try:

@@ -96,16 +96,17 @@ def moe_layer_times(model) -> dict[str, float]:
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
     hidden = mlp.gate.weight.shape[1]
-    # "fused": the engine's own path (FP8-dynamic experts: the grouped FP8 GEMMs from GROUPED_FP8_MIN_TOKENS). The bf16
-    # torch._grouped_mm path beside it; FP8 experts' grouped() is the float32 reference (it syncs: no graph, no figure)
-    paths = {"fused": mlp.experts.forward}
+    # "fused": the engine's own path, the block's forward (the router's launch aligning the pairs for the tiled path;
+    # FP8-dynamic experts: the grouped FP8 GEMMs from GROUPED_FP8_MIN_TOKENS). The bf16 torch._grouped_mm path beside
+    # it; FP8 experts' grouped() is the float32 reference (it syncs: no graph, no figure)
+    paths = {"fused": mlp}
     if mlp.experts.block is None:
-        paths["grouped_mm"] = mlp.experts.grouped
+        paths["grouped_mm"] = lambda x: mlp.experts.grouped(x, *mlp.gate(x))
     times = {}
     for tokens in (1, 2, 64, 256, 8192):
         x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
-        for path, experts in paths.items():
-            times[f"{path}_T{tokens}"] = graph_us(lambda: experts(x, *mlp.gate(x)), calls=1, replays=20)
+        for path, layer in paths.items():
+            times[f"{path}_T{tokens}"] = graph_us(lambda: layer(x), calls=1, replays=20)
     return times
 
 
