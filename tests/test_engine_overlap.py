@@ -234,18 +234,20 @@ def test_a_step_whose_tokens_cannot_be_read_fails_with_the_step_queued_behind_it
     assert all(reason is FinishReason.LENGTH for rid, (_, reason) in got.items() if rid not in steps[4] | steps[5])
 
 
-def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_time(caplog):
+def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_time(caplog, monkeypatch):
     from pathlib import Path
 
     from workers.sim.config import SimulationConfig
-    from workers.sim.engine import SimulatedEngine
+    from workers.sim.engine import SimulatedEngine, SimulatedExecutor
     from workers.sim.step_model import StepModel
 
+    # as a multi-GPU instance's executor: it cannot launch a step behind a running one
+    monkeypatch.setattr(SimulatedExecutor, "can_overlap", property(lambda self: False))
     with caplog.at_level("INFO"):
         sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated"), overlap_decode_steps=True, **LIMITS),
                               SimulationConfig(model="qwen3-vl-30b-a3b"), StepModel.build("h200", "qwen3-vl-30b-a3b"),
                               realtime=False)
-    assert "cannot queue steps ahead" in caplog.text
+    assert "cannot queue steps ahead" in caplog.text and not sim._overlap
     sim.add_request("x", text(0, 5), SamplingParams(temperature=0.0, max_tokens=5))
     while sim.has_unfinished():
         sim.step()
