@@ -12,7 +12,7 @@ from workers.core.encoder_cache import VisionCost
 from workers.config import EngineConfig
 from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.slack import StepClock
-from workers.core.sequence import Sequence
+from workers.core.sequence import PENDING_TOKEN, Sequence
 
 EOS = 99
 
@@ -266,6 +266,64 @@ def test_prefill_only_keeps_its_blocks_until_released():
     assert s.finish_reason is FinishReason.LENGTH and sched.held["p"] is s
     assert bm.num_free_blocks == bm.num_blocks - 2
     assert sched.release("p") and bm.num_free_blocks == bm.num_blocks
+
+
+def three_requests() -> tuple[Scheduler, BlockManager]:
+    sched, bm = make(budget=8, num_blocks=16)
+    sched.add(seq("last", 2, max_tokens=1))  # its first token is its last
+    sched.add(seq("goes-on", 3))
+    sched.add(seq("long", 12, first=50))  # over two steps
+    return sched, bm
+
+
+def test_a_step_applied_before_its_tokens_are_known_schedules_the_next_as_its_update_would():
+    (updated, bm_u), (applied, bm_a) = three_requests(), three_requests()
+    first_u, first_a = updated.schedule(), applied.schedule()
+    updated.update(first_u, {"last": 5, "goes-on": 6})
+    applied.apply(first_a)
+    # the sampled tokens are pending, "last" has already ended by length and given its blocks back
+    assert [(s.request_id, s.token_ids[-1] == PENDING_TOKEN) for s in applied.running] == [("goes-on", True),
+                                                                                          ("long", False)]
+    last = first_a.chunks[0].seq
+    assert last.finish_reason is FinishReason.LENGTH and last.token_ids[-1] == PENDING_TOKEN
+    assert bm_a.num_free_blocks == bm_u.num_free_blocks
+    second_u, second_a = updated.schedule(), applied.schedule()
+    assert chunks(second_a) == chunks(second_u) == [("goes-on", 3, 1), ("long", 3, 7)]
+    assert [c.samples for c in second_a.chunks] == [c.samples for c in second_u.chunks] == [True, False]
+    # the tokens put in place: the same sequences as the update, ended the same way
+    changed = applied.resolve(first_a, {"last": 5, "goes-on": 6})
+    assert [s.request_id for s in changed] == ["last", "goes-on"]
+    assert [(s.token_ids, s.finish_reason) for s in changed] == [
+        (c.seq.token_ids, c.seq.finish_reason) for c in first_u.chunks if c.samples]
+
+
+def test_a_stop_token_resolved_after_the_next_step_was_scheduled_ends_the_sequence_and_drops_its_row_ahead():
+    sched, bm = make()
+    s = seq("s", 3)
+    sched.add(s)
+    first = sched.schedule()
+    sched.apply(first)
+    ahead = sched.schedule()  # decodes the pending token, which is not known yet
+    assert chunks(ahead) == [("s", 3, 1)] and ahead.chunks[0].samples
+    assert [(c.request_id, c.finish_reason) for c in sched.resolve(first, {"s": EOS})] == [("s", FinishReason.STOP)]
+    assert s.token_ids == [1, 2, 3, EOS] and bm.num_free_blocks == bm.num_blocks
+    assert sched.update(ahead, {"s": 5}) == [] and s.token_ids == [1, 2, 3, EOS]
+
+
+def test_a_failed_step_drops_its_pending_tokens_and_what_it_ended_by_length_ends_with_the_error():
+    sched, bm = make(budget=16)
+    goes_on, last, held = seq("goes-on", 3), seq("last", 2, max_tokens=1), seq("held", 4)
+    held.prefill_only = True
+    for s in (goes_on, last, held):
+        sched.add(s)
+    out = sched.schedule()
+    sched.apply(out)
+    assert sched.held["held"] is held and last.is_finished
+    failed = sched.fail(out, "device lost")
+    assert {s.request_id for s in failed} == {"goes-on", "last", "held"}
+    assert all(s.finish_reason is FinishReason.ERROR and s.error == "device lost" for s in failed)
+    assert [s.num_tokens for s in (goes_on, last, held)] == [3, 2, 4] and not sched.held
+    assert bm.num_free_blocks == bm.num_blocks and not sched.has_unfinished()
 
 
 def test_prefix_caching_shares_full_blocks_of_an_identical_prefix():

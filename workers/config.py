@@ -117,12 +117,12 @@ class EngineConfig(BaseModel):
         "needs it)."
     )
     overlap_decode_steps: bool = Field(
-        False, description="While a decode-only step runs, schedule and launch the next one (the same sequences, one "
-        "token on, their input tokens read on the device from the running step's samples) before reading its tokens "
-        "back, so the host's scheduling and the device's work overlap (vLLM's async scheduling, for decode-only "
-        "steps). Only when nothing waits for admission or encoding, no request is grammar-constrained or prefill-only "
-        "and every sequence surely goes on unless it samples a stop token; a sequence that stops has its look-ahead "
-        "token dropped. Single-GPU engines only (not multi-rank)."
+        False, description="While a step runs on the device, apply it, schedule the next one and launch it behind it "
+        "(its sequences' new input tokens read on the device from the running step's samples) before reading the "
+        "first one's tokens back, so the host's scheduling and input building overlap the device's work: vLLM's "
+        "async scheduling, for every step (prompt chunks, images, decodes; not while a grammar-constrained request "
+        "samples). A sequence that samples a stop token has its next step's row dropped, and a request added between "
+        "steps is admitted one step later. Single-GPU engines only (not multi-rank)."
     )
     warm_up: bool = Field(
         True, description="On CUDA, before the first request: one text step at each step size whose fused-MoE tile "

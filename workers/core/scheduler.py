@@ -25,7 +25,7 @@ from contract.types import FinishReason
 from workers.core.block_manager import BlockManager, block_hash, cdiv
 from workers.core.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
 from workers.core.slack import StepClock
-from workers.core.sequence import Sequence, SequenceStatus
+from workers.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig
@@ -37,16 +37,16 @@ _ROOT_HASH = b"q3vl-prefix-root"
 
 @dataclass
 class ScheduledChunk:
-    """seq computes tokens [start, start + num_tokens) this step."""
+    """seq computes tokens [start, start + num_tokens) this step. samples: the chunk reaches the sequence's last
+    token as it was scheduled (a pending one included), so a new token is sampled after it."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last known token, so a new token is sampled after it."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,8 @@ class Scheduler:
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
+        # Sequences apply() finished by length whose last token resolve() has still to put in place.
+        self._ending: dict[str, Sequence] = {}
 
     # ---- admission and removal ----------------------------------------------------------------
 
@@ -310,31 +312,6 @@ class Scheduler:
         if limits.encode_ahead and out.chunks:  # a step that runs nothing encodes nothing
             self._encode_ahead(out, encoder)
         return out
-
-    def schedule_next_decodes(self, out: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after `out`, a decode-only step still running whose tokens are not yet applied, when it is
-        surely the same sequences one token on: nothing waits for admission or a tower pass, and each sequence goes
-        on unless it samples a stop token (then update() drops its look-ahead token). Sequences that `out` ends by
-        length are left out; a look-ahead chunk samples once update() has applied `out`. None when any of that does
-        not hold, or the blocks for the next tokens are not all free (the next schedule() decides then)."""
-        if self.waiting or self._passes or not out.is_decode_only:
-            return None
-        limits, bm = self.limits, self.block_manager
-        chunks = []
-        for chunk in out.chunks:
-            seq = chunk.seq
-            if seq.is_finished:  # aborted since
-                continue
-            if seq.grammar is not None or seq.prefill_only:
-                return None
-            if seq.num_generated_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limits.max_model_len:
-                continue  # out's token ends it
-            chunks.append(ScheduledChunk(seq, chunk.start + 1, 1))
-        if not chunks or sum(bm.blocks_needed(c.seq, c.start + 1) for c in chunks) > bm.num_free_blocks:
-            return None
-        for c in chunks:
-            bm.allocate(c.seq, c.start + 1)
-        return SchedulerOutput(chunks=chunks)
 
     @staticmethod
     def _chunk_tokens(seq: Sequence, budget: int, prefill_left: int) -> int:
@@ -516,7 +493,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Applies a finished step: advances progress, appends sampled tokens, finishes sequences.
         Returns the sequences that got a token or finished."""
-        changed = []
+        self.apply(out)
+        return self.resolve(out, sampled)
+
+    def apply(self, out: SchedulerOutput) -> None:
+        """Applies a step launched on the device before its tokens are known, so that the next step can be scheduled
+        while it runs (vLLM's async scheduling, whose requests carry output placeholders the same way:
+        https://docs.vllm.ai/en/v0.15.0/api/vllm/v1/core/sched/async_scheduler/): progress advances, each chunk that samples appends PENDING_TOKEN,
+        and a sequence that token surely ends (its length, or a prefill_only request) finishes now, by LENGTH
+        until resolve() knows its token. The next schedule() then decides as after update(), except that a
+        sequence about to sample a stop token is still running (its next token is dropped: see resolve)."""
         for seq in out.kv_imports:
             seq.kv_import = None
         for chunk in out.chunks:
@@ -527,17 +513,50 @@ class Scheduler:
             self._register_prefix(seq)
             if not chunk.samples:
                 continue
-            token = sampled[seq.request_id]
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-            changed.append(seq)
+            seq.append_token(PENDING_TOKEN)
+            if self._ends_by_length(seq):
+                self.finish(seq, FinishReason.LENGTH)
+                self._ending[seq.request_id] = seq
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Puts an applied step's sampled tokens in place of its pending ones and finishes the sequences they stop
+        (STOP); returns the sequences that got a token. A sequence finished since apply() (aborted, failed) gets
+        its token but no say; one preempted since, its token, and it waits to be recomputed with it. A look-ahead
+        step scheduled meanwhile keeps its row for a sequence stopped here: update() skips finished sequences."""
+        changed = []
+        for chunk in out.chunks:
+            seq, at = chunk.seq, chunk.start + chunk.num_tokens
+            if not chunk.samples or at >= seq.num_tokens or seq.token_ids[at] != PENDING_TOKEN:
+                continue
+            token = seq.token_ids[at] = sampled[seq.request_id]
+            ending = self._ending.pop(seq.request_id, None)
+            if ending is not None:
+                if self._stop_reason(seq, token) is FinishReason.STOP:
+                    seq.finish_reason = FinishReason.STOP
+                changed.append(seq)
+            elif not seq.is_finished:
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                changed.append(seq)
         return changed
 
     def fail(self, out: SchedulerOutput, error: str) -> list[Sequence]:
-        """Finishes every sequence of a step that could not be executed."""
-        failed = [c.seq for c in out.chunks if not c.seq.is_finished]
+        """Finishes every sequence of a step that could not be executed (applied or not: its pending tokens are
+        dropped, and the sequences it had ended by length end with the error instead)."""
+        failed = []
+        for chunk in out.chunks:
+            seq, at = chunk.seq, chunk.start + chunk.num_tokens
+            if chunk.samples and at < seq.num_tokens and seq.token_ids[at] == PENDING_TOKEN:
+                del seq.token_ids[at:]
+            if self._ending.pop(seq.request_id, None) is not None:
+                self.held.pop(seq.request_id, None)
+                self.block_manager.free(seq)
+                seq.finish_reason, seq.error = FinishReason.ERROR, error
+                failed.append(seq)
+            elif not seq.is_finished:
+                failed.append(seq)
+                self.finish(seq, FinishReason.ERROR, error)
         for encode in out.encode_ahead:  # never run
             self.encoder_cache.free(encode.key)
         for encode in out.encode_now:  # a pass spread over steps is in an unknown state: it starts again
@@ -545,18 +564,17 @@ class Scheduler:
                 self._passes.pop(encode.key, None)
                 self.encoder_cache.free(encode.key)
                 self._drop_next.append(encode.key)
-        for seq in failed:
-            self.finish(seq, FinishReason.ERROR, error)
         return failed
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq finishes whatever its last token is (no stop token checked)."""
+        return (seq.prefill_only or seq.num_generated_tokens >= seq.sampling.max_tokens
+                or seq.num_tokens >= self.limits.max_model_len)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in self.eos_token_ids or token in seq.sampling.stop_token_ids:
             return FinishReason.STOP
-        if seq.prefill_only or seq.num_generated_tokens >= seq.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.limits.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._ends_by_length(seq) else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> str:
         """Frees seq's blocks; it waits to be computed again, or, when it cannot be (Sequence.recomputable), finishes

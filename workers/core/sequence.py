@@ -12,6 +12,10 @@ from typing import Any
 from contract.types import FinishReason, SamplingParams
 from workers.core.encoder_cache import ImageSpan
 
+# A token sampled by a step still running on the device, held in token_ids until the step's tokens are read back
+# (EngineConfig.overlap_decode_steps: the next step is scheduled meanwhile, and reads it there on the device).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -25,7 +29,8 @@ class Sequence:
 
     token_ids holds the prompt, then any context tokens given with the request (resume tokens, or the
     first token of an imported KV cache), then the tokens this engine generates. Only the generated ones
-    count against sampling.max_tokens and are streamed.
+    count against sampling.max_tokens and are streamed. Within an engine step the last one may be PENDING_TOKEN
+    (Scheduler.apply to Scheduler.resolve); between steps never.
     """
 
     request_id: str
