@@ -35,7 +35,9 @@ MAX_TOKENS = 512  # steps up to this many tokens route and align in one launch (
 PAIRS_PER_PROGRAM = 64  # token-expert pairs one program routes and ranks
 PAIR_TILE = 1024  # pairs the last program scatters a pass
 BLOCK_TILE = 64  # blocks the last program fills a pass
-FUSED = True  # False: moe_routing's three launches, as before this kernel (bench_engine --layer-fusions)
+# False: moe_routing's three launches, as before this kernel. Off until the H200 has run this kernel's GPU tests and
+# measured it (tests/test_fused_layer_kernels.py, issue 32's next run); bench_engine --layer-fusions on|both sets it.
+FUSED = False
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # the ticket counter of each device, 0 between launches
 
