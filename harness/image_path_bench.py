@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,20 +25,15 @@ import torch
 
 from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, smart_resize
 from harness.query_probe import catalogue_jpeg
+from workers.bench.vision import median_ms as wall_median_ms
 from workers.host_copy import to_device
 from workers.inputs.device_image import decode_resized, resize_bicubic
 from workers.inputs.image_processing import decode_image, merge_block_patches, normalise_patches, resized_pixels
 
 
 def median_ms(fn, reps: int) -> float:
-    """Median wall time of fn (which synchronises what it timed), after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median wall time of fn (which synchronises what it timed: host and device stages alike), after a warm-up."""
+    return wall_median_ms(fn, reps, cuda=False)
 
 
 def pixel_difference(got: torch.Tensor, want: torch.Tensor) -> dict:
