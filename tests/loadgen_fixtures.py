@@ -27,7 +27,9 @@ class LoadGenRunSpec:
     server_target_latency_ms: int | None = None
     load_config_twice: bool = False
     trace: bool = False  # also write mlperf_log_trace.json (per-sample events)
-    slow_queries: int = 0  # the first this many issued queries are answered 0.1 s late (over a small target latency)
+    slow_queries: int = 0  # the first this many issued queries are answered slow_by_s late (over the target latency)
+    # far over a target latency that the others stay far under on a loaded machine (their answers start a thread each)
+    slow_by_s: float = 1.5
 
 
 def run_loadgen(spec: LoadGenRunSpec, out_dir: Path) -> Path:
@@ -89,7 +91,7 @@ def _run_in_this_process(spec: LoadGenRunSpec, out_dir: Path) -> None:
 
         def answer():
             if late:
-                time.sleep(0.1)
+                time.sleep(spec.slow_by_s)
             lg.QuerySamplesComplete(
                 [lg.QuerySampleResponse(s.id, address, len(payload), 17) for s in samples])
 
