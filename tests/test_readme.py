@@ -110,3 +110,12 @@ def test_every_repository_file_the_readme_names_exists():
     assert named, "no repository paths found in the README"
     missing = sorted(t for t in named if not (REPO / t).exists())
     assert missing == [], f"the README names files that are not in the repository: {missing}"
+
+
+def test_the_min_durations_the_readme_gives_for_cpu_tiny_are_its_configs():
+    prose = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    [(offline, latency)] = re.findall(r"configured `min_duration` \((\d+) s Offline, (\d+) s Server and Interactive\)",
+                                      prose)
+    config = load_system_config("cpu-tiny")
+    assert int(offline) * 1000 == config.scenario("offline").min_duration_ms
+    assert {int(latency) * 1000} == {config.scenario(s).min_duration_ms for s in ("server", "interactive")}
