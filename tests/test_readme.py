@@ -119,3 +119,18 @@ def test_the_min_durations_the_readme_gives_for_cpu_tiny_are_its_configs():
     config = load_system_config("cpu-tiny")
     assert int(offline) * 1000 == config.scenario("offline").min_duration_ms
     assert {int(latency) * 1000} == {config.scenario(s).min_duration_ms for s in ("server", "interactive")}
+
+
+def test_the_router_figures_the_readme_quotes_are_those_bench_router_printed():
+    import json
+
+    prose = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    bullet = prose[prose.index("`scripts/bench_router.py` — "):prose.index("`scripts/bench_router_burst.py` — ")]
+    [path] = re.findall(r"both runs in `(benchmarks/[\w.-]+\.json)`", bullet)
+    runs = json.loads((REPO / path).read_text())["runs"]
+    [(first, second)] = re.findall(r"vllm-router \(its `power_of_two` policy\) ([\d,]+) and ([\d,]+) req/s", bullet)
+    assert [int(first.replace(",", "")), int(second.replace(",", ""))] == [
+        round(run["vllm_router"]["http"]["requests_per_s"]) for run in runs]
+    grpc = {round(run[policy]["grpc"]["requests_per_s"]) for run in runs for policy in ("round_robin", "least_loaded")}
+    quoted = {int(n) for pair in re.findall(r"(\d+) / (\d+)", bullet.split("over gRPC")[0]) for n in pair}
+    assert grpc == quoted
