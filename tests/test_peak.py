@@ -17,7 +17,7 @@ from harness.peak import PeakFinder, PeakSearch, bisect_max_valid, point_queries
 from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
-from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
+from tests.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
 from workers.tiny_checkpoint import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_a_point_is_read_from_loadgens_logs(tmp_path):
 def test_a_latency_point_says_how_many_queries_missed_the_bound_and_what_early_stopping_then_needs(tmp_path):
     log_dir = run_loadgen(LoadGenRunSpec(scenario="Server", mode="PerformanceOnly", total_samples=50,
                                          min_duration_ms=100, min_query_count=100, target_qps=500.0,
-                                         server_target_latency_ms=20, slow_queries=2), tmp_path)
+                                         server_target_latency_ms=SLOW_BOUND_MS, slow_queries=2), tmp_path)
     point = read_point(log_dir, "server", 500.0)
     assert (point.over_bound_queries, point.queries_early_stopping_needs) == (2, 838)
     assert point.verdict == "INVALID" and "at least 738 more queries" in point.early_stopping
