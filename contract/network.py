@@ -1,5 +1,5 @@
-"""Network settings both ends of the wire share: the MiB unit of message limits, a TLS certificate chain and key,
-and `host:port` addresses (split, and whether one is loopback-only).
+"""Network settings both ends of the wire share: the MiB unit of message limits, gRPC keepalive, a TLS certificate
+chain and key, and `host:port` addresses (split, and whether one is loopback-only).
 
 The router's config (router/config.py) and the worker's gRPC server (workers/serve/server.py) both read these, so they
 live below both.
@@ -10,9 +10,20 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 MIB = 1024 * 1024
+
+
+class KeepaliveConfig(BaseModel):
+    """gRPC keepalive, one setting for every connection of ours (contract/transport.py): a client pings a quiet
+    connection every time_s and drops it when no answer comes within timeout_s; servers take those pings at any
+    rate (https://github.com/grpc/grpc/blob/master/doc/keepalive.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    time_s: float = Field(20.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
 
 
 class TlsConfig(BaseModel):

@@ -13,36 +13,44 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from contract.network import MIB, TlsConfig
+from contract.network import MIB, KeepaliveConfig, TlsConfig
 
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 
 
-def channel_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
-    """Large messages (images travel inline), keepalive so a dead peer is noticed, big HTTP/2 windows."""
+def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfig = KeepaliveConfig()
+                    ) -> list[tuple[str, int]]:
+    """Large messages (images travel inline), keepalive so a dead peer is noticed, on idle connections too."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", round(keepalive.time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(keepalive.timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
 def server_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
+    """Our servers accept their clients' pings at any rate. gRPC's default policy answers a third ping that comes
+    sooner than min_recv_ping_interval_without_data after the last one, with no data sent between, by GOAWAY
+    ENHANCE_YOUR_CALM "too_many_pings", which closes the connection and fails its streams (the router then marks the
+    worker down and migrates). A server interval fixed apart from the clients' keepalive is such a mismatch; with
+    max_ping_strikes 0 no ping costs a connection. Our listeners are loopback or token-guarded, so the flood this
+    policy guards against would come from our own processes."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # below the clients' keepalive
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
 def open_channel(
-    address: str, *, max_message_bytes: int = 64 * MIB, root_certificates: bytes | None = None
+    address: str, *, max_message_bytes: int = 64 * MIB, root_certificates: bytes | None = None,
+    keepalive: KeepaliveConfig = KeepaliveConfig(),
 ) -> grpc.aio.Channel:
-    options = channel_options(max_message_bytes)
+    options = channel_options(max_message_bytes, keepalive)
     if root_certificates is not None:
         return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
     return grpc.aio.insecure_channel(address, options=options)

@@ -14,6 +14,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"    # cancelled by the caller
     ERROR = "error"    # the request could not be served (see RequestOutput.error)
+    # its KV was dropped (preempted) and this engine cannot rebuild it: a decode worker holds no images of an imported
+    # prompt; the request is served again elsewhere with its inputs (the worker ends the call with ABORTED)
+    PREEMPTED = "preempted"
 
 
 @dataclass(frozen=True)

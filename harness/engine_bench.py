@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixed-step-graphs", choices=["on", "off", "both"], default="on", help="steps with prompt "
                    "chunks through piecewise CUDA graphs (engine.mixed_step_graphs); both: each precision twice, off "
                    "(keys ..._eager_steps) then on, in the same call")
+    p.add_argument("--layer-fusions", choices=["on", "off", "both"], default="on", help="the fused launches of a "
+                   "text layer (residual add + RMSNorm + FP8 quantisation, the router's top-k + alignment); off: each "
+                   "launched apart, as before them; both: each precision twice, off (keys ..._unfused) then on")
     p.add_argument("--moe-configs", type=Path, default=None, help="a folder of tuned MoE tile tables to read "
                    "instead of workers/model/fused_moe_configs (scripts/tune_fp8.py --table-out writes one)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -148,25 +151,8 @@ def main(argv=None) -> dict:
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k not in ("out", "part", "config_dir")},
             }
-            graph_modes = ["off", "on"] if args.mixed_step_graphs == "both" else [args.mixed_step_graphs]
             for precision in args.precisions.split(","):
-                weights, compute = PRECISIONS[precision]
-                part_dir = config_dir / precision
-                part_dir.mkdir(exist_ok=True)
-                write_config(args.shape, args.num_layers, part_dir, weights)
-                kv = "fp8" if weights.startswith("fp8") and args.fp8_kv_cache else "auto"
-                for graphs in graph_modes:
-                    key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
-                    key += "_eager_steps" if graphs == "off" and len(graph_modes) > 1 else ""
-                    if args.device.startswith("cuda"):
-                        part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute,
-                                     "--mixed-step-graphs", graphs]
-                        result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
-                        if args.out is not None:  # keep ours even if the baseline never finishes
-                            args.out.write_text(json.dumps(result, indent=1) + "\n")
-                    else:
-                        args.kv_cache_dtype, args.mixed_step_graphs = kv, graphs
-                        result[key] = bench_ours(args, w, part_dir)
+                bench_precision(args, argv, w, config_dir, precision, result)
             if not args.skip_baseline:
                 if args.device.startswith("cuda"):
                     result["baseline"] = _subprocess(argv_without_out(argv), "baseline", config_dir / "bf16", args.part_timeout)
@@ -178,6 +164,32 @@ def main(argv=None) -> dict:
     if args.part == "all":
         print(text)
     return result
+
+
+def bench_precision(args, argv: list[str], w: Workload, config_dir: Path, precision: str, result: dict) -> None:
+    """Our engine's parts at one precision into result: once, or per mode of --mixed-step-graphs both (keys
+    ..._eager_steps first) and of --layer-fusions both (keys ..._unfused first); on CUDA each in its own process."""
+    weights, compute = PRECISIONS[precision]
+    part_dir = config_dir / precision
+    part_dir.mkdir(exist_ok=True)
+    write_config(args.shape, args.num_layers, part_dir, weights)
+    kv = "fp8" if weights.startswith("fp8") and args.fp8_kv_cache else "auto"
+    graph_modes = ["off", "on"] if args.mixed_step_graphs == "both" else [args.mixed_step_graphs]
+    fusion_modes = ["off", "on"] if args.layer_fusions == "both" else [args.layer_fusions]
+    for graphs in graph_modes:
+        for fusions in fusion_modes:
+            key = "ours" if precision == "bf16" else f"ours_{precision.replace('-', '_')}"
+            key += "_eager_steps" if graphs == "off" and len(graph_modes) > 1 else ""
+            key += "_unfused" if fusions == "off" and len(fusion_modes) > 1 else ""
+            if args.device.startswith("cuda"):
+                part_argv = [*argv_without_out(argv), "--kv-cache-dtype", kv, "--fp8-compute", compute,
+                             "--mixed-step-graphs", graphs, "--layer-fusions", fusions]
+                result[key] = _subprocess(part_argv, "ours", part_dir, args.part_timeout)
+                if args.out is not None:  # keep ours even if the baseline never finishes
+                    args.out.write_text(json.dumps(result, indent=1) + "\n")
+            else:
+                args.kv_cache_dtype, args.mixed_step_graphs, args.layer_fusions = kv, graphs, fusions
+                result[key] = bench_ours(args, w, part_dir)
 
 
 def argv_without_out(argv: list[str]) -> list[str]:

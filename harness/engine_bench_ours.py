@@ -104,6 +104,19 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     return result
 
 
+def kernel_options(args) -> None:
+    """The kernel choices the command line makes, set before the engine is built: a MoE tile table read from another
+    folder, the prefill attention's pointer loads, the layers' fused launches off (--layer-fusions off: the norms,
+    activation quantisations and routing launched apart, for an A/B in one call)."""
+    from workers.model import fused_moe, norm_quant, paged_prefill, route_align
+
+    if args.moe_configs is not None:  # before the engine reads a table
+        fused_moe.TUNED_DIR = Path(args.moe_configs)
+    if args.prefill_pointer_loads:
+        paged_prefill.DEFAULT_TILES = paged_prefill.POINTER_TILES
+    norm_quant.FUSED = route_align.FUSED = args.layer_fusions != "off"
+
+
 def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     import torch
 
@@ -114,14 +127,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from harness.catalogue_workload import longest_request
 
     sync = Sync(args.device)
-    if args.moe_configs is not None:  # before the engine reads a table
-        from workers.model import fused_moe
-
-        fused_moe.TUNED_DIR = Path(args.moe_configs)
-    if args.prefill_pointer_loads:
-        from workers.model import paged_prefill
-
-        paged_prefill.DEFAULT_TILES = paged_prefill.POINTER_TILES
+    kernel_options(args)
     workloads = catalogues(args, w)
     max_model_len = max([4096] + [longest_request(r) for r in workloads.values()])
     cfg = EngineConfig(
@@ -144,7 +150,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
                     "mixed_step_graphs": engine.runner.step_graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report,
                     "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs"),
-                    "overlap_decode_steps": cfg.overlap_decode_steps}
+                    "overlap_decode_steps": cfg.overlap_decode_steps, "layer_fusions": args.layer_fusions != "off"}
     rng = np.random.default_rng(1)
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))
@@ -232,7 +238,8 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             times.append(time.perf_counter() - s)
             phases.append(engine.last_step_phases.ms())
         if extra:
-            label = f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}: decode batch {batch}"
+            label = (f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}, layer "
+                     f"fusions {args.layer_fusions}, overlap {engine.config.overlap_decode_steps}: decode batch {batch}")
             result["decode_profile"] = {
                 str(batch): profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label)[1],
                 f"{batch}_host": profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label + ", host ops",

@@ -34,8 +34,10 @@ class Procs:
         self.procs.append(proc)
         return [proc.stdout.readline().strip() for _ in range(lines)]
 
-    def start_binary(self, args: list[str]) -> None:
+    def start_binary(self, args: list[str]) -> int:
+        """Starts a program that is not Python; returns its pid."""
         self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return self.procs[-1].pid
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -48,8 +50,16 @@ class Procs:
         self.procs.clear()
 
 
-async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> dict:
-    """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles."""
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float,
+                      cpu_of: int | None = None) -> dict:
+    """`concurrency` clients sending back to back for `seconds`: requests/s and latency percentiles; with cpu_of (a
+    pid), also the CPU milliseconds that process spent per completed request meanwhile."""
     latencies: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
@@ -65,12 +75,15 @@ async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, sec
                 continue
             latencies.append(time.monotonic() - t)
 
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), cpu_seconds(cpu_of) if cpu_of is not None else 0.0
     await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.monotonic() - start
     pct = lambda q: round(1000 * percentile(latencies, q), 3) if latencies else None
-    return {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
-            "completed": len(latencies), "errors": errors}
+    result = {"requests_per_s": round(len(latencies) / elapsed, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+              "completed": len(latencies), "errors": errors}
+    if cpu_of is not None and latencies:
+        result["cpu_ms_per_request"] = round(1000 * (cpu_seconds(cpu_of) - cpu_start) / len(latencies), 3)
+    return result
 
 
 async def drain(stream) -> None:

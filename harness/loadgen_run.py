@@ -38,6 +38,14 @@ class LoadGenTestSpec:
     show_progress: bool = True
 
 
+def latency_bound_s(scenario: Scenario, settings: lg.TestSettings) -> float:
+    """The latency bound each query carries to the workers' schedulers: LoadGen's own target latency for the test
+    (mlperf.conf with user.conf over it: 12 s Server, 1.5 s Interactive), none for Offline."""
+    if scenario is Scenario.OFFLINE:
+        return 0.0
+    return settings.server_target_latency_ns / 1e9
+
+
 def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
     """Runs the test to its end and returns the directory holding LoadGen's logs."""
     config = load_system_config(spec.system).for_scenario(spec.scenario.value)
@@ -72,6 +80,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
             timeout_s=config.requests.timeout_s,
             reconnect_s=config.requests.reconnect_s,
             stream_interval=config.requests.stream_interval,
+            latency_bound_s=latency_bound_s(spec.scenario, settings),
             max_inflight=sut_inflight_bound(config),
             token=config.router.get("token"),
             report_first_token=settings.use_token_latencies,

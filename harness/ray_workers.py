@@ -21,6 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from contract import event_loop
 from harness.interrupts import deferred
 from harness.ray_log import RayLogFile
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
@@ -66,7 +67,7 @@ class ModelWorker:
         from workers.serve.server import build_worker
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-server", daemon=True)
         self._thread.start()
         self._engines = []

@@ -25,6 +25,7 @@ from typing import Protocol
 import grpc.aio
 import mlperf_loadgen as lg
 
+from contract import event_loop
 from contract.types import PromptInput
 from contract.wire import pb
 from harness.progress import Progress
@@ -61,6 +62,7 @@ class SUTSettings:
     reconnect_s: float = 0.0  # how long a query waits for an unreachable router to come back (0: fails at once)
     reconnect_interval_s: float = 0.5
     stream_interval: int = 0  # GenerateRequest.stream_interval: 0 streams every engine step's tokens
+    latency_bound_s: float = 0.0  # GenerateRequest.latency_bound_s: the scenario's target latency (0: Offline)
     # At most this many router calls at once (None: no bound); the other issued queries wait here, in issue order.
     # An Offline test issues every sample at once (48,289 on the real dataset), more than a router admits
     # (its workers' in-flight limits plus its queue): the rest would be refused RESOURCE_EXHAUSTED, and the
@@ -113,7 +115,7 @@ class RouterSUT:
         self.resent = 0  # queries sent again because the router was unreachable or their call was cancelled
         self._tasks: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(settings.max_inflight) if settings.max_inflight else contextlib.nullcontext()
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
         self._thread.start()
         self._client: RouterClient | ShardedRouterClient = self._call(self._connect())
@@ -204,6 +206,7 @@ class RouterSUT:
             sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens - len(tokens)),
             deadline_s=self._settings.timeout_s,
             stream_interval=self._settings.stream_interval,
+            latency_bound_s=self._settings.latency_bound_s,
         )
 
     async def _stream(self, request: pb.GenerateRequest, query_id: int, tokens: list[int]) -> list[int]:

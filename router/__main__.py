@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from contract import event_loop
 from router.config import RouterConfig, load_router_config, parse_router_config
 from router.server import RouterServer
 
@@ -55,7 +56,7 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_args(argv)
     logging.basicConfig(level=log_level, stream=sys.stderr)
-    asyncio.run(serve(config))
+    event_loop.run(serve(config))
 
 
 if __name__ == "__main__":

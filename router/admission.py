@@ -23,12 +23,16 @@ class Admission:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
+    def admit_now(self, has_capacity: Callable[[], bool]) -> bool:
+        """True when a request may run at once: nobody waits ahead of it and `has_capacity()` holds."""
+        return not self._waiters and has_capacity()
+
     async def admit(self, has_capacity: Callable[[], bool]) -> None:
         """Return once `has_capacity()` holds, first come first served; raise Rejected if the queue is full.
 
         Callers bound the wait with their deadline (asyncio.timeout); a cancelled waiter leaves the queue.
         """
-        if not self._waiters and has_capacity():
+        if self.admit_now(has_capacity):
             return
         if len(self._waiters) >= self.max_queue:
             raise Rejected(f"admission queue full ({self.max_queue} waiting)")

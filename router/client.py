@@ -12,7 +12,7 @@ from typing import Protocol
 
 import grpc.aio
 
-from contract.network import MIB
+from contract.network import MIB, KeepaliveConfig
 from contract.transport import call_metadata, open_channel
 from contract.wire import pb, pb_grpc
 
@@ -25,10 +25,11 @@ class RouterClient:
         *,
         root_certificates: bytes | None = None,
         max_message_bytes: int = 64 * MIB,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
         self.address = address
         self._channel: grpc.aio.Channel = open_channel(
-            address, max_message_bytes=max_message_bytes, root_certificates=root_certificates
+            address, max_message_bytes=max_message_bytes, root_certificates=root_certificates, keepalive=keepalive
         )
         self._stub = pb_grpc.RouterServiceStub(self._channel)
         self._metadata = call_metadata(token)

@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from contract.network import MIB, TlsConfig, is_loopback
+from contract.network import MIB, KeepaliveConfig, TlsConfig, is_loopback
 
 
 class _Section(BaseModel):
@@ -76,6 +76,7 @@ class RouterConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     migration: MigrationConfig = MigrationConfig()
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # of the router's channels to its workers
 
     @model_validator(mode="after")
     def _non_local_bind_needs_token(self) -> RouterConfig:

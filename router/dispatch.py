@@ -63,6 +63,16 @@ class _Active:
     emitted: list[int] = field(default_factory=list)
     complete_early: bool = False  # the caller has its whole answer before the final chunk (a stop string)
     outcome: str | None = None  # how it ended, once counted
+    wire: bytes = b""  # the caller's request serialized once, images and all: every attempt's upstream starts with it
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """One attempt's request to a worker, serialized: what the stream sends and how the router names it."""
+
+    request_id: str
+    payload: bytes
+    timeout: float | None
 
 
 class Dispatcher:
@@ -81,19 +91,23 @@ class Dispatcher:
     async def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Serve `request`; raises RouterError (refused, no worker, deadline) before or instead of chunks.
 
-        `timeout_s` is the caller's transport deadline; request.deadline_s, if set and sooner, wins.
+        `timeout_s` is the caller's transport deadline; request.deadline_s, if set and sooner, wins. The request is
+        the dispatcher's from here on: once admitted, its images are moved out of it (into the serialized request
+        every attempt sends).
         """
         arrival = time.monotonic()
         self._validate(request)
         limits = [t for t in (timeout_s, request.deadline_s or None) if t is not None]
         deadline = arrival + min(limits) if limits else None
         if not self.registry.healthy(SERVING_ROLES):
-            self.metrics.rejections.labels(reason="no_worker").inc()
+            self.metrics.count(self.metrics.rejections, "no_worker")
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         active = _Active(request.request_id)
         self._active[request.request_id] = active
         try:
             await self._admit(deadline)
+            active.wire = request.SerializeToString()
+            request.ClearField("images")  # they travel in active.wire from here on: held once, never copied per attempt
             self.inflight += 1
             holds_slot = True
 
@@ -147,7 +161,7 @@ class Dispatcher:
         stop string, the caller going away, an error); the duration is arrival to that moment."""
         if active.outcome is None:
             active.outcome = outcome
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.count(self.metrics.requests, outcome)
             self.metrics.duration.observe(time.monotonic() - arrival)
 
     # -- admission ------------------------------------------------------------------------------
@@ -172,14 +186,16 @@ class Dispatcher:
         return any(e.inflight < per_worker for e in self.registry.healthy(SERVING_ROLES))
 
     async def _admit(self, deadline: float | None) -> None:
+        if self.admission.admit_now(self._has_capacity):
+            return  # the common case: no queue, no timer
         try:
             async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
                 await self.admission.admit(self._has_capacity)
         except Rejected as exc:
-            self.metrics.rejections.labels(reason="queue_full").inc()
+            self.metrics.count(self.metrics.rejections, "queue_full")
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except TimeoutError:
-            self.metrics.rejections.labels(reason="deadline_in_queue").inc()
+            self.metrics.count(self.metrics.rejections, "deadline_in_queue")
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued") from None
 
     # -- serving with migration -----------------------------------------------------------------
@@ -228,7 +244,7 @@ class Dispatcher:
                     return
                 retries += 1
                 kind = "ongoing_request" if emitted else "new_request"
-                self.metrics.migrations.labels(kind=kind).inc()
+                self.metrics.count(self.metrics.migrations, kind)
                 log.info("request %s: %s failed (%s); migrating (%s)", request.request_id, failure.stage, failure, kind)
                 if failure.stage == "prefill":
                     remote_prefill_ok = False  # Dynamo's fallback: prefill on the decode worker
@@ -265,14 +281,14 @@ class Dispatcher:
             raise _WorkerFailed(stage, "no healthy worker")
         by_id = {e.worker_id: e for e in candidates}
         choice = self.selector.choose(route, [e.snapshot() for e in candidates])
-        self.metrics.decisions.labels(worker=choice.worker_id, stage=stage).inc()
+        self.metrics.count(self.metrics.decisions, choice.worker_id, stage)
         return by_id[choice.worker_id]
 
     def _remote_prefill_pool(self, request: pb.GenerateRequest) -> bool:
         """Disaggregate this prompt? Only when enabled, long enough, and some prefill worker has room."""
         cfg = self.config.disaggregation
         if not cfg.enabled or len(request.prompt_token_ids) < cfg.min_remote_prefill_tokens:
-            self.metrics.prefill_mode.labels(mode="local").inc()
+            self.metrics.count(self.metrics.prefill_mode, "local")
             return False
         per_worker = self.config.limits.max_inflight_per_worker
         prefill_ok = any(
@@ -280,37 +296,41 @@ class Dispatcher:
             for e in self.registry.healthy((pb.PREFILL,))
         )
         remote = prefill_ok and bool(self._decode_roles())
-        self.metrics.prefill_mode.labels(mode="remote" if remote else "local").inc()
+        self.metrics.count(self.metrics.prefill_mode, "remote" if remote else "local")
         return remote
 
     def _decode_roles(self) -> tuple[int, ...]:
         return (pb.DECODE,) if self.registry.healthy((pb.DECODE,)) else ((pb.AGGREGATED,) if self.registry.healthy((pb.AGGREGATED,)) else ())
 
-    def _upstream(self, request: pb.GenerateRequest, active: _Active, deadline: float | None) -> pb.GenerateRequest:
+    def _upstream(self, request: pb.GenerateRequest, active: _Active, deadline: float | None, patch: pb.GenerateRequest,
+                  base: bytes | None = None) -> _Upstream:
+        """The attempt's request: `base` (the caller's request as serialized once, by default) followed by `patch`,
+        which protobuf merges into it on parsing (a singular field set in the patch wins, a repeated one appends,
+        a message merges field by field). So no attempt copies or re-encodes the prompt's images: they cross each
+        hop once, as bytes already on the wire."""
         active.attempts += 1
-        upstream = pb.GenerateRequest()
-        upstream.CopyFrom(request)
-        upstream.request_id = f"{request.request_id}#{active.attempts}"
-        upstream.resume_token_ids.extend(active.emitted)
-        upstream.sampling.max_tokens = request.sampling.max_tokens - len(active.emitted)
+        patch.request_id = f"{request.request_id}#{active.attempts}"
+        timeout = request.deadline_s or None
         if deadline is not None:
-            upstream.deadline_s = max(deadline - time.monotonic(), 1e-3)
-        return upstream
+            timeout = patch.deadline_s = max(deadline - time.monotonic(), 1e-3)
+        base = active.wire if base is None else base
+        return _Upstream(patch.request_id, base + patch.SerializeToString(), timeout)
 
     async def _aggregated(self, request, active: _Active, deadline) -> AsyncIterator[pb.GenerateChunk]:
-        upstream = self._upstream(request, active, deadline)
-        context = len(upstream.prompt_token_ids) + len(upstream.resume_token_ids)
+        remaining = request.sampling.max_tokens - len(active.emitted)
+        patch = pb.GenerateRequest(resume_token_ids=active.emitted, sampling=pb.SamplingParams(max_tokens=remaining))
+        upstream = self._upstream(request, active, deadline, patch)
+        context = len(request.prompt_token_ids) + len(request.resume_token_ids) + len(active.emitted)
         entry = self._pick(SERVING_ROLES, self._route_request(request, context), "aggregated")
-        booking = self.registry.book(entry, prefill_tokens=context, kv_tokens=context + upstream.sampling.max_tokens)
+        booking = self.registry.book(entry, prefill_tokens=context, kv_tokens=context + remaining)
         async for chunk in self._stream(entry, upstream, booking, active, "aggregated"):
             yield chunk
 
     async def _disaggregated(self, request, active: _Active, deadline) -> AsyncIterator[pb.GenerateChunk]:
         prompt_len = len(request.prompt_token_ids)
         # Stage 1: prefill on a PREFILL worker, which samples the first token and holds the KV.
-        prefill = self._upstream(request, active, deadline)
-        prefill.prefill_only = True
-        prefill.sampling.max_tokens = 1
+        patch = pb.GenerateRequest(prefill_only=True, sampling=pb.SamplingParams(max_tokens=1))
+        prefill = self._upstream(request, active, deadline, patch)
         p_entry = self._pick((pb.PREFILL,), self._route_request(request, prompt_len), "prefill")
         booking = self.registry.book(p_entry, prefill_tokens=prompt_len, kv_tokens=prompt_len)
         last = None
@@ -318,8 +338,7 @@ class Dispatcher:
             last = chunk
         if last is None or last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             raise _WorkerFailed("prefill", "prefill stream ended without a final chunk")
-        handle = pb.KvHandle()
-        handle.CopyFrom(last.kv_handle)
+        handle = last.kv_handle
         first = pb.GenerateChunk(request_id=request.request_id, token_ids=last.token_ids, worker_id=p_entry.worker_id)
         done = last.finish_reason in (pb.STOP, pb.ABORT, pb.ERROR) or request.sampling.max_tokens <= 1
         if last.finish_reason == pb.LENGTH and not handle.transfer_id:
@@ -334,10 +353,12 @@ class Dispatcher:
             yield first
             return
         yield first
-        # Stage 2: decode on a DECODE worker, which pulls the KV from the prefill worker and continues.
-        decode = self._upstream(request, active, deadline)
-        decode.kv_handle.CopyFrom(handle)
-        decode.resume_token_ids[:] = []  # the first token travels in the handle
+        # Stage 2: decode on a DECODE worker, which pulls the KV from the prefill worker and continues. It gets the
+        # request without its images (the dispatcher holds it so): the KV and the handle's image layout stand for
+        # them, and the first token travels in the handle.
+        patch = pb.GenerateRequest(kv_handle=handle, sampling=pb.SamplingParams(
+            max_tokens=request.sampling.max_tokens - len(active.emitted)))
+        decode = self._upstream(request, active, deadline, patch, base=request.SerializeToString())
         d_entry = self._pick(self._decode_roles(), RouteRequest(prompt_tokens=0), "decode")
         booking = self.registry.book(d_entry, prefill_tokens=0, kv_tokens=prompt_len + request.sampling.max_tokens)
         try:
@@ -360,11 +381,10 @@ class Dispatcher:
             asyncio.get_running_loop().create_task(release())
 
     async def _stream(
-        self, entry: WorkerEntry, upstream: pb.GenerateRequest, booking: Booking, active: _Active, stage: str
+        self, entry: WorkerEntry, upstream: _Upstream, booking: Booking, active: _Active, stage: str
     ) -> AsyncIterator[pb.GenerateChunk]:
         """Stream one upstream call; worker failures become _WorkerFailed, the booking is always released."""
-        timeout = upstream.deadline_s or None
-        call = entry.stub.Generate(upstream, timeout=timeout, metadata=self._metadata)
+        call = entry.generate(upstream.payload, timeout=upstream.timeout, metadata=self._metadata)
         entry.calls.add(call)
         active.entry, active.upstream_id = entry, upstream.request_id
         finished = False

@@ -67,6 +67,16 @@ class RouterMetrics:
         inflight_gauge = Gauge(f"{PREFIX}_inflight_requests", "requests admitted and not finished", registry=r)
         inflight_gauge.set_function(inflight)
         r.register(_WorkerLoadCollector(registry))
+        self._children: dict[tuple[int, tuple[str, ...]], Counter] = {}
+
+    def count(self, counter: Counter, *labels: str) -> None:
+        """counter.labels(*labels).inc(), with the labelled child looked up once (labels() takes the metric's lock
+        and checks its arguments on every call)."""
+        key = (id(counter), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(*labels)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from router.policies import WorkerSnapshot
 log = logging.getLogger(__name__)
 
 SERVING_ROLES = (pb.AGGREGATED, pb.DECODE)  # workers that can serve a whole request
+GENERATE_METHOD = "/{}/Generate".format(pb.DESCRIPTOR.services_by_name["WorkerService"].full_name)
 
 
 class WorkerEntry:
@@ -33,6 +34,9 @@ class WorkerEntry:
         self.role = info.role
         self.channel = channel
         self.stub = pb_grpc.WorkerServiceStub(channel)
+        # WorkerService.Generate taking the request already serialized (router.dispatch builds it from bytes)
+        self.generate = channel.unary_stream(GENERATE_METHOD, request_serializer=None,
+                                             response_deserializer=pb.GenerateChunk.FromString)
         self.healthy = True
         self.down_reason = ""
         self.last_seen = now

@@ -71,9 +71,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 class RouterServer:
     def __init__(self, config: RouterConfig | None = None):
         self.config = config or RouterConfig()
-        max_bytes = self.config.limits.max_message_bytes
+        max_bytes, keepalive = self.config.limits.max_message_bytes, self.config.keepalive
         self.registry = Registry(
-            self.config.health, self.config.policy.block_size, lambda address: open_channel(address, max_message_bytes=max_bytes)
+            self.config.health, self.config.policy.block_size,
+            lambda address: open_channel(address, max_message_bytes=max_bytes, keepalive=keepalive),
         )
         self.dispatcher = Dispatcher(self.config, self.registry)
         self.port = 0

@@ -1,5 +1,9 @@
-"""Router overhead with instant workers: sustained requests/s through one router process and the latency it
-adds, round_robin vs least_loaded, gRPC and HTTP, side by side with vllm-router (Rust) when installed.
+"""Router overhead with instant workers: sustained requests/s through one router process, the CPU it spends per
+request and the latency it adds, round_robin vs least_loaded, gRPC and HTTP, side by side with vllm-router (Rust)
+when installed.
+
+gRPC requests stream every engine step's tokens (`grpc`) and, as the harness SUT asks, chunks of
+SUT_STREAM_INTERVAL tokens after the first (`grpc_sut_chunks`).
 
 Prints one JSON object. `python scripts/bench_router.py [--seconds 3] [--concurrency 64]` (default run < 60 s).
 """
@@ -21,12 +25,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from contract import event_loop  # noqa: E402
 from harness.load_test import Procs, closed_loop, drain  # noqa: E402
 
 PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly
 OUTPUT_TOKENS = 45     # NVL72's reported average output length
 NVL72_QPS = 2323       # Vera Rubin NVL72 server-scenario queries/s to compare one router process with
 TEXT = " ".join(["describe"] * 300)  # HTTP prompt text (tokenized by the router on every request)
+SUT_STREAM_INTERVAL = 16  # harness/system_config.py's requests.stream_interval default
 
 
 def free_port() -> int:
@@ -88,11 +94,11 @@ async def _wait_for_signal() -> None:
 # -- load ----------------------------------------------------------------------------------------
 
 
-def grpc_request():
+def grpc_request(stream_interval: int = 0):
     from contract.wire import pb
 
     return pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[(i * 7) % 5000 for i in range(PROMPT_TOKENS)],
-                              sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS))
+                              sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS), stream_interval=stream_interval)
 
 
 def http_sender(session, url: str, model: str = "instant",
@@ -121,6 +127,7 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
     grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                         "--policy", policy], lines=2)
     address, http = grpc_line.split()[-1], http_line.split()[-1]
+    router_pid = procs.procs[-1].pid
     (worker_address,) = procs.start([__file__, "--grpc-workers", address, "--workers", str(args.workers)])
     result: dict = {}
     async with RouterClient(address) as client, open_channel(worker_address) as channel:
@@ -136,11 +143,13 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
             "router_p50_ms": solo_router["p50_ms"], "direct_p50_ms": solo_direct["p50_ms"],
         }
         result["grpc_direct_to_worker"] = await closed_loop(direct, args.concurrency, args.seconds)
-        result["grpc"] = await closed_loop(via_router, args.concurrency, args.seconds)
+        result["grpc"] = await closed_loop(via_router, args.concurrency, args.seconds, router_pid)
+        result["grpc_sut_chunks"] = await closed_loop(lambda: drain(client.generate(grpc_request(SUT_STREAM_INTERVAL))),
+                                                      args.concurrency, args.seconds, router_pid)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
             served = RouterConfig.model_fields["served_model_name"].default
             result["http"] = await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions", served),
-                                               args.concurrency, args.seconds)
+                                               args.concurrency, args.seconds, router_pid)
     procs.stop()
     return result
 
@@ -154,7 +163,7 @@ async def bench_vllm_router(args, procs: Procs) -> dict:
     ports = [free_port() for _ in range(args.workers)]
     procs.start([__file__, "--http-workers", *map(str, ports)])
     port = free_port()
-    procs.start_binary([binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "power_of_two",
+    router_pid = procs.start_binary([binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "power_of_two",
                         "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports], "--log-level", "error"])
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
@@ -175,7 +184,7 @@ async def bench_vllm_router(args, procs: Procs) -> dict:
             "policy": "power_of_two",
             "http_added_latency_ms": {"p50": round(solo_router["p50_ms"] - solo_direct["p50_ms"], 3),
                                       "p99": round(solo_router["p99_ms"] - solo_direct["p99_ms"], 3)},
-            "http": await closed_loop(send, args.concurrency, args.seconds),
+            "http": await closed_loop(send, args.concurrency, args.seconds, router_pid),
         }
     procs.stop()
     return result
@@ -187,13 +196,20 @@ async def bench(args) -> dict:
         out: dict = {
             "setup": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "workers": args.workers,
                       "concurrency": args.concurrency, "seconds_per_point": args.seconds, "cpus": os.cpu_count(),
-                      "note": "instant workers; load generator, router and workers share this machine's CPUs"},
+                      "note": "instant workers; load generator, router and workers share this machine's CPUs; "
+                              "cpu_ms_per_request: the router process's CPU time per completed request"},
         }
         for policy in ("round_robin", "least_loaded"):
             out[policy] = await bench_our_router(policy, args, procs)
         out["vllm_router"] = await bench_vllm_router(args, procs)
     finally:
         procs.stop()
+    peer = out["vllm_router"].get("http")
+    if peer:  # the issue-35 target: our HTTP router at >= 0.5x vllm-router's requests/s per process
+        out["http_vs_vllm_router"] = {
+            p: {"requests_per_s": round(out[p]["http"]["requests_per_s"] / peer["requests_per_s"], 3),
+                "cpu_per_request": round(out[p]["http"]["cpu_ms_per_request"] / peer["cpu_ms_per_request"], 2)}
+            for p in ("round_robin", "least_loaded")}
     best = max(out[p]["grpc"]["requests_per_s"] for p in ("round_robin", "least_loaded"))
     out["nvl72"] = {
         "target_queries_per_s": NVL72_QPS,
@@ -217,9 +233,9 @@ def main() -> None:
     parser.add_argument("--http-workers", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.grpc_workers:
-        asyncio.run(serve_grpc_workers(args.grpc_workers, args.workers))
+        event_loop.run(serve_grpc_workers(args.grpc_workers, args.workers))
     elif args.http_workers:
-        asyncio.run(serve_http_workers(args.http_workers))
+        event_loop.run(serve_http_workers(args.http_workers))
     else:
         print(json.dumps(asyncio.run(bench(args)), indent=2))
 

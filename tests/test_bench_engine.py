@@ -87,6 +87,17 @@ def test_no_workload_gives_the_part_figures_alone_on_the_moe_tables_asked_for(tm
     assert ours["moe_configs"] == str(tmp_path) and ours["overlap_decode_steps"] is True
 
 
+def test_layer_fusions_both_runs_each_precision_with_the_fused_launches_off_then_on(capsys, monkeypatch):
+    from workers.model import norm_quant, route_align
+
+    monkeypatch.setattr(norm_quant, "FUSED", True)  # on CUDA each part is a process of its own; here they are put back
+    monkeypatch.setattr(route_align, "FUSED", True)
+    result = bench_engine.main(["--shape", "tiny", "--skip-baseline", "--workloads", "none", "--layer-fusions", "both"])
+    capsys.readouterr()
+    assert result["ours_unfused"]["layer_fusions"] is False and result["ours"]["layer_fusions"] is True
+    assert norm_quant.FUSED and route_align.FUSED  # the last part ran with them on
+
+
 def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
     for argv in (["--workloads", "none"], ["--workloads", "none", "--skip-baseline", "--catalogue-only"]):
         try:
@@ -106,3 +117,13 @@ def test_profiling_decode_steps_is_refused_without_a_gpu(tmp_path, capsys):
     else:
         raise AssertionError("--profile-decode was accepted on the CPU")
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_profiled_windows_gpu_timeline_gives_kernels_busy_time_and_gaps_per_step():
+    from workers.bench.engine_probes import timeline_per_step
+
+    # two steps: three kernels and a copy overlapping the second (28 us busy), 2 us between the first two kernels
+    # (launch latency), 100 us waiting for the host
+    ops = [("k1", 0.0, 10.0), ("k2", 12.0, 20.0), ("Memcpy HtoD (Pinned -> Device)", 19.0, 21.0), ("k3", 121.0, 130.0)]
+    assert timeline_per_step(ops, 2) == {"kernels": 1.5, "copies": 0.5, "busy_ms": 0.014, "short_gaps_ms": 0.001,
+                                         "long_gaps_ms": 0.05}

@@ -162,7 +162,8 @@ def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(ch
         "first": reference([png(64, 64, seed=8)], [21, 22]),
         "second": reference([png(64, 64, seed=9)], [23, 24]),
     }
-    engine = make_engine(checkpoint, max_num_batched_tokens=20, encode_ahead=False)  # the steps of the test above
+    # the steps of the test above, one at a time (overlapped ones schedule a step ahead: tests/test_engine_overlap.py)
+    engine = make_engine(checkpoint, max_num_batched_tokens=20, encode_ahead=False, overlap_decode_steps=False)
     encoded = record_encodes(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
     assert encoded == [(0, "first", "now"), (1, "second", "now")]
@@ -171,7 +172,8 @@ def test_without_encode_ahead_each_image_is_encoded_in_the_step_that_needs_it(ch
 
 def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_matching_transformers(checkpoint, reference, arch):
     cases = {"first": reference([png(64, 64, seed=8)], [21, 22]), "text": reference([], [5, 6, 7])}
-    engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128), (48, 48)))
+    engine = make_engine(checkpoint, warm_up_image_sizes=((1000, 1000), (64, 128), (48, 48)),
+                         overlap_decode_steps=False)  # the steps of one at a time (overlapped: one more, see warm_up)
     encoded = record_encodes(engine)
     # MoE (top-2): one step per pair of untuned tile configs (pairs <= 64, <= 4,096, above) up to the 4,096 tokens
     # of 256 blocks; dense: none. On CUDA the engine runs both warm-ups itself (EngineConfig.warm_up).
@@ -207,7 +209,7 @@ def test_an_image_encoded_over_several_steps_a_few_tower_blocks_at_a_time_matche
     # an encoder budget below the image's cost: while another request is there its pass is spread over steps, one
     # tower block a step, and the text prompt goes on (or the second image's request waits behind it: steps that run
     # only the tower's next block); its rows wait for the last block. The only request's image runs in one go.
-    engine = make_engine(checkpoint, max_num_encoder_tokens=2)
+    engine = make_engine(checkpoint, max_num_encoder_tokens=2, overlap_decode_steps=False)  # step numbers one at a time
     depth = engine.scheduler.limits.vision.depth
     encoded = record_encodes(engine)
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})

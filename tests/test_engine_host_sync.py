@@ -77,3 +77,50 @@ def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpo
     assert [1, 1, 14] in steps
     assert [1, 1, 1] in steps  # decodes alone (a CUDA graph)
     assert all(outputs[rid] for rid in ("text", "image", "image-2"))
+
+
+def test_overlapped_steps_queue_the_next_step_without_waiting_for_the_running_one(tiny_moe_checkpoint, monkeypatch):
+    """engine.overlap_decode_steps: launching a step behind a running one (prompt chunks, images, decodes) never waits
+    for the GPU, so the host's work for it overlaps the running step; only the read-back of the running step's
+    tokens waits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = LLMEngine(EngineConfig(
+        checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
+        max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
+        overlap_decode_steps=True,
+    ))
+    engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
+    while engine.has_unfinished():
+        engine.step()
+    runner = engine.runner
+    launch, wait = runner.launch, HostCopy.wait
+    behind = []
+
+    def launch_erring_on_any_sync(out, after=None):
+        behind.append((after is not None, sorted(c.num_tokens for c in out.chunks)))
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises from here on
+        try:
+            return launch(out, after)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def wait_allowed_to_sync(copy):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return wait(copy)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(runner, "launch", launch_erring_on_any_sync)
+    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+    for rid, prompt in (("text", PromptInput([151644, 872, 198, 3838, 374, 419, 151645, 198])), ("image", image_prompt(1)),
+                        ("image-2", image_prompt(2))):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=6))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert any(queued and max(rows) > 1 for queued, rows in behind)  # prompt rows launched behind a running step
+    assert any(queued and rows == [1, 1, 1] for queued, rows in behind)  # decodes alone (a CUDA graph), behind one
+    assert all(len(outputs[rid]) == 6 for rid in ("text", "image", "image-2"))

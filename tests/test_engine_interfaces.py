@@ -12,10 +12,10 @@ import pytest
 
 from workers.serve.async_engine import AsyncEngine
 from workers.engine import LLMEngine
-from workers.engine_api import DecodeLauncher, EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine
-from workers.executor.model_runner import LaunchedDecodes, ModelRunner
+from workers.engine_api import StepLauncher, EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine
+from workers.executor.model_runner import LaunchedTokens, ModelRunner
 from workers.inputs.request_inputs import ModelInputs
-from workers.sim.engine import SimulatedEngine, SimulatedExecutor, SimulatedInputs
+from workers.sim.engine import SimulatedEngine, SimulatedExecutor, SimulatedInputs, SimulatedStep
 from workers.sim.instant_engine import InstantEngine
 
 
@@ -31,7 +31,8 @@ def parameters(function) -> list[tuple[str, object, object]]:
 @pytest.mark.parametrize(("implementation", "protocol"), [
     (LLMEngine, EngineCore), (SimulatedEngine, EngineCore), (AsyncEngine, ServingEngine), (InstantEngine, ServingEngine),
     (ModelRunner, Executor), (SimulatedExecutor, Executor), (ModelInputs, RequestInputs), (SimulatedInputs, RequestInputs),
-    (ModelRunner, DecodeLauncher), (LaunchedDecodes, LaunchedStep),
+    (ModelRunner, StepLauncher), (LaunchedTokens, LaunchedStep), (SimulatedExecutor, StepLauncher),
+    (SimulatedStep, LaunchedStep),
 ])
 def test_each_engine_has_every_method_of_its_interface_with_the_same_signature(implementation, protocol):
     for name, declared in members(protocol).items():
@@ -59,7 +60,7 @@ def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
                           StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
     assert isinstance(core, EngineCore) and isinstance(sim, EngineCore)
     assert isinstance(core.executor, Executor) and isinstance(sim.executor, Executor)
-    assert isinstance(core.executor, DecodeLauncher) and not isinstance(sim.executor, DecodeLauncher)
+    assert isinstance(core.executor, StepLauncher) and isinstance(sim.executor, StepLauncher)
     assert isinstance(core.inputs, RequestInputs) and isinstance(sim.inputs, RequestInputs)
     # one engine: the simulated one is an LLMEngine (its step loop, scheduler and request lifecycle) on another executor
     assert isinstance(sim, LLMEngine) and type(sim.scheduler) is type(core.scheduler)

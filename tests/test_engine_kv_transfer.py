@@ -170,3 +170,62 @@ def test_an_fp8_engine_imports_bfloat16_kv_by_quantizing_it(engines, tiny_moe_ch
     decode.add_request("q", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
     (*_, last) = drain(decode)["q"]
     assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3
+
+
+def without_images(prompt: PromptInput) -> PromptInput:
+    return PromptInput(list(prompt.token_ids))
+
+
+def test_the_export_describes_the_prompts_images_by_grid_and_digest(engines):
+    prefill, decode, _ = engines
+    _, _, export = whole_then_prefill_split(prefill, decode)
+    (image,) = export.image_layout
+    assert (image.grid_rows, image.grid_cols) == (2, 3)  # 64x96 pixels, 32 pixels a visual token
+    assert image.num_tokens == image_prompt().token_ids.count(IMAGE_PAD)
+
+
+def test_kv_import_sent_without_its_images_continues_with_identical_tokens_and_decodes_no_image(engines):
+    prefill, decode, _ = engines
+    encodes = record_encodes(decode)
+    expected, first, export = whole_then_prefill_split(prefill, decode)
+    decode.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=GREEDY.max_tokens - 1),
+                       kv_import=export)
+    rest = drain(decode)["bare"]
+    assert first + tokens(rest) == expected
+    assert {rid for _, rid, _ in encodes} == {"whole"}
+
+
+def test_kv_import_without_images_whose_pad_run_disagrees_with_the_layout_is_rejected(engines):
+    prefill, decode, _ = engines
+    _, _, export = whole_then_prefill_split(prefill, decode)
+    ids = list(image_prompt().token_ids)
+    ids.remove(IMAGE_PAD)  # 5 <|image_pad|> where the layout says 2 x 3
+    ids.insert(0, 198)  # the same length, so only the layout check can tell
+    decode.add_request("short", PromptInput(ids), GREEDY, kv_import=export)
+    (out,) = drain(decode)["short"]
+    assert out.finish_reason is FinishReason.ERROR and "5 <|image_pad|> tokens" in out.error
+
+
+def test_kv_import_without_images_whose_layout_gives_another_mrope_delta_is_rejected(engines):
+    prefill, decode, _ = engines
+    _, _, export = whole_then_prefill_split(prefill, decode)
+    (image,) = export.image_layout
+    export.image_layout = (type(image)(1, 6, image.digest),)  # 6 tokens still, but one row: MRoPE delta 0, not -3
+    decode.add_request("flat", without_images(image_prompt()), GREEDY, kv_import=export)
+    (out,) = drain(decode)["flat"]
+    assert out.finish_reason is FinishReason.ERROR and "MRoPE delta" in out.error
+
+
+def test_a_kv_import_without_its_images_that_is_preempted_finishes_preempted_with_its_tokens_so_far(
+        tiny_moe_checkpoint, engines):
+    prefill, decode, _ = engines
+    _, first, export = whole_then_prefill_split(prefill, decode)
+    small = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=8, block_size=4, max_model_len=256,
+                                   min_pixels=4096, max_pixels=65536))
+    small.add_request("older", PromptInput([151644, 872, 198, 1, 2, 3, 151645, 198]), SamplingParams(max_tokens=20))
+    small.step()  # the older request runs first: when blocks run out, the imported one is the youngest
+    small.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=20), kv_import=export)
+    outs = drain(small)
+    assert outs["bare"][-1].finish_reason is FinishReason.PREEMPTED
+    assert "images" in outs["bare"][-1].error
+    assert outs["older"][-1].finish_reason is FinishReason.LENGTH

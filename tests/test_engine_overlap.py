@@ -1,132 +1,254 @@
-"""engine.overlap_decode_steps: while a decode-only step runs, the engine queues the next one (its input tokens read on
-the device from the running step's samples) before applying the first. The tokens, finish reasons and outputs are
-those of the engine that runs one step at a time; a sequence that stops has its look-ahead token dropped."""
+"""engine.overlap_decode_steps: while a step runs on the device, the engine applies it, schedules the next step and
+launches it behind it (its pending input tokens read there from the running step's samples), then reads the first
+step's tokens back and puts them in place: vLLM's async scheduling, for every kind of step (prompt chunks, images,
+decodes, preemption). The tokens, finish reasons and outputs are those of the engine that runs one step at a time;
+with no stop token the steps themselves are too. A sequence that stops has its look-ahead row dropped."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
 from contract.types import FinishReason, PromptInput, SamplingParams
+from contract.vision_geometry import image_geometry
+from image_fixtures import png
 from workers.config import EngineConfig
-from workers.core.scheduler import ScheduledChunk, SchedulerOutput
+from workers.core.sequence import PENDING_TOKEN
 from workers.engine import LLMEngine
+from workers.executor.model_runner import LaunchedTokens
 
-LIMITS = dict(num_kv_blocks=96, block_size=4, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64)
-PROMPTS = {f"r{i}": [1000 + 37 * i + j for j in range(5 + 3 * i)] for i in range(5)}
-MAX_TOKENS = {"r0": 12, "r1": 20, "r2": 7, "r3": 16, "r4": 20}
-
-
-def engine(checkpoint, overlap: bool) -> LLMEngine:
-    return LLMEngine(EngineConfig(checkpoint=checkpoint, overlap_decode_steps=overlap, **LIMITS))
+VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64
+LIMITS = dict(num_kv_blocks=96, block_size=4, max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64,
+              min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
-def run(eng: LLMEngine, stops: dict[str, int] | None = None, abort_at: tuple[int, str] | None = None,
-        late: int = 3) -> dict[str, tuple[list[int], FinishReason | None]]:
-    """Three requests at once, two more after `late` steps; an abort of a request after some step."""
+@dataclass(frozen=True)
+class Request:
+    prompt: PromptInput
+    max_tokens: int
+    arrival: int = 0  # the engine step after which it is added
+
+
+def text(i: int, n: int) -> PromptInput:
+    return PromptInput([1000 + 37 * i + j for j in range(n)])
+
+
+def with_image(i: int, width: int, height: int, n_text: int) -> PromptInput:
+    image = png(width, height, seed=i)
+    visual = image_geometry(image, MIN_PIXELS, MAX_PIXELS).num_tokens
+    ids = [151644, 872, 198, VISION_START] + [IMAGE_PAD] * visual + [VISION_END] + text(i, n_text).token_ids
+    return PromptInput(ids, [image])
+
+
+# Prompts of many lengths, some over several chunks of a step's budget, some arriving while others decode.
+TEXT = {f"t{i}": Request(text(i, 5 + 9 * i), 6 + 3 * i, arrival=(0, 0, 2, 3, 7)[i]) for i in range(5)}
+IMAGES = {
+    "one": Request(with_image(1, 64, 64, 6), 8),
+    "two": Request(PromptInput(with_image(2, 96, 64, 3).token_ids + with_image(3, 64, 96, 4).token_ids,
+                               with_image(2, 96, 64, 3).images + with_image(3, 64, 96, 4).images), 7, arrival=1),
+    "text": Request(text(4, 30), 9, arrival=2),
+    "late": Request(with_image(5, 128, 64, 5), 6, arrival=6),
+}
+SCENARIOS = {
+    "chunked text prompts": (TEXT, dict(max_num_batched_tokens=16)),
+    "images over chunked prompts": (IMAGES, dict(max_num_batched_tokens=12)),
+    "images encoded ahead, whole prompts": (IMAGES, {}),
+    "a KV pool too small: preemption": ({rid: Request(r.prompt, 12) for rid, r in TEXT.items()},
+                                        dict(num_kv_blocks=14, max_num_batched_tokens=24)),
+}
+
+
+def engine(checkpoint, overlap: bool, **limits) -> LLMEngine:
+    return LLMEngine(EngineConfig(checkpoint=checkpoint, overlap_decode_steps=overlap, **{**LIMITS, **limits}))
+
+
+def run(eng: LLMEngine, requests: dict[str, Request], stops: dict[str, int] | None = None,
+        abort_at: tuple[int, str] | None = None) -> dict[str, tuple[list[int], FinishReason | None]]:
+    """Adds each request after its arrival step, aborts a request after some step; steps until all have finished."""
     stops = stops or {}
-
-    def add(rid: str) -> None:
-        sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[rid],
-                                  stop_token_ids=frozenset({stops[rid]} if rid in stops else ()))
-        eng.add_request(rid, PromptInput(PROMPTS[rid]), sampling)
-
-    for rid in ("r0", "r1", "r2"):
-        add(rid)
-    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     reasons: dict[str, FinishReason | None] = {}
     step = 0
-    while eng.has_unfinished() or step <= late:
+    while eng.has_unfinished() or any(r.arrival >= step for r in requests.values()):
+        for rid, r in requests.items():
+            if r.arrival == step:
+                eng.add_request(rid, r.prompt, SamplingParams(
+                    temperature=0.0, max_tokens=r.max_tokens,
+                    stop_token_ids=frozenset({stops[rid]} if rid in stops else ())))
         for out in eng.step():
+            assert PENDING_TOKEN not in out.new_token_ids
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 assert out.request_id not in reasons, f"{out.request_id} finished twice"
                 reasons[out.request_id] = out.finish_reason
         step += 1
-        if step == late:
-            add("r3")
-            add("r4")
         if abort_at and step == abort_at[0]:
             assert eng.abort(abort_at[1])
         assert step < 500
-    return {rid: (tokens[rid], reasons.get(rid)) for rid in PROMPTS}
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in requests}
 
 
-def launches(eng: LLMEngine) -> list[bool]:
-    """Spies on the runner: for each launched decode step, whether it was queued behind a running one."""
-    calls, launch = [], eng.runner.launch_decodes
+def launches(eng: LLMEngine) -> list[tuple[bool, int, int]]:
+    """Spies on the runner: per launched step, (queued behind a running step, prompt rows, images encoded)."""
+    calls, launch = [], eng.runner.launch
 
     def spy(out, after=None):
-        calls.append(after is not None)
+        prompt = sum(c.num_tokens for c in out.chunks if c.start < c.seq.num_prompt_tokens)
+        calls.append((after is not None, prompt, len(out.encode_now) + len(out.encode_ahead)))
         return launch(out, after)
 
-    eng.runner.launch_decodes = spy
+    eng.runner.launch = spy
     return calls
 
 
-def test_overlapped_decode_steps_give_the_tokens_of_steps_run_one_at_a_time(tiny_moe_checkpoint):
-    one_at_a_time = run(engine(tiny_moe_checkpoint, overlap=False))
-    overlapping = engine(tiny_moe_checkpoint, overlap=True)
+def schedules(eng: LLMEngine) -> list[list[tuple[str, int, int]]]:
+    """Spies on the scheduler: the chunks of every step it schedules, in order."""
+    steps, schedule = [], eng.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append([(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks])
+        return out
+
+    eng.scheduler.schedule = spy
+    return steps
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_overlapped_steps_give_the_tokens_of_steps_run_one_at_a_time(tiny_moe_checkpoint, scenario):
+    requests, limits = SCENARIOS[scenario]
+    plain = engine(tiny_moe_checkpoint, overlap=False, **limits)
+    one_at_a_time = run(plain, requests)
+    overlapping = engine(tiny_moe_checkpoint, overlap=True, **limits)
     queued = launches(overlapping)
-    assert run(overlapping) == one_at_a_time
+    assert run(overlapping, requests) == one_at_a_time
     assert all(reason is FinishReason.LENGTH for _, reason in one_at_a_time.values())
-    assert [len(tokens) for tokens, _ in one_at_a_time.values()] == list(MAX_TOKENS.values())
-    # the decode-only stretches ran overlapped: most launches were queued behind a running step
-    assert sum(queued) > len(queued) / 2 and not all(queued)
-    assert not overlapping.has_unfinished() and overlapping.block_manager.num_free_blocks == LIMITS["num_kv_blocks"]
+    assert [len(tokens) for tokens, _ in one_at_a_time.values()] == [r.max_tokens for r in requests.values()]
+    # steps carrying prompt rows were launched behind running steps, not only decode-only ones
+    assert sum(behind for behind, _, _ in queued) > len(queued) / 2
+    assert any(behind and prompt for behind, prompt, _ in queued)
+    if requests is IMAGES:
+        assert any(behind and images for behind, _, images in queued)
+    if "preemption" in scenario:
+        assert plain.scheduler.num_preemptions > 0 and overlapping.scheduler.num_preemptions > 0
 
 
-def test_a_stop_token_drops_the_token_sampled_ahead_and_an_abort_ends_the_request_once(tiny_moe_checkpoint):
-    plain = run(engine(tiny_moe_checkpoint, overlap=False))
-    # r1 and r4 stop on a token each samples mid-way (its first occurrence), r0 is aborted while decoding
-    stops = {"r1": plain["r1"][0][6], "r4": plain["r4"][0][9]}
-    one_at_a_time = run(engine(tiny_moe_checkpoint, overlap=False), stops, abort_at=(9, "r0"))
-    overlapping = engine(tiny_moe_checkpoint, overlap=True)
+@pytest.mark.parametrize("scenario", ["images over chunked prompts", "a KV pool too small: preemption"])
+def test_with_every_request_there_from_the_start_and_no_stop_token_the_steps_are_those_of_one_at_a_time(
+        tiny_moe_checkpoint, scenario):
+    requests, limits = SCENARIOS[scenario]
+    at_once = {rid: Request(r.prompt, r.max_tokens) for rid, r in requests.items()}
+    plain, overlapping = engine(tiny_moe_checkpoint, False, **limits), engine(tiny_moe_checkpoint, True, **limits)
+    expected, got = schedules(plain), schedules(overlapping)
+    assert run(overlapping, at_once) == run(plain, at_once)
+    # the overlapping engine schedules each step a call early, from the applied state: the same decisions (and, after
+    # the last step, a look-ahead that finds nothing to run)
+    assert [s for s in got if s] == [s for s in expected if s] and len(expected) > 10
+
+
+def test_a_stop_token_drops_the_row_sampled_ahead_and_an_abort_ends_the_request_once(tiny_moe_checkpoint):
+    requests, limits = SCENARIOS["chunked text prompts"]
+    plain = run(engine(tiny_moe_checkpoint, False, **limits), requests)
+    # t3 and t4 stop on a token each samples mid-way (its first occurrence), t1 is aborted while decoding (one that is
+    # there from the start: a request added after a step is admitted a step later when the next step was scheduled
+    # while that one ran)
+    stops = {"t3": plain["t3"][0][5], "t4": plain["t4"][0][6]}
+    one_at_a_time = run(engine(tiny_moe_checkpoint, False, **limits), requests, stops, abort_at=(5, "t1"))
+    overlapping = engine(tiny_moe_checkpoint, True, **limits)
     queued = launches(overlapping)
-    got = run(overlapping, stops, abort_at=(9, "r0"))
+    got = run(overlapping, requests, stops, abort_at=(5, "t1"))
     assert got == one_at_a_time
-    assert got["r1"][1] is FinishReason.STOP and got["r1"][0][-1] == stops["r1"]
-    assert got["r1"][0].index(stops["r1"]) == len(got["r1"][0]) - 1 < MAX_TOKENS["r1"] - 1
-    assert got["r4"][1] is FinishReason.STOP
-    assert got["r0"][1] is FinishReason.ABORT and len(got["r0"][0]) < MAX_TOKENS["r0"]
-    assert any(queued)
-    assert overlapping.block_manager.num_free_blocks == LIMITS["num_kv_blocks"]
+    for rid in stops:
+        tokens, reason = got[rid]
+        assert reason is FinishReason.STOP and tokens.index(stops[rid]) == len(tokens) - 1 < requests[rid].max_tokens - 1
+    assert got["t1"][1] is FinishReason.ABORT and 0 < len(got["t1"][0]) < requests["t1"].max_tokens
+    assert any(behind for behind, _, _ in queued)
 
 
-def test_the_next_decodes_are_scheduled_ahead_only_when_they_surely_follow(tiny_moe_checkpoint):
-    eng = engine(tiny_moe_checkpoint, overlap=False)
-    for rid, n in (("a", 3), ("b", 30)):
-        eng.add_request(rid, PromptInput(PROMPTS["r1"]), SamplingParams(temperature=0.0, max_tokens=n))
-    eng.step()  # both prompts
-    eng.step()  # a's second token
-    s = eng.scheduler
-    out = s.schedule()
-    assert out.is_decode_only and len(out.chunks) == 2
-    a, b = (c.seq for c in out.chunks)
-    bm = eng.block_manager
-    free, need = bm.num_free_blocks, bm.blocks_needed(b, b.num_tokens + 1)
-    ahead = s.schedule_next_decodes(out)
-    # a's third token (this step's) is its last: only b goes on, one position further, its blocks taken now
-    assert ahead is not None and [(c.seq.request_id, c.start, c.num_tokens) for c in ahead.chunks] == [("b", b.num_tokens, 1)]
-    assert bm.num_free_blocks == free - need and len(b.block_table) * LIMITS["block_size"] >= b.num_tokens + 1
-    # nothing is scheduled ahead while a request waits for admission, or for a step that is not decodes alone
-    eng.add_request("c", PromptInput(PROMPTS["r2"]), SamplingParams(temperature=0.0, max_tokens=4))
-    assert s.schedule_next_decodes(out) is None
-    assert s.schedule_next_decodes(SchedulerOutput(chunks=[ScheduledChunk(a, 0, 2)])) is None
+def drain(eng: LLMEngine) -> dict[str, tuple[list[int], FinishReason | None]]:
+    got: dict[str, tuple[list[int], FinishReason | None]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, _ = got.get(out.request_id, ([], None))
+            got[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
+    return got
 
 
-def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_time(caplog):
+def test_a_prefill_only_request_and_its_kv_imported_elsewhere_overlap_too(tiny_moe_checkpoint):
+    prompt, greedy = IMAGES["one"].prompt, SamplingParams(temperature=0.0, max_tokens=8)
+    whole = run(engine(tiny_moe_checkpoint, False), {"whole": Request(prompt, 8)})["whole"][0]
+    prefill, decode = engine(tiny_moe_checkpoint, True), engine(tiny_moe_checkpoint, True)
+    prefill.add_request("p", prompt, greedy, prefill_only=True)
+    prefill.add_request("beside", text(1, 20), greedy)  # keeps steps launching behind p's
+    first, reason = drain(prefill)["p"]
+    assert len(first) == 1 and reason in (FinishReason.LENGTH, FinishReason.STOP)
+    export = prefill.export_kv("p")  # held until released: the step behind its last one did not touch its blocks
+    assert prefill.release("p") and prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    decode.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=7), kv_import=export)
+    decode.add_request("beside", text(2, 9), greedy)
+    rest, _ = drain(decode)["p"]
+    assert first + rest == whole
+
+
+def test_a_step_that_fails_to_launch_behind_a_running_one_fails_its_requests_and_the_rest_go_on(tiny_moe_checkpoint):
+    requests, limits = SCENARIOS["chunked text prompts"]
+    eng = engine(tiny_moe_checkpoint, True, **limits)
+    launch, failed = eng.runner.launch, []
+
+    def fail_once_behind(out, after=None):
+        if after is not None and not failed and any(c.seq.request_id == "t2" for c in out.chunks):
+            failed.extend(c.seq.request_id for c in out.chunks)
+            raise RuntimeError("injected")
+        return launch(out, after)
+
+    eng.runner.launch = fail_once_behind
+    got = run(eng, requests)
+    assert "t2" in failed
+    assert {rid for rid, (_, reason) in got.items() if reason is FinishReason.ERROR} == set(failed)
+    assert all(reason is FinishReason.LENGTH for rid, (_, reason) in got.items() if rid not in failed)
+
+
+def test_a_step_whose_tokens_cannot_be_read_fails_with_the_step_queued_behind_it(tiny_moe_checkpoint, monkeypatch):
+    requests, limits = SCENARIOS["chunked text prompts"]
+    eng = engine(tiny_moe_checkpoint, True, **limits)
+    steps, launch, waits, read = [], eng.runner.launch, [], LaunchedTokens.wait
+
+    def recorded(out, after=None):
+        steps.append({c.seq.request_id for c in out.chunks})
+        return launch(out, after)
+
+    def wait(self):
+        waits.append(self)
+        if len(waits) == 5:
+            raise RuntimeError("injected")
+        return read(self)
+
+    eng.runner.launch = recorded
+    monkeypatch.setattr(LaunchedTokens, "wait", wait)
+    got = run(eng, requests)
+    # the fifth step's wait failed: its requests, and those of the sixth, launched behind it, end with the error
+    assert {rid for rid, (_, reason) in got.items() if reason is FinishReason.ERROR} == steps[4] | steps[5]
+    assert all(reason is FinishReason.LENGTH for rid, (_, reason) in got.items() if rid not in steps[4] | steps[5])
+
+
+def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_time(caplog, monkeypatch):
     from pathlib import Path
 
     from workers.sim.config import SimulationConfig
-    from workers.sim.engine import SimulatedEngine
+    from workers.sim.engine import SimulatedEngine, SimulatedExecutor
     from workers.sim.step_model import StepModel
 
-    with caplog.at_level("WARNING"):
+    # as a multi-GPU instance's executor: it cannot launch a step behind a running one
+    monkeypatch.setattr(SimulatedExecutor, "can_overlap", property(lambda self: False))
+    with caplog.at_level("INFO"):
         sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated"), overlap_decode_steps=True, **LIMITS),
                               SimulationConfig(model="qwen3-vl-30b-a3b"), StepModel.build("h200", "qwen3-vl-30b-a3b"),
                               realtime=False)
-    assert "cannot queue steps ahead" in caplog.text
-    sim.add_request("x", PromptInput(PROMPTS["r0"]), SamplingParams(temperature=0.0, max_tokens=5))
+    assert "cannot queue steps ahead" in caplog.text and not sim._overlap
+    sim.add_request("x", text(0, 5), SamplingParams(temperature=0.0, max_tokens=5))
     while sim.has_unfinished():
         sim.step()
     assert sim._launched is None
@@ -146,23 +268,25 @@ def test_on_cuda_overlapped_steps_read_their_inputs_on_the_device_and_give_the_s
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    requests, limits = SCENARIOS["images over chunked prompts"]
+    at_once = {rid: Request(r.prompt, r.max_tokens) for rid, r in requests.items()}
 
     def cuda_engine(overlap: bool) -> LLMEngine:
-        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16",
-                                      enforce_eager=enforce_eager, warm_up=False, overlap_decode_steps=overlap, **LIMITS))
+        return engine(tiny_moe_checkpoint, overlap, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
+                      warm_up=False, **limits)
 
-    # ends by length only: every step has the same sequences either way, so the same kernels see the same rows
-    expected = run(cuda_engine(False))
+    # every request from the start, ends by length only: the same steps either way, so the same kernels see the same
+    # rows and bf16 gives the same tokens
+    expected = run(cuda_engine(False), at_once)
     overlapping = cuda_engine(True)
     queued = launches(overlapping)
-    assert run(overlapping) == expected
-    assert sum(queued) > len(queued) / 2
+    assert run(overlapping, at_once) == expected
+    assert sum(behind for behind, _, _ in queued) > len(queued) / 2 and any(behind and p for behind, p, _ in queued)
     # a stop token: the stopped request ends on it, once; (the step after it carries one row more than one step at a
     # time would, so the other requests' bf16 tokens are not compared across the two)
-    stop = expected["r1"][0][6]
-    got = run(cuda_engine(True), {"r1": stop})
-    assert got["r1"][1] is FinishReason.STOP and got["r1"][0][-1] == stop and got["r1"][0].count(stop) == 1
-    for rid in ("r0", "r2", "r3", "r4"):
-        tokens, reason = got[rid]
-        assert reason in (FinishReason.LENGTH, FinishReason.STOP) and len(tokens) <= MAX_TOKENS[rid]
-        assert reason is FinishReason.STOP or len(tokens) == MAX_TOKENS[rid]
+    stop = expected["one"][0][3]
+    got = run(cuda_engine(True), at_once, {"one": stop})
+    assert got["one"][1] is FinishReason.STOP and got["one"][0][-1] == stop and got["one"][0].count(stop) == 1
+    for rid, (tokens, reason) in got.items():
+        assert reason in (FinishReason.LENGTH, FinishReason.STOP) and len(tokens) <= at_once[rid].max_tokens
+        assert reason is FinishReason.STOP or len(tokens) == at_once[rid].max_tokens

@@ -10,8 +10,9 @@ from contract.types import FinishReason, SamplingParams
 from workers.core.block_manager import BlockManager
 from workers.core.encoder_cache import VisionCost
 from workers.config import EngineConfig
-from workers.core.scheduler import Scheduler, SchedulerLimits
-from workers.core.sequence import Sequence
+from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from workers.core.slack import StepClock
+from workers.core.sequence import PENDING_TOKEN, Sequence
 
 EOS = 99
 
@@ -267,6 +268,64 @@ def test_prefill_only_keeps_its_blocks_until_released():
     assert sched.release("p") and bm.num_free_blocks == bm.num_blocks
 
 
+def three_requests() -> tuple[Scheduler, BlockManager]:
+    sched, bm = make(budget=8, num_blocks=16)
+    sched.add(seq("last", 2, max_tokens=1))  # its first token is its last
+    sched.add(seq("goes-on", 3))
+    sched.add(seq("long", 12, first=50))  # over two steps
+    return sched, bm
+
+
+def test_a_step_applied_before_its_tokens_are_known_schedules_the_next_as_its_update_would():
+    (updated, bm_u), (applied, bm_a) = three_requests(), three_requests()
+    first_u, first_a = updated.schedule(), applied.schedule()
+    updated.update(first_u, {"last": 5, "goes-on": 6})
+    applied.apply(first_a)
+    # the sampled tokens are pending, "last" has already ended by length and given its blocks back
+    assert [(s.request_id, s.token_ids[-1] == PENDING_TOKEN) for s in applied.running] == [("goes-on", True),
+                                                                                          ("long", False)]
+    last = first_a.chunks[0].seq
+    assert last.finish_reason is FinishReason.LENGTH and last.token_ids[-1] == PENDING_TOKEN
+    assert bm_a.num_free_blocks == bm_u.num_free_blocks
+    second_u, second_a = updated.schedule(), applied.schedule()
+    assert chunks(second_a) == chunks(second_u) == [("goes-on", 3, 1), ("long", 3, 7)]
+    assert [c.samples for c in second_a.chunks] == [c.samples for c in second_u.chunks] == [True, False]
+    # the tokens put in place: the same sequences as the update, ended the same way
+    changed = applied.resolve(first_a, {"last": 5, "goes-on": 6})
+    assert [s.request_id for s in changed] == ["last", "goes-on"]
+    assert [(s.token_ids, s.finish_reason) for s in changed] == [
+        (c.seq.token_ids, c.seq.finish_reason) for c in first_u.chunks if c.samples]
+
+
+def test_a_stop_token_resolved_after_the_next_step_was_scheduled_ends_the_sequence_and_drops_its_row_ahead():
+    sched, bm = make()
+    s = seq("s", 3)
+    sched.add(s)
+    first = sched.schedule()
+    sched.apply(first)
+    ahead = sched.schedule()  # decodes the pending token, which is not known yet
+    assert chunks(ahead) == [("s", 3, 1)] and ahead.chunks[0].samples
+    assert [(c.request_id, c.finish_reason) for c in sched.resolve(first, {"s": EOS})] == [("s", FinishReason.STOP)]
+    assert s.token_ids == [1, 2, 3, EOS] and bm.num_free_blocks == bm.num_blocks
+    assert sched.update(ahead, {"s": 5}) == [] and s.token_ids == [1, 2, 3, EOS]
+
+
+def test_a_failed_step_drops_its_pending_tokens_and_what_it_ended_by_length_ends_with_the_error():
+    sched, bm = make(budget=16)
+    goes_on, last, held = seq("goes-on", 3), seq("last", 2, max_tokens=1), seq("held", 4)
+    held.prefill_only = True
+    for s in (goes_on, last, held):
+        sched.add(s)
+    out = sched.schedule()
+    sched.apply(out)
+    assert sched.held["held"] is held and last.is_finished
+    failed = sched.fail(out, "device lost")
+    assert {s.request_id for s in failed} == {"goes-on", "last", "held"}
+    assert all(s.finish_reason is FinishReason.ERROR and s.error == "device lost" for s in failed)
+    assert [s.num_tokens for s in (goes_on, last, held)] == [3, 2, 4] and not sched.held
+    assert bm.num_free_blocks == bm.num_blocks and not sched.has_unfinished()
+
+
 def test_prefix_caching_shares_full_blocks_of_an_identical_prefix():
     sched, bm = make(budget=64, caching=True)
     a = seq("a", 10)
@@ -370,3 +429,102 @@ def test_the_only_requests_large_image_is_encoded_in_one_go_and_a_spread_pass_fi
     assert sched.find("short") is None
     assert [(e.first_block, e.num_blocks) for e in second.encode_now] == [(4, 4)]  # alone now: the rest at once
     assert ("big", 0, 40) in chunks(second)
+
+
+# ---- latency slack (workers/core/slack.py) ------------------------------------------------------
+
+
+def slack_scheduler(now: float = 100.0):
+    """Encoder budget 16 rows, an 8-block tower; a clock stopped at `now`, and what its steps took: 10 ms a step
+    without tower work, 1 ms per unit of tower cost, 5 tokens a request."""
+    limits = SchedulerLimits(8, 64, 1000, max_num_encoder_tokens=16, vision=VisionCost(depth=8))
+    sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}), clock=lambda: now)
+    sched.step_clock = StepClock(decode_s=0.010, tower_s_per_cost=0.001, output_tokens=5)
+    return sched
+
+
+def bounded(s: Sequence, deadline: float | None) -> Sequence:
+    s.deadline = deadline
+    return s
+
+
+def big_pass(sched: Scheduler) -> list[tuple[int, int]]:
+    """(first block, blocks) of the big image's tower work in the next step."""
+    return [(e.first_block, e.num_blocks) for e in step(sched).encode_now if e.seq.request_id == "big"]
+
+
+def test_a_large_pass_runs_whole_when_every_other_request_has_the_slack_to_wait_for_it():
+    # the 32-row image's whole pass costs 32 units: 32 ms; "other" has ~100 s to spare
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=50), deadline=200.0))
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    assert big_pass(sched) == [(0, 0)]
+
+
+@pytest.mark.parametrize("deadline", [100.06, None], ids=["slack-shorter-than-the-pass", "no-bound"])
+def test_a_large_pass_is_spread_while_another_request_would_miss_its_bound_or_has_none(deadline):
+    # 100.06 s: 60 ms, less its 5 expected decode steps (50 ms), leaves 10 ms, less than the pass's 32 ms
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=50), deadline=deadline))
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    assert big_pass(sched) == [(0, 4)]
+
+
+def test_a_request_already_past_saving_does_not_hold_a_pass_back():
+    sched = slack_scheduler()
+    sched.add(bounded(seq("late", 4, max_tokens=50), deadline=99.0))  # its bound ran out a second ago
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    assert big_pass(sched) == [(0, 0)]
+
+
+def test_before_any_step_with_tower_work_was_seen_a_pass_is_spread():
+    sched = slack_scheduler()
+    sched.step_clock = StepClock(decode_s=0.010)
+    sched.add(bounded(seq("other", 4, max_tokens=50), deadline=200.0))
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    assert big_pass(sched) == [(0, 4)]
+
+
+def test_a_spread_pass_finishes_at_once_when_the_others_can_wait_for_the_rest():
+    sched = slack_scheduler()
+    other = bounded(seq("other", 4, max_tokens=50), deadline=100.06)
+    sched.add(other)
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    assert big_pass(sched) == [(0, 4)]
+    other.deadline = 200.0  # (as if time had stood still for "other" while its bound grew)
+    assert big_pass(sched) == [(4, 4)]  # the remaining 4 blocks in one step
+
+
+def test_waiting_requests_with_a_bound_are_admitted_by_deadline_before_those_without():
+    sched = slack_scheduler()
+    for rid, deadline in [("offline", None), ("server", 112.0), ("interactive", 101.5), ("server-2", 112.5)]:
+        sched.add(bounded(seq(rid, 4), deadline))
+    assert [s.request_id for s in sched.waiting] == ["interactive", "server", "server-2", "offline"]
+
+
+def test_the_step_clock_learns_the_engines_steps_and_outputs():
+    clock = StepClock()
+    clock.observe_step(0.5, tower_cost=100)  # tower work before any plain step: nothing to subtract it from yet
+    assert clock.tower_s_per_cost is None
+    for _ in range(30):
+        clock.observe_step(0.020, tower_cost=0)
+        clock.observe_step(0.120, tower_cost=100)
+        clock.observe_output(40)
+    assert clock.decode_s == pytest.approx(0.020) and clock.tower_s_per_cost == pytest.approx(0.001)
+    assert clock.tower_s(500) == pytest.approx(0.5) and clock.output_tokens == pytest.approx(40)
+    s = bounded(seq("r", 4, max_tokens=150), deadline=10.0)
+    assert clock.slack(s, now=9.0) == pytest.approx(1.0 - 40 * 0.020)  # expected output, not max_tokens
+    assert clock.slack(bounded(seq("x", 4), None), now=9.0) is None
+
+
+def test_the_scheduler_learns_from_the_steps_the_engine_reports():
+    sched = slack_scheduler()
+    sched.step_clock = StepClock()
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    out = step(sched)  # alone: the whole pass, 32 units
+    sched.observe_step(0.010, SchedulerOutput(chunks=[]))  # an empty step teaches nothing
+    assert sched.step_clock.decode_s is None
+    sched.observe_step(0.010, step(sched))  # a decode step
+    sched.observe_step(0.042, out)
+    assert sched.step_clock.decode_s == pytest.approx(0.010)
+    assert sched.step_clock.tower_s_per_cost == pytest.approx(0.032 / 32)

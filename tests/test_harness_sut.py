@@ -144,10 +144,24 @@ class GateOpeningSUT(RouterSUT):
         self._gate.set()
 
 
+LATENCY_BOUND_S = 12.0
+
+
+def test_queries_carry_loadgens_target_latency_as_their_bound_and_offline_none():
+    from harness.loadgen_run import latency_bound_s
+    from harness.scenarios import Scenario
+
+    settings = lg.TestSettings()
+    settings.server_target_latency_ns = 1_500_000_000
+    assert latency_bound_s(Scenario.INTERACTIVE, settings) == 1.5
+    assert latency_bound_s(Scenario.SERVER, settings) == 1.5
+    assert latency_bound_s(Scenario.OFFLINE, settings) == 0.0
+
+
 def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode,
                 reconnect_s: float = 0.0, sut_class=RouterSUT) -> RouterSUT:
     settings = SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL,
-                           reconnect_s=reconnect_s, reconnect_interval_s=0.05)
+                           reconnect_s=reconnect_s, reconnect_interval_s=0.05, latency_bound_s=LATENCY_BOUND_S)
     return run_sut_test(StoreDouble(), lambda ids: "".join(chr(i) for i in ids), settings, out, scenario, mode,
                         NUM_SAMPLES, sut_class)
 
@@ -238,6 +252,7 @@ def test_server_run_completes_every_issued_query(router_double, tmp_path):
     router, address = router_double
     sut = run_loadgen(address, tmp_path, lg.TestScenario.Server, lg.TestMode.PerformanceOnly)
     assert {r.stream_interval for r in router.requests} == {STREAM_INTERVAL}  # the SUT asks for batched chunks
+    assert {r.latency_bound_s for r in router.requests} == {LATENCY_BOUND_S}  # and says what its bound is
     issued, completed, failed = sut.progress.counts
     assert issued == completed >= NUM_SAMPLES
     assert failed == len(json.loads((tmp_path / FAILED_SAMPLES_FILE).read_text())) > 0

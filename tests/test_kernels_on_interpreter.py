@@ -1,8 +1,8 @@
 """Our Triton kernels on Triton's CPU interpreter: the kernel test files run in a subprocess with
 TRITON_INTERPRET=1 and the interpreter's packages (scripts/bootstrap.sh puts them in .kernel-interpreter), so CI,
 which has no GPU, still checks every kernel's logic (tiled and GEMV MoE, TMA weight tiles, routing and alignment,
-paged prefill and split decode attention, fused norms and rotary, FP8 quantisation, GEMM and MoE) against its
-torch reference."""
+paged prefill and split decode attention, fused norms and rotary, FP8 quantisation, GEMM and MoE, norm +
+quantisation and route + align in one launch each) against its torch reference."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ KERNEL_TESTS = [
     "tests/test_engine_moe_kernels.py",
     "tests/test_engine_vision_kernels.py",
     "tests/test_fp8_kernels.py",
+    "tests/test_fused_layer_kernels.py",
     "tests/test_vision_attention.py",
 ]
 

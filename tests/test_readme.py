@@ -126,11 +126,12 @@ def test_the_router_figures_the_readme_quotes_are_those_bench_router_printed():
 
     prose = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
     bullet = prose[prose.index("`scripts/bench_router.py` — "):prose.index("`scripts/bench_router_burst.py` — ")]
-    [path] = re.findall(r"both runs in `(benchmarks/[\w.-]+\.json)`", bullet)
-    runs = json.loads((REPO / path).read_text())["runs"]
-    [(first, second)] = re.findall(r"vllm-router \(its `power_of_two` policy\) ([\d,]+) and ([\d,]+) req/s", bullet)
-    assert [int(first.replace(",", "")), int(second.replace(",", ""))] == [
-        round(run["vllm_router"]["http"]["requests_per_s"]) for run in runs]
-    grpc = {round(run[policy]["grpc"]["requests_per_s"]) for run in runs for policy in ("round_robin", "least_loaded")}
-    quoted = {int(n) for pair in re.findall(r"(\d+) / (\d+)", bullet.split("over gRPC")[0]) for n in pair}
-    assert grpc == quoted
+    [path] = re.findall(r"`(benchmarks/[\w.-]+\.json)`", bullet)
+    run = json.loads((REPO / path).read_text())
+    [quoted] = re.findall(r"carried (\d+) / (\d+) req/s over gRPC streaming every step's tokens, (\d+) / (\d+) with "
+                          r"the SUT's 16-token chunks and (\d+) / (\d+) over HTTP", bullet)
+    printed = [round(run[policy][point]["requests_per_s"]) for point in ("grpc", "grpc_sut_chunks", "http")
+               for policy in ("round_robin", "least_loaded")]
+    assert [int(n) for n in quoted] == printed
+    [vllm] = re.findall(r"vllm-router ([\d,]+) \(", bullet)
+    assert int(vllm.replace(",", "")) == round(run["vllm_router"]["http"]["requests_per_s"])

@@ -11,10 +11,11 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.types import FinishReason, RequestOutput
 from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
-from workers.sim.instant_engine import next_token
+from workers.sim.instant_engine import InstantEngine, next_token
 from tests.router_fixtures import FAST_HEALTH, Cluster, collect, request, run
 
 
@@ -343,6 +344,48 @@ def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulle
             assert c.engines[0].requests_seen == ["pd#1"] and c.engines[1].requests_seen == ["pd#2"]
             await wait_until(lambda: c.engines[0].held_kv == [])  # released after the pull
             assert chunks[-1].completion_tokens == 10
+
+    run(body())
+
+
+def test_images_cross_each_hop_once_the_decode_worker_gets_none():
+    async def body():
+        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+            req = request("img", prompt_len=64, max_tokens=6, images=[b"an encoded image", b"another"])
+            tokens, _ = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)
+            assert c.engines[0].images_seen == {"img#1": 2} and c.engines[1].images_seen == {"img#2": 0}
+
+    run(body())
+
+
+class PreemptingEngine(InstantEngine):
+    """An instant engine that, like a decode worker short of KV blocks, drops a KV-imported request after its first
+    tokens and cannot compute it again (it has none of the prompt's images): it ends it PREEMPTED."""
+
+    async def generate(self, request_id, prompt, sampling, *, kv_import=None, **kwargs):
+        outputs = super().generate(request_id, prompt, sampling, kv_import=kv_import, **kwargs)
+        async for out in outputs:
+            if kv_import is not None and out.num_generated_tokens == 2:
+                await outputs.aclose()
+                yield RequestOutput(request_id, out.new_token_ids, True, FinishReason.PREEMPTED, "preempted",
+                                    out.num_prompt_tokens, out.num_generated_tokens)
+                return
+            yield out
+
+
+def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images():
+    async def body():
+        async with Cluster(roles=("prefill",), config=DISAGG) as c:
+            await c.add_worker("w1", "decode", engine=PreemptingEngine())
+            await c.client.wait_for_workers(2)
+            req = request("pre", prompt_len=64, max_tokens=8, images=[b"an encoded image"])
+            tokens, chunks = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req)  # no token lost or repeated across the hand-back
+            assert chunks[-1].completion_tokens == 8
+            decode = c.engines[1]
+            assert decode.images_seen == {"pre#2": 0, "pre#3": 1}  # the replay carries the image again
+            assert c.router.registry.get("w1").healthy
 
     run(body())
 

@@ -142,3 +142,41 @@ def test_least_loaded_beats_round_robin_at_the_tail_or_ties():
         assert len(result.latencies_s) == 200
         p99[policy] = result.percentile(0.99)
     assert p99["least_loaded"] <= p99["round_robin"] * 1.05
+
+
+def test_a_requests_latency_bound_becomes_its_deadline_on_the_engines_clock():
+    e = engine()
+    e.scheduler.clock = lambda: 50.0
+    prepared = e.prepare_request("bounded", PROMPT, SamplingParams(max_tokens=5))
+    prepared.submitted, prepared.latency_bound_s = prepared.prepare_ended - 0.25, 1.5  # it waited 0.25 s to be prepared
+    e.add_prepared(prepared)
+    e.add_prepared(e.prepare_request("unbounded", PROMPT, SamplingParams(max_tokens=5)))
+    assert e.scheduler.find("bounded").deadline == pytest.approx(51.25)
+    assert e.scheduler.find("unbounded").deadline is None
+    run_all(e)
+    assert e.scheduler.step_clock.decode_s is not None  # the steps it ran, as the step model timed them
+
+
+def test_the_async_engine_hands_a_requests_latency_bound_to_the_engine():
+    from workers.serve.async_engine import AsyncEngine
+
+    e = engine(time_scale=0.01)
+    e.realtime = True
+    deadlines, add = {}, e.add_prepared
+
+    def recording_add(prepared):
+        add(prepared)
+        seq = e.scheduler.find(prepared.request_id)
+        deadlines[prepared.request_id] = None if seq is None else seq.deadline - e.scheduler.clock()
+
+    e.add_prepared = recording_add
+    wrapped = AsyncEngine(e)
+
+    async def go():
+        return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=5), latency_bound_s=12.0)]
+
+    try:
+        asyncio.run(go())
+    finally:
+        wrapped.shutdown()
+    assert 11.0 < deadlines["a"] <= 12.0  # 12 s from its hand-over, less its wait to be prepared

@@ -1,6 +1,7 @@
 """The simulated engine makes the real engine's scheduling decisions: for the same requests arriving at the same
 steps, the same chunks every step and the same images encoded in the same steps (now or ahead), so that what the
-step model charges for vision is what the real runner runs."""
+step model charges for vision is what the real runner runs; with engine.overlap_decode_steps (each step scheduled
+while the one before runs) too."""
 
 from __future__ import annotations
 
@@ -70,11 +71,13 @@ def run(engine) -> tuple[list, list]:
     return steps, encodes
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "overlapped-steps"])
 @pytest.mark.parametrize("encode_ahead", [True, False])
-def test_the_simulated_engine_schedules_and_encodes_as_the_real_engine_does(tiny_moe_checkpoint, encode_ahead):
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, encode_ahead=encode_ahead, **LIMITS))
+def test_the_simulated_engine_schedules_and_encodes_as_the_real_engine_does(tiny_moe_checkpoint, encode_ahead, overlap):
+    settings = dict(encode_ahead=encode_ahead, overlap_decode_steps=overlap, **LIMITS)
+    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, **settings))
     sim = SimulatedEngine(
-        EngineConfig(checkpoint=Path("simulated"), encode_ahead=encode_ahead, **LIMITS),
+        EngineConfig(checkpoint=Path("simulated"), **settings),
         SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000),
         StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False, vision=real.scheduler.limits.vision,
     )

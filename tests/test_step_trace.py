@@ -28,9 +28,10 @@ def traced_work(directory: Path) -> list[dict]:
 
 
 def test_the_real_engine_traces_each_step_with_the_work_the_simulated_engine_charges(tiny_moe_checkpoint, tmp_path):
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    one_at_a_time = dict(overlap_decode_steps=False, **LIMITS)  # run() counts the scheduler's calls as steps
+    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **one_at_a_time))
     sim = SimulatedEngine(
-        EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **LIMITS),
+        EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **one_at_a_time),
         SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000),
         StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False, vision=real.scheduler.limits.vision,
     )

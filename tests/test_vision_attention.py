@@ -19,6 +19,9 @@ ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or 
 SMALL = va.KernelConfig(16, 16, 4, 1)  # K and V tiles through tensor descriptors
 SMALL_POINTERS = va.KernelConfig(16, 16, 4, 1, tma=False)
 SMALL_FP8 = va.KernelConfig(16, 32, 4, 1, tma=False)  # FP8's k-step is 32
+SMALL_FP8_DESCRIPTORS = va.KernelConfig(16, 32, 4, 1)
+SMALL_LAZY = va.KernelConfig(16, 16, 4, 1, lazy_rescale=True)
+SMALL_FP8_LAZY = va.KernelConfig(16, 32, 4, 1, lazy_rescale=True)
 # frames of unequal sizes, none a multiple of the tiles: the tail tiles and the frame edges are masked
 RUNS = [(37, 2), (20, 1), (5, 1)]
 
@@ -42,10 +45,11 @@ def exact(q, k, v, frames):
 
 def test_block_table_covers_every_query_row_once_largest_frame_first():
     table = va.block_table([(5, 1), (40, 2), (3, 1)], 16, torch.device("cpu")).tolist()
-    # frames: [0, 5), [5, 45), [45, 85), [85, 88); the two 40-row frames first, then 5, then 3
-    assert table == [[5, 5, 45], [21, 5, 45], [37, 5, 45], [45, 45, 85], [61, 45, 85], [77, 45, 85],
-                     [0, 0, 5], [85, 85, 88]]
-    covered = sorted(r for q, start, end in table for r in range(q, min(q + 16, end)))
+    # frames: [0, 5), [5, 45), [45, 85), [85, 88); the two 40-row frames first, then 5, then 3; each frame's keys
+    # from a multiple of 16 in the aligned layout: 0, 16, 64, 112
+    assert table == [[5, 5, 45, 16], [21, 5, 45, 16], [37, 5, 45, 16], [45, 45, 85, 64], [61, 45, 85, 64],
+                     [77, 45, 85, 64], [0, 0, 5, 0], [85, 85, 88, 112]]
+    covered = sorted(r for q, start, end, _ in table for r in range(q, min(q + 16, end)))
     assert covered == list(range(88))
 
 
@@ -88,7 +92,7 @@ def test_on_the_cpu_every_implementation_runs_sdpa():
 
 
 @ON_INTERPRETER
-@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS, SMALL_LAZY], ids=["descriptors", "pointers", "lazy"])
 @pytest.mark.parametrize("dim", [72, 24, 64])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_kernel_is_attention_within_each_frame(dim, dtype, bound, config):
@@ -100,10 +104,12 @@ def test_triton_kernel_is_attention_within_each_frame(dim, dtype, bound, config)
 
 
 @ON_INTERPRETER
-def test_fp8_kernel_is_attention_within_fp8_rounding():
+@pytest.mark.parametrize("config", [SMALL_FP8, SMALL_FP8_DESCRIPTORS, SMALL_FP8_LAZY],
+                         ids=["pointers", "descriptors", "lazy"])
+def test_fp8_kernel_is_attention_within_fp8_rounding(config):
     q, k, v = draw(RUNS, 2, 72, "cpu", torch.float16, seed=3)
     want = exact(q, k, v, RUNS)
-    got = va.attention_triton_fp8(q, k, v, va.AttentionPlan(RUNS), 72**-0.5, SMALL_FP8)
+    got = va.attention_triton_fp8(q, k, v, va.AttentionPlan(RUNS), 72**-0.5, config)
     error = relative_error(got, want)
     # e4m3 keeps 3 mantissa bits: a few percent on random data, never a wrong frame (that would be ~100%)
     assert 1e-3 < error < 0.1
@@ -113,24 +119,71 @@ def test_fp8_kernel_is_attention_within_fp8_rounding():
 
 
 @ON_INTERPRETER
-@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS], ids=["descriptors", "pointers"])
-def test_a_frame_attends_only_to_itself(config):
-    q, k, v = draw([(20, 1), (20, 1)], 1, 72, "cpu", torch.float32, seed=4)
+@pytest.mark.parametrize("attend,config", [(va.attention_triton, SMALL), (va.attention_triton, SMALL_POINTERS),
+                                           (va.attention_triton_fp8, SMALL_FP8_DESCRIPTORS)],
+                         ids=["descriptors", "pointers", "fp8-descriptors"])
+def test_a_frame_attends_only_to_itself(attend, config):
+    q, k, v = draw([(20, 1), (20, 1)], 2, 72, "cpu", torch.float32, seed=4)
     plan = va.AttentionPlan([(20, 1), (20, 1)])
-    base = va.attention_triton(q, k, v, plan, 0.1, config)
+    v[20:] *= 0.25  # (FP8: the second frame sets nothing of the per-head scales, before and after the change)
+    base = attend(q, k, v, plan, 0.1, config)
     v2 = v.clone()
-    v2[20:] += 5  # the second frame's values change; the first frame's outputs must not
-    moved = va.attention_triton(q, k, v2, plan, 0.1, config)
+    v2[20:] += 0.5  # the second frame's values change; the first frame's outputs must not
+    moved = attend(q, k, v2, plan, 0.1, config)
     assert torch.equal(base[:20], moved[:20]) and not torch.allclose(base[20:], moved[20:])
 
 
+@ON_INTERPRETER
+@pytest.mark.parametrize("attend,config,bound", [(va.attention_triton, SMALL_LAZY, 1e-5),
+                                                 (va.attention_triton_fp8, SMALL_FP8_LAZY, 0.1)], ids=["bf16", "fp8"])
+def test_lazy_rescaling_is_softmax_while_a_rows_maximum_keeps_growing(attend, config, bound):
+    # scores that grow along the keys, by far more than 2^8 over the frame: every row's reference goes stale, moves,
+    # and goes stale again; the probabilities of the stale stretches reach up to 2^8 before the reference moves
+    q, k, v = draw([(150, 1)], 2, 72, "cpu", torch.float32, seed=6)
+    q = q.abs() + 0.5
+    k = k.abs() * torch.linspace(0.1, 3.0, 150)[:, None, None]
+    got = attend(q, k, v, va.AttentionPlan([(150, 1)]), 72**-0.5, config)
+    assert not got.isnan().any()
+    assert relative_error(got, exact(q, k, v, [(150, 1)])) < bound
+
+
+@ON_INTERPRETER
+def test_auto_runs_our_kernel_for_a_call_with_a_large_frame_and_sdpa_otherwise(monkeypatch):
+    q, k, v = draw(RUNS, 2, 72, "cpu", torch.float32, seed=8)  # largest frame: 37 patches
+    plan = va.AttentionPlan(RUNS)
+    ours = va.attention_triton(q, k, v, plan, 0.1)
+    theirs = va.attention_reference(q, k, v, RUNS, 0.1)
+    assert not torch.equal(ours, theirs)
+    monkeypatch.setattr(va, "AUTO_TRITON_FROM_PATCHES", 37)
+    assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), ours)
+    monkeypatch.setattr(va, "AUTO_TRITON_FROM_PATCHES", 38)
+    assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), theirs)
+
+
+def test_fp8_descriptor_operands_are_padded_and_transposed_for_aligned_tiles():
+    q, k, v = draw([(5, 1), (20, 1)], 2, 72, "cpu", torch.float32, seed=5)
+    q8, k8, vt, qk_scale, v_scale = va.quantize_for_descriptors(q, k, v, va.AttentionPlan([(5, 1), (20, 1)]), 96)
+    assert q8.shape == k8.shape == (25, 2, 96) and vt.shape == (144, 48)  # frames from columns 0 and 16, to 48
+    assert q8.dtype == vt.dtype == torch.float8_e4m3fn
+    assert not q8[:, :, 72:].float().any() and not vt[:, 5:16].float().any() and not vt[:, 36:].float().any()
+    keys = torch.cat([vt[:, :5], vt[:, 16:36]], dim=1)
+    back = keys.float().reshape(2, 72, 25).permute(2, 0, 1) * v_scale[None, :, None]
+    assert relative_error(back, v) < 0.05 and qk_scale.shape == (2,)
+
+
 @pytest.mark.parametrize("patches", [4096, 16384])
-@pytest.mark.parametrize("impl,bound", [("triton", 1e-2), ("triton_fp8", 8e-2)])
+@pytest.mark.parametrize("impl,config,bound", [
+    ("triton", None, 1e-2), ("triton", va.KernelConfig(128, 64, 4, 3, warp_specialize=True), 1e-2),
+    ("triton_fp8", None, 8e-2), ("triton_fp8", va.KernelConfig(128, 128, 8, 3), 8e-2),
+    ("triton_fp8", va.KernelConfig(128, 64, 4, 3), 8e-2),
+    ("triton", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 1e-2),
+    ("triton_fp8", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 8e-2)],
+    ids=["bf16", "bf16-ws", "fp8", "fp8-tma-8w", "fp8-tma-4w", "bf16-lazy", "fp8-lazy"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
-def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, bound):
+def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bound):
     frames = [(patches + 37, 1), (1000, 3)]  # frames ending mid-tile, one at the end of the tensor
     q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches)
-    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, impl)
+    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, impl, config)
     want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
     assert not got.isnan().any()
     assert relative_error(got, want) < bound
@@ -141,7 +194,7 @@ def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkp
 
     engine = make_engine(tiny_moe_checkpoint, vision_attention="triton_fp8")
     assert engine.runner.vision.tower.attention == "triton_fp8"
-    assert make_engine(tiny_moe_checkpoint).runner.vision.tower.attention == "sdpa"  # the default
+    assert make_engine(tiny_moe_checkpoint).runner.vision.tower.attention == "auto"  # the default
 
 
 def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
@@ -156,10 +209,12 @@ def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
 def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size():
     from workers.bench import vision_attention as bench
 
-    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0")
-    assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False)]
+    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1")
+    assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False),
+                       va.KernelConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
     names = [bench.config_name("triton", c) for c in configs]
-    assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]"]
+    assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]", "triton[m128n128w8s3tmaws]"]
+    configs, names = configs[:2], names[:2]
     kernels = {"4096": {names[0]: {"attention_tflops": 1.0}, names[1]: {"attention_tflops": 9.0}},
                "62500": {names[0]: {"attention_tflops": 5.0}, names[1]: {"error": "OutOfResources"}}}
     assert bench.best_config(kernels, "triton", configs) == configs[0]  # 62,500 decides; a failed shape never wins

@@ -51,6 +51,16 @@ def test_model_default_sampling_comes_from_the_engine_generation_defaults():
     run(body())
 
 
+def test_a_requests_latency_bound_reaches_the_engine():
+    async def body():
+        async with Worker() as w:
+            await collect(w.stub.Generate(request("bounded", max_tokens=2, latency_bound_s=1.5)))
+            await collect(w.stub.Generate(request("unbounded", max_tokens=2)))
+            assert w.engine.latency_bounds_seen == {"bounded": 1.5, "unbounded": 0.0}
+
+    run(body())
+
+
 def test_explicit_sampling_is_passed_through_and_bad_values_are_invalid_argument():
     async def body():
         async with Worker() as w:

@@ -43,11 +43,19 @@ class EngineConfig(BaseModel):
         "run W8A8 with per-token activations (the FP8-dynamic scheme; torch's row-wise FP8 GEMM on CUDA). Attention, "
         "the patch embedding and the mergers stay in the activation dtype."
     )
-    vision_attention: Literal["sdpa", "triton", "triton_fp8"] = Field(
-        "sdpa", description="The vision tower's attention (workers/model/vision_attention.py): 'sdpa' (torch's, cuDNN "
+    vision_attention: Literal["auto", "sdpa", "triton", "triton_fp8"] = Field(
+        "auto", description="The vision tower's attention (workers/model/vision_attention.py): 'sdpa' (torch's, cuDNN "
         "on the H200, one call per run of equal-size frames), 'triton' (our kernel: one launch over every frame of a "
-        "tower call, bf16), or 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax). "
-        "The CPU runs SDPA whichever is named."
+        "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), or "
+        "'auto': 'triton' for a tower call whose largest image has 24,000 patches or more (where it is the faster on "
+        "the H200), else 'sdpa'. The CPU runs SDPA whichever is named."
+    )
+    image_decode: Literal["pil", "nvjpeg"] = Field(
+        "pil", description="How requests' images become the tower's pixels: 'pil' decodes (libjpeg for JPEG) and "
+        "resizes on the host, as transformers' processor does, pixel for pixel; 'nvjpeg' (CUDA only, needs "
+        "torchvision) decodes RGB and grayscale JPEGs with nvJPEG and resizes them on the GPU, PIL's bicubic within one "
+        "level (workers/inputs/device_image.py), every other image as 'pil' does. nvJPEG's pixels differ from "
+        "libjpeg's by a few levels (benchmarks/README.md, scripts/bench_image_path.py)."
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="KV cache element type: 'auto' is the activation dtype; 'fp8' stores float8_e4m3fn with "
@@ -109,12 +117,12 @@ class EngineConfig(BaseModel):
         "needs it)."
     )
     overlap_decode_steps: bool = Field(
-        False, description="While a decode-only step runs, schedule and launch the next one (the same sequences, one "
-        "token on, their input tokens read on the device from the running step's samples) before reading its tokens "
-        "back, so the host's scheduling and the device's work overlap (vLLM's async scheduling, for decode-only "
-        "steps). Only when nothing waits for admission or encoding, no request is grammar-constrained or prefill-only "
-        "and every sequence surely goes on unless it samples a stop token; a sequence that stops has its look-ahead "
-        "token dropped. Single-GPU engines only (not multi-rank)."
+        False, description="While a step runs on the device, apply it, schedule the next one and launch it behind it "
+        "(its sequences' new input tokens read on the device from the running step's samples) before reading the "
+        "first one's tokens back, so the host's scheduling and input building overlap the device's work: vLLM's "
+        "async scheduling, for every step (prompt chunks, images, decodes; not while a grammar-constrained request "
+        "samples). A sequence that samples a stop token has its next step's row dropped, and a request added between "
+        "steps is admitted one step later. Single-GPU engines only (not multi-rank)."
     )
     warm_up: bool = Field(
         True, description="On CUDA, before the first request: one text step at each step size whose fused-MoE tile "
@@ -149,6 +157,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        if self.image_decode == "nvjpeg" and not self.is_cuda:
+            raise ValueError(f"image_decode 'nvjpeg' decodes on a CUDA device; this engine's device is {self.device!r}")
         return self
 
     @property

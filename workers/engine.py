@@ -21,7 +21,7 @@ from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput,
 from contract.vision_geometry import image_geometry
 from workers.core.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.engine_api import DecodeLauncher, Executor, LaunchedStep, PreparedRequest, RequestInputs
+from workers.engine_api import Executor, LaunchedStep, PreparedRequest, RequestInputs, StepLauncher
 from workers.core.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError
@@ -88,12 +88,12 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._steps = 0
         self.last_step_phases: StepPhases | None = None  # where the last step's wall time went
-        # config.overlap_decode_steps: a decode-only step queued on the device behind the one being applied
+        # config.overlap_decode_steps: the next step, scheduled and queued on the device behind the one being applied
         self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
-        self._overlap = config.overlap_decode_steps and isinstance(executor, DecodeLauncher) and executor.can_overlap
+        self._overlap = config.overlap_decode_steps and isinstance(executor, StepLauncher) and executor.can_overlap
         if config.overlap_decode_steps and not self._overlap:
-            log.warning("engine.overlap_decode_steps: this engine's executor cannot queue steps ahead; steps run one "
-                        "at a time")
+            log.info("engine.overlap_decode_steps: this engine's executor cannot queue steps ahead; steps run one at "
+                     "a time")
         self._vision_depth = vision.depth
         self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
 
@@ -106,7 +106,7 @@ class LLMEngine:
 
     def warm_up(self) -> dict:
         """The real step loop, once, on throw-away requests: one per config.warm_up_image_sizes (a blank image of
-        that size and some filler text, WARM_UP_OUTPUT_TOKENS out), the first alone and the rest a step later. So a
+        that size, a JPEG, and some filler text, WARM_UP_OUTPUT_TOKENS out), the first alone and the rest a step later. So a
         prefill step with visual rows, a mixed step (a decode beside new prompts, their images encoded in it) and
         decode-only steps each run before the first real request, with whatever they compile or plan on first use
         (the runner's own warm-up covers the step sizes). Afterwards the engine is as new: no requests, no
@@ -120,7 +120,9 @@ class LLMEngine:
         prompts = []
         for width, height in sizes:
             buf = io.BytesIO()
-            Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="PNG")
+            # JPEG, as the catalogue's images are: with image_decode "nvjpeg" the warm-up also starts nvJPEG (its
+            # first decode took 0.69 s of a lone query's 0.71 s preparation, run81)
+            Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="JPEG", quality=90)
             visual = image_geometry(buf.getvalue(), self.config.min_pixels, self.config.max_pixels).num_tokens
             ids = [mc.vision_start_token_id] + [mc.image_token_id] * visual + [VISION_END_ID] + text
             if len(ids) + WARM_UP_OUTPUT_TOKENS <= self.config.max_model_len:  # else no request of it would fit either
@@ -191,6 +193,9 @@ class LLMEngine:
             self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, seq.num_prompt_tokens))
             return
         seq.arrival = next(self._arrivals)
+        if prepared.latency_bound_s > 0:  # from the caller's hand-over: its wait for preparation counts against it
+            waited = prepared.prepare_ended - prepared.submitted if prepared.submitted is not None else 0.0
+            seq.deadline = self.scheduler.clock() + prepared.latency_bound_s - max(waited, 0.0)
         self.scheduler.add(seq)
         if self._step_trace is not None:
             self._step_trace.admitted(seq, prepared.submitted, prepared.prepare_started, prepared.prepare_ended,
@@ -242,7 +247,9 @@ class LLMEngine:
         seq = self.scheduler.held.get(request_id)
         if seq is None:
             raise KeyError(f"no finished prefill_only request {request_id!r} holds KV here")
-        return self.executor.export_kv(seq, on_device)
+        export = self.executor.export_kv(seq, on_device)
+        export.image_layout = seq.image_layout  # what a decode worker needs of the images it is not sent
+        return export
 
     def close(self) -> None:
         """Frees the decode graphs and stops the other ranks of a multi-GPU instance (the executor's close); closes
@@ -274,44 +281,25 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
 
+    def _step_seconds(self, started: float, ended: float) -> float:
+        """What the step that ran from started to ended took, for the scheduler's StepClock: its wall time."""
+        return ended - started
+
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one batch; returns outputs of requests that got tokens or finished. With
-        config.overlap_decode_steps, a decode-only step's successor may already be queued on the device when this
-        returns (it is the next call's step)."""
+        """Runs one batch and returns outputs of requests that got tokens or finished. With
+        config.overlap_decode_steps the batch may have been scheduled and launched by the call before, and the next
+        one is scheduled and launched before this one's tokens are read back (it is the next call's step)."""
         outputs, self._pending = self._pending, []
         started = time.monotonic()
-        launched = None
-        if self._launched is not None:  # queued by the last call, behind the step it applied
-            (out, launched), self._launched = self._launched, None
+        out, launched = self._launched or (self.scheduler.schedule(), None)
+        self._launched = None
+        scheduled = time.monotonic()
+        if self._overlap and not out.is_empty:
+            changed, wait = self._run_overlapped(out, launched)
         else:
-            out = self.scheduler.schedule()
-        scheduled = executed = time.monotonic()
-        changed = list(out.rejected)
-        wait = 0.0
-        if launched is None and self._overlaps(out):
-            try:
-                launched = self.executor.launch_decodes(out)
-            except Exception as exc:  # noqa: BLE001 - as a failed step below
-                log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
-                changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
-                out = SchedulerOutput()
-        if launched is not None:
-            changed += self._run_overlapped(out, launched)
-            executed, wait = time.monotonic(), launched.waited_s
-        elif out.is_empty:
-            self.executor.idle()
-            executed = time.monotonic()
-        else:
-            try:
-                sampled = self.executor.execute(out)
-            except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
-                executed = time.monotonic()
-                log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
-                changed += self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
-            else:
-                executed, wait = time.monotonic(), self.executor.last_wait_s
-                changed += self.scheduler.update(out, sampled)
-        updated = time.monotonic()
+            changed, wait = self._run(out)
+        executed = time.monotonic()
+        changed = list(out.rejected) + changed
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)
@@ -320,38 +308,71 @@ class LLMEngine:
             if self._hands_out(seq):
                 outputs.append(self._output(seq))
         self.last_step_phases = StepPhases(scheduled - started, executed - scheduled, wait, time.monotonic() - executed)
+        if not out.is_empty:
+            self.scheduler.observe_step(self._step_seconds(started, executed), out)
         if self._step_trace is not None:
             if not out.is_empty:
-                self._step_trace.record(started, updated, step_work(out, self._vision_depth),
+                self._step_trace.record(started, executed, step_work(out, self._vision_depth),
                                         len(self.scheduler.waiting), len(self.scheduler.running),
                                         self.last_step_phases)
-            self._step_trace.progress(out, changed, started, updated)  # also a rejection in an otherwise empty step
+            self._step_trace.progress(out, changed, started, executed)  # also a rejection in an otherwise empty step
         self._steps += 1
         return outputs
 
-    def _overlaps(self, out: SchedulerOutput) -> bool:
-        """Whether out runs as a launched decode-only step (config.overlap_decode_steps): decodes alone, no tower
-        work or KV import, nothing grammar-constrained or prefill-only."""
-        if not self._overlap or not out.is_decode_only:
-            return False
-        return all(c.seq.grammar is None and not c.seq.prefill_only for c in out.chunks)
+    def _run(self, out: SchedulerOutput) -> tuple[list[Sequence], float]:
+        """One step at a time: runs out and applies its tokens; (sequences changed, seconds waited for the device)."""
+        if out.is_empty:
+            self.executor.idle()
+            return [], 0.0
+        try:
+            sampled = self.executor.execute(out)
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
+            return self._failed(out, exc), 0.0
+        return self.scheduler.update(out, sampled), self.executor.last_wait_s
 
-    def _run_overlapped(self, out: SchedulerOutput, launched: LaunchedStep) -> list[Sequence]:
-        """Queues the step after `out` while `out` runs (when the scheduler can tell what it is), then applies
-        `out`'s tokens. A failure fails `out`'s requests; the step queued behind it is dropped with them."""
-        ahead = self.scheduler.schedule_next_decodes(out)
-        if ahead is not None:
+    def _run_overlapped(self, out: SchedulerOutput, launched: LaunchedStep | None) -> tuple[list[Sequence], float]:
+        """config.overlap_decode_steps: launches out (unless the call before did), applies it, schedules and launches
+        the step after it behind it on the device (its input tokens read there from out's samples), then waits for
+        out's tokens and puts them in place. A failure of out fails the step behind it too."""
+        changed = []
+        if launched is None:
             try:
-                self._launched = (ahead, self.executor.launch_decodes(ahead, after=launched))
-            except Exception:  # noqa: BLE001 - the next schedule() decides that step instead
-                log.exception("queueing the next decode step failed; it will be scheduled again")
+                launched = self.executor.launch(out)
+            except Exception as exc:  # noqa: BLE001 - as a failed step
+                return self._failed(out, exc), 0.0
+        self.scheduler.apply(out)
+        if self._looks_ahead(out):
+            changed += self._launch_next(launched)
         try:
             sampled = launched.wait()
         except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
-            self._launched = None
-            log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks])
-            return self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
-        return self.scheduler.update(out, sampled)
+            failed = self._failed(out, exc)
+            if self._launched is not None:
+                failed += self.scheduler.fail(self._launched[0], f"the step before failed: {type(exc).__name__}: {exc}")
+                self._launched = None
+            return changed + failed, launched.waited_s
+        return changed + self.scheduler.resolve(out, sampled), launched.waited_s
+
+    def _looks_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether the step after out is scheduled while out runs: not when a grammar-constrained sequence samples in
+        out (its next mask needs the token on the host)."""
+        return all(c.seq.grammar is None for c in out.chunks if c.samples)
+
+    def _launch_next(self, running: LaunchedStep) -> list[Sequence]:
+        """Schedules the next step now and launches it behind `running` (self._launched); returns the sequences that
+        scheduling rejected or whose launch failed. Nothing to run: the next call schedules afresh."""
+        ahead = self.scheduler.schedule()
+        if ahead.is_empty:
+            return list(ahead.rejected)
+        try:
+            self._launched = (ahead, self.executor.launch(ahead, after=running))
+        except Exception as exc:  # noqa: BLE001 - as a failed step
+            return list(ahead.rejected) + self._failed(ahead, exc)
+        return []
+
+    def _failed(self, out: SchedulerOutput, exc: Exception) -> list[Sequence]:
+        log.exception("engine step failed for %s", [c.seq.request_id for c in out.chunks], exc_info=exc)
+        return self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _hands_out(self, seq: Sequence) -> bool:
         """Whether this step streams seq's output (see _assemble's stream_interval)."""

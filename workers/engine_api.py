@@ -3,7 +3,7 @@
 * EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
   threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
   LLMEngine (workers/engine.py) implements it, and SimulatedEngine (workers/sim/engine.py) is an LLMEngine.
-* Executor: what runs the batch the scheduler chose, behind LLMEngine. ModelRunner (workers/executor/model_runner.py: the
+* Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without waiting). ModelRunner (workers/executor/model_runner.py: the
   model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
   lasts what the step model says of that batch, its images included) implement it.
 * RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
@@ -45,6 +45,7 @@ class PreparedRequest:
     submitted: float | None = None
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
+    latency_bound_s: float = 0.0  # the caller's bound from `submitted` (0: none): the sequence's deadline
 
 
 @runtime_checkable
@@ -114,29 +115,30 @@ class Executor(Protocol):
 
 @runtime_checkable
 class LaunchedStep(Protocol):
-    """A decode-only step queued on the device whose sampled tokens have not been read back yet."""
+    """A step queued on the device whose sampled tokens have not been read back yet."""
 
-    request_ids: list[str]
+    request_ids: list[str]  # the sequences that sample in it, in the order of its samples
     waited_s: float  # how long wait() blocked
 
     def wait(self) -> dict[str, int]:
-        """Blocks until the step's tokens are on the host; each sequence's sampled token by request id."""
+        """Blocks until the step's tokens are on the host; each sampling sequence's token by request id."""
         ...
 
 
 @runtime_checkable
-class DecodeLauncher(Protocol):
-    """An executor that can queue a decode-only step without waiting for it, the next one's input tokens read on the
-    device from a step still running (EngineConfig.overlap_decode_steps)."""
+class StepLauncher(Protocol):
+    """An executor that can queue a step without waiting for it, the next one's input tokens read on the device from a
+    step still running (EngineConfig.overlap_decode_steps)."""
 
     @property
     def can_overlap(self) -> bool:
-        """Whether launch_decodes may be used (a single-process engine)."""
+        """Whether launch may be given a step still running (a single-process engine)."""
         ...
 
-    def launch_decodes(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queues out (decodes only; every chunk samples). after: the step still running whose samples are these
-        chunks' input tokens (each chunk's sequence is among after.request_ids); None: the inputs are on the host."""
+    def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues out (any step: prompt chunks, decodes, images, KV imports). after: the step still running whose
+        samples some of out's input tokens are (workers.core.sequence.PENDING_TOKEN in token_ids: each such
+        sequence is among after.request_ids); None: every input token is on the host."""
         ...
 
 
@@ -158,7 +160,7 @@ class ServingEngine(Protocol):
 
     def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
                  resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                 kv_import: KvExport | None = None) -> AsyncIterator[RequestOutput]: ...
+                 kv_import: KvExport | None = None, latency_bound_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -65,6 +65,20 @@ class KvLayer(NamedTuple):
     v_scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class ImageLayout:
+    """One image of an exported prompt: its visual-token grid (rows x cols after the spatial merge) and content
+    digest, all a decode worker needs of it (workers/inputs/mm_inputs.layout_imported_prompt)."""
+
+    grid_rows: int
+    grid_cols: int
+    digest: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_rows * self.grid_cols
+
+
 @dataclass
 class KvExport:
     """A request's KV cache, layer by layer, on the CPU.
@@ -81,6 +95,8 @@ class KvExport:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     scales: list[tuple[float, float]] | None = None
+    # the prompt's images (LLMEngine.export_kv on the prefill side; the KvHandle's, on the decode side)
+    image_layout: tuple[ImageLayout, ...] = ()
 
     def __post_init__(self) -> None:
         fp8 = self.keys[0].dtype == FP8_DTYPE

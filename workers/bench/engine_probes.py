@@ -34,12 +34,12 @@ class GpuTimeSplit:
         self.vision: list[tuple[object, object]] = []
         self.images_per_encode: list[int] = []  # the vision tower's batch sizes (images per call)
         runner = engine.runner
-        execute, encode = runner.execute, runner.vision.encode
+        launch, encode = runner.launch, runner.vision.encode
 
-        def timed_execute(out, *upcoming):
+        def timed_launch(out, after=None):  # execute() launches too: every step's kernels lie between the events
             kind = "decode" if all(c.num_tokens == 1 for c in out.chunks) else "prefill"
             start, end = self._event(), self._event()
-            result = execute(out, *upcoming)
+            result = launch(out, after)
             end.record() if self.cuda else None
             self.steps.append((kind, start, end))
             return result
@@ -52,7 +52,7 @@ class GpuTimeSplit:
             self.vision.append((start, end))
             return result
 
-        runner.execute, runner.vision.encode = timed_execute, timed_encode
+        runner.launch, runner.vision.encode = timed_launch, timed_encode
 
     def _event(self):
         if not self.cuda:
@@ -96,23 +96,25 @@ def moe_layer_times(model) -> dict[str, float]:
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
     hidden = mlp.gate.weight.shape[1]
-    # "fused": the engine's own path (FP8-dynamic experts: the grouped FP8 GEMMs from GROUPED_FP8_MIN_TOKENS). The bf16
-    # torch._grouped_mm path beside it; FP8 experts' grouped() is the float32 reference (it syncs: no graph, no figure)
-    paths = {"fused": mlp.experts.forward}
+    # "fused": the engine's own path, the block's forward (the router's launch aligning the pairs for the tiled path;
+    # FP8-dynamic experts: the grouped FP8 GEMMs from GROUPED_FP8_MIN_TOKENS). The bf16 torch._grouped_mm path beside
+    # it; FP8 experts' grouped() is the float32 reference (it syncs: no graph, no figure)
+    paths = {"fused": mlp}
     if mlp.experts.block is None:
-        paths["grouped_mm"] = mlp.experts.grouped
+        paths["grouped_mm"] = lambda x: mlp.experts.grouped(x, *mlp.gate(x))
     times = {}
     for tokens in (1, 2, 64, 256, 8192):
         x = torch.randn(tokens, hidden, device="cuda", dtype=mlp.gate.weight.dtype)
-        for path, experts in paths.items():
-            times[f"{path}_T{tokens}"] = graph_us(lambda: experts(x, *mlp.gate(x)), calls=1, replays=20)
+        for path, layer in paths.items():
+            times[f"{path}_T{tokens}"] = graph_us(lambda: layer(x), calls=1, replays=20)
     return times
 
 
 def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> tuple[int, dict]:
     """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
-    kernel_ms, busy}): kernel time over wall is how busy the GPU was across those steps (one stream, so kernels do
-    not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
+    kernel_ms, busy, and per step: kernels, copies, their busy time and the GPU's idle time between them, split at
+    SHORT_GAP_US: timeline_per_step}): kernel time over wall is how busy the GPU was across those steps (one stream,
+    so kernels do not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -128,12 +130,44 @@ def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> 
     wall_ms = (time.perf_counter() - t0) * 1e3
     averages = prof.key_averages()
     kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e3
+    per_step = timeline_per_step(gpu_timeline(prof), n)
     with out.open("a") as f:
-        f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms\n")
+        f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms; per step {per_step}\n")
         sort_by = "self_cpu_time_total" if host else "self_cuda_time_total"
         f.write(averages.table(sort_by=sort_by, row_limit=40 if host else 30, max_name_column_width=70) + "\n")
     return generated, {"steps": n, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
-                       "busy": round(kernel_ms / wall_ms, 3)}
+                       "busy": round(kernel_ms / wall_ms, 3), "per_step": per_step}
+
+
+SHORT_GAP_US = 50.0  # idle the GPU spends between two queued kernels (launch latency) is shorter; waits for the host longer
+
+
+def gpu_timeline(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every GPU activity a torch.profiler run recorded (kernels, copies, fills; kernels
+    replayed from CUDA graphs each count), in start order."""
+    from torch.autograd import DeviceType
+
+    ops = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sorted(ops, key=lambda op: op[1])
+
+
+def timeline_per_step(ops: list[tuple[str, float, float]], steps: int, short_gap_us: float = SHORT_GAP_US) -> dict:
+    """A profiled window of `steps` steps, per step: kernels (copies and fills counted apart), the GPU's busy
+    milliseconds (activities merged where they overlap), and its idle milliseconds between one activity's end and
+    the next one's start: gaps shorter than short_gap_us (between the kernels of a queued step) and longer ones (the
+    GPU waiting for the host)."""
+    copies = sum(1 for name, _, _ in ops if name.startswith(("Memcpy", "Memset")))
+    busy = short = long = 0.0
+    end = None
+    for _, start, stop in ops:
+        if end is not None and start > end:
+            gap = start - end
+            short, long = (short + gap, long) if gap < short_gap_us else (short, long + gap)
+        busy += max(stop - max(start, end if end is not None else start), 0.0)
+        end = stop if end is None else max(end, stop)
+    per = max(steps, 1) * 1e3
+    return {"kernels": round((len(ops) - copies) / max(steps, 1), 1), "copies": round(copies / max(steps, 1), 1),
+            "busy_ms": round(busy / per, 3), "short_gaps_ms": round(short / per, 3), "long_gaps_ms": round(long / per, 3)}
 
 
 def allocator_counts() -> dict[str, int]:

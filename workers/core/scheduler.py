@@ -6,21 +6,26 @@ arrival order (first come, first served), capped by an optional prefill-token li
 budget of its own (prompt rows of images encoded per step) and a cache of encoded images (workers/core/encoder_cache.py):
 a chunk that reaches an image not encoded yet encodes it in its step, or stops before it when the budget or the
 cache has no room. What budget is left encodes the images of the next step's likely prompts ahead, behind this
-step's sampling. When KV blocks run out the youngest running sequence is preempted and later recomputed. Never
-touches a tensor: SchedulerOutput lists what the model runner does.
+step's sampling. An image costing more than a step's budget is encoded over several steps while other requests
+are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py);
+waiting requests with a bound are admitted by deadline. When KV blocks run out the youngest running sequence is
+preempted and later recomputed. Never touches a tensor: SchedulerOutput lists what the model runner does.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract.types import FinishReason
 from workers.core.block_manager import BlockManager, block_hash, cdiv
 from workers.core.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
-from workers.core.sequence import Sequence, SequenceStatus
+from workers.core.slack import StepClock
+from workers.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig
@@ -32,16 +37,16 @@ _ROOT_HASH = b"q3vl-prefix-root"
 
 @dataclass
 class ScheduledChunk:
-    """seq computes tokens [start, start + num_tokens) this step."""
+    """seq computes tokens [start, start + num_tokens) this step. samples: the chunk reaches the sequence's last
+    token as it was scheduled (a pending one included), so a new token is sampled after it."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last known token, so a new token is sampled after it."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,12 @@ class _EncoderBudget:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int]):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int],
+                 clock: Callable[[], float] = time.monotonic):
         self.limits = limits
+        # The engine's clock (Sequence.deadline is on it; a virtual one in the simulation), and what its steps take
+        self.clock = clock
+        self.step_clock = StepClock()
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -167,12 +176,23 @@ class Scheduler:
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
+        # Sequences apply() finished by length whose last token resolve() has still to put in place.
+        self._ending: dict[str, Sequence] = {}
 
     # ---- admission and removal ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queues seq for admission: by deadline among the waiting requests that have one, ahead of those that have
+        none (arrival order among equal bounds, as their deadlines follow their arrivals)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.deadline is None:
+            self.waiting.append(seq)
+            return
+        later = next((n for n, s in enumerate(self.waiting) if s.deadline is None or s.deadline > seq.deadline), None)
+        if later is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(later, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,6 +230,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and not seq.prefill_only:
+            self.step_clock.observe_output(seq.num_generated_tokens)
         self._forget_images(seq.request_id)  # the runner drops its outputs on release
         if seq.prefill_only and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.held[seq.request_id] = seq
@@ -291,31 +313,6 @@ class Scheduler:
             self._encode_ahead(out, encoder)
         return out
 
-    def schedule_next_decodes(self, out: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after `out`, a decode-only step still running whose tokens are not yet applied, when it is
-        surely the same sequences one token on: nothing waits for admission or a tower pass, and each sequence goes
-        on unless it samples a stop token (then update() drops its look-ahead token). Sequences that `out` ends by
-        length are left out; a look-ahead chunk samples once update() has applied `out`. None when any of that does
-        not hold, or the blocks for the next tokens are not all free (the next schedule() decides then)."""
-        if self.waiting or self._passes or not out.is_decode_only:
-            return None
-        limits, bm = self.limits, self.block_manager
-        chunks = []
-        for chunk in out.chunks:
-            seq = chunk.seq
-            if seq.is_finished:  # aborted since
-                continue
-            if seq.grammar is not None or seq.prefill_only:
-                return None
-            if seq.num_generated_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limits.max_model_len:
-                continue  # out's token ends it
-            chunks.append(ScheduledChunk(seq, chunk.start + 1, 1))
-        if not chunks or sum(bm.blocks_needed(c.seq, c.start + 1) for c in chunks) > bm.num_free_blocks:
-            return None
-        for c in chunks:
-            bm.allocate(c.seq, c.start + 1)
-        return SchedulerOutput(chunks=chunks)
-
     @staticmethod
     def _chunk_tokens(seq: Sequence, budget: int, prefill_left: int) -> int:
         if seq.num_uncomputed_tokens == 1:  # a decode (or a prompt's last token): outside the prefill cap
@@ -324,10 +321,31 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
-    def _alone(self, seq: Sequence) -> bool:
-        """Whether seq is the only request the engine has, running or waiting: nobody's latency gains from
-        spreading its tower pass over steps."""
-        return all(s is seq for s in self.running) and all(s is seq for s in self.waiting)
+    def _may_run_whole(self, seq: Sequence, cost: float) -> bool:
+        """Whether `cost` of tower work for seq may run in one step rather than spread over steps: nobody else is
+        there, or everybody else has a latency bound and a slack that outlasts that work (as this engine's steps
+        measured it) or is already past saving. Requests without a bound (Offline) keep passes spread: a whole pass
+        would stall their decodes for no bound of theirs."""
+        others = [s for s in (*self.running, *self.waiting) if s is not seq]
+        if not others:
+            return True
+        seconds = self.step_clock.tower_s(cost)
+        if seconds is None:
+            return False
+        now = self.clock()
+        for other in others:
+            slack = self.step_clock.slack(other, now)
+            if slack is None or 0.0 <= slack < seconds:
+                return False
+        return True
+
+    def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
+        """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take."""
+        vision = self.limits.vision
+        cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else
+                   e.num_blocks * vision.block_cost(e.image.num_tokens) for e in (*out.encode_now, *out.encode_ahead))
+        if out.chunks or cost:
+            self.step_clock.observe_step(seconds, cost)
 
     def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
                      ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
@@ -355,9 +373,9 @@ class Scheduler:
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
-                    vision.depth == 1 or self._alone(seq))):
-                # (a one-block cost model cannot split: a large image goes alone; and an image of the only request
-                # the engine has runs in one go: spreading its pass would only add steps to its own latency)
+                    vision.depth == 1 or self._may_run_whole(seq, image_cost))):
+                # (a one-block cost model cannot split: a large image goes alone; and where no other request needs
+                # the steps to keep coming, spreading its pass would only add steps to its own latency)
                 whole.append(image)
                 cost, rows = cost + image_cost, rows + image.num_tokens
                 continue
@@ -388,8 +406,8 @@ class Scheduler:
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
             blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
-            if self._alone(seq) and not encoder.used:  # the others it was spread for have gone: finish it now
-                blocks = vision.depth - done
+            if not encoder.used and self._may_run_whole(seq, (vision.depth - done) * per_block):
+                blocks = vision.depth - done  # those it was spread for have gone, or can wait for the rest now
             if blocks <= 0 and not encoder.used:
                 blocks = 1
             if blocks <= 0:
@@ -475,7 +493,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Applies a finished step: advances progress, appends sampled tokens, finishes sequences.
         Returns the sequences that got a token or finished."""
-        changed = []
+        self.apply(out)
+        return self.resolve(out, sampled)
+
+    def apply(self, out: SchedulerOutput) -> None:
+        """Applies a step launched on the device before its tokens are known, so that the next step can be scheduled
+        while it runs (vLLM's async scheduling, whose requests carry output placeholders the same way:
+        https://docs.vllm.ai/en/v0.15.0/api/vllm/v1/core/sched/async_scheduler/): progress advances, each chunk that samples appends PENDING_TOKEN,
+        and a sequence that token surely ends (its length, or a prefill_only request) finishes now, by LENGTH
+        until resolve() knows its token. The next schedule() then decides as after update(), except that a
+        sequence about to sample a stop token is still running (its next token is dropped: see resolve)."""
         for seq in out.kv_imports:
             seq.kv_import = None
         for chunk in out.chunks:
@@ -486,17 +513,50 @@ class Scheduler:
             self._register_prefix(seq)
             if not chunk.samples:
                 continue
-            token = sampled[seq.request_id]
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-            changed.append(seq)
+            seq.append_token(PENDING_TOKEN)
+            if self._ends_by_length(seq):
+                self.finish(seq, FinishReason.LENGTH)
+                self._ending[seq.request_id] = seq
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Puts an applied step's sampled tokens in place of its pending ones and finishes the sequences they stop
+        (STOP); returns the sequences that got a token. A sequence finished since apply() (aborted, failed) gets
+        its token but no say; one preempted since, its token, and it waits to be recomputed with it. A look-ahead
+        step scheduled meanwhile keeps its row for a sequence stopped here: update() skips finished sequences."""
+        changed = []
+        for chunk in out.chunks:
+            seq, at = chunk.seq, chunk.start + chunk.num_tokens
+            if not chunk.samples or at >= seq.num_tokens or seq.token_ids[at] != PENDING_TOKEN:
+                continue
+            token = seq.token_ids[at] = sampled[seq.request_id]
+            ending = self._ending.pop(seq.request_id, None)
+            if ending is not None:
+                if self._stop_reason(seq, token) is FinishReason.STOP:
+                    seq.finish_reason = FinishReason.STOP
+                changed.append(seq)
+            elif not seq.is_finished:
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                changed.append(seq)
         return changed
 
     def fail(self, out: SchedulerOutput, error: str) -> list[Sequence]:
-        """Finishes every sequence of a step that could not be executed."""
-        failed = [c.seq for c in out.chunks if not c.seq.is_finished]
+        """Finishes every sequence of a step that could not be executed (applied or not: its pending tokens are
+        dropped, and the sequences it had ended by length end with the error instead)."""
+        failed = []
+        for chunk in out.chunks:
+            seq, at = chunk.seq, chunk.start + chunk.num_tokens
+            if chunk.samples and at < seq.num_tokens and seq.token_ids[at] == PENDING_TOKEN:
+                del seq.token_ids[at:]
+            if self._ending.pop(seq.request_id, None) is not None:
+                self.held.pop(seq.request_id, None)
+                self.block_manager.free(seq)
+                seq.finish_reason, seq.error = FinishReason.ERROR, error
+                failed.append(seq)
+            elif not seq.is_finished:
+                failed.append(seq)
+                self.finish(seq, FinishReason.ERROR, error)
         for encode in out.encode_ahead:  # never run
             self.encoder_cache.free(encode.key)
         for encode in out.encode_now:  # a pass spread over steps is in an unknown state: it starts again
@@ -504,21 +564,29 @@ class Scheduler:
                 self._passes.pop(encode.key, None)
                 self.encoder_cache.free(encode.key)
                 self._drop_next.append(encode.key)
-        for seq in failed:
-            self.finish(seq, FinishReason.ERROR, error)
         return failed
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq finishes whatever its last token is (no stop token checked)."""
+        return (seq.prefill_only or seq.num_generated_tokens >= seq.sampling.max_tokens
+                or seq.num_tokens >= self.limits.max_model_len)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in self.eos_token_ids or token in seq.sampling.stop_token_ids:
             return FinishReason.STOP
-        if seq.prefill_only or seq.num_generated_tokens >= seq.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.limits.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._ends_by_length(seq) else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> str:
+        """Frees seq's blocks; it waits to be computed again, or, when it cannot be (Sequence.recomputable), finishes
+        PREEMPTED."""
         log.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
+        if not seq.recomputable:
+            out.encode_now = [e for e in out.encode_now if e.seq is not seq]
+            self.finish(seq, FinishReason.PREEMPTED, "preempted, and its prompt's images are not here to compute "
+                        "it again")
+            out.rejected.append(seq)
+            self.num_preemptions += 1
+            return seq.request_id
         self.running.remove(seq)
         self.block_manager.free(seq)
         out.encoder_drop.extend(self._forget_images(seq.request_id))

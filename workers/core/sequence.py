@@ -12,6 +12,10 @@ from typing import Any
 from contract.types import FinishReason, SamplingParams
 from workers.core.encoder_cache import ImageSpan
 
+# A token sampled by a step still running on the device, held in token_ids until the step's tokens are read back
+# (EngineConfig.overlap_decode_steps: the next step is scheduled meanwhile, and reads it there on the device).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -25,7 +29,8 @@ class Sequence:
 
     token_ids holds the prompt, then any context tokens given with the request (resume tokens, or the
     first token of an imported KV cache), then the tokens this engine generates. Only the generated ones
-    count against sampling.max_tokens and are streamed.
+    count against sampling.max_tokens and are streamed. Within an engine step the last one may be PENDING_TOKEN
+    (Scheduler.apply to Scheduler.resolve); between steps never.
     """
 
     request_id: str
@@ -43,6 +48,13 @@ class Sequence:
     image_spans: list[tuple[int, int, bytes]] = field(default_factory=list)
     # A workers.grammar.GrammarState when sampling.json_schema is set: the sampler masks and advances it.
     grammar: Any = None
+    # Per image its visual-token grid and digest (workers.kv_cache.ImageLayout): what a KV export hands on.
+    image_layout: tuple = ()
+    # False for a KV import whose prompt came without its images: preempted, it cannot be computed again here and
+    # finishes PREEMPTED instead (its caller serves it elsewhere).
+    recomputable: bool = True
+    # When the caller's latency bound runs out, on the engine's clock (Scheduler.clock); None: no bound (Offline).
+    deadline: float | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -28,8 +28,9 @@ class StepPhases:
     """Where one engine step's wall time went, in seconds: scheduling, the executor's call (building and queueing the
     step, then `wait` of it blocked on the device's results), and the scheduler's update with the outputs. On a GPU
     the host's part, schedule + execute - wait + update, is the most the device can idle in a step. An overlapped
-    decode step (EngineConfig.overlap_decode_steps) was scheduled and queued by the call before: its schedule is
-    ~0, and its execute holds scheduling and queueing the next step, which the device runs behind it."""
+    step (EngineConfig.overlap_decode_steps) was scheduled and queued by the call before: its schedule is ~0, its
+    execute holds scheduling and queueing the next step, which the device runs behind it, and its update puts its
+    tokens in place."""
 
     schedule: float
     execute: float

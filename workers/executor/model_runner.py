@@ -34,7 +34,7 @@ from workers.executor.rank_group import RankGroup, StepInputs
 from workers.sampler import Sampler
 from workers.core.encoder_cache import ImageKey
 from workers.core.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
-from workers.core.sequence import Sequence
+from workers.core.sequence import PENDING_TOKEN, Sequence
 from workers.weights import (
     ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
 )
@@ -98,16 +98,18 @@ def num_deepstack(model_config: ModelConfig) -> int:
 
 
 @dataclass
-class LaunchedDecodes:
-    """A decode-only step on the device (the engine_api.LaunchedStep protocol): its sampled tokens in request_ids'
-    order, and their copy to the host, begun."""
+class LaunchedTokens:
+    """A step on the device (the engine_api.LaunchedStep protocol): its sampled tokens in request_ids' order, and their
+    copy to the host, begun (None: the step samples nothing)."""
 
     request_ids: list[str]
-    tokens: torch.Tensor
-    copy: HostCopy
+    tokens: torch.Tensor | None
+    copy: HostCopy | None
     waited_s: float = 0.0  # how long wait() blocked
 
     def wait(self) -> dict[str, int]:
+        if self.copy is None:
+            return {}
         started = time.perf_counter()
         host = self.copy.wait()
         self.waited_s = time.perf_counter() - started
@@ -203,24 +205,36 @@ class ModelRunner:
     def idle(self) -> None:
         """A step with nothing scheduled: nothing runs on the device."""
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one scheduled step (on every rank); returns the sampled token of every chunk that samples.
+        """Runs one scheduled step (on every rank) and waits for it; returns the sampled token of every chunk that
+        samples."""
+        launched = self.launch(out)
+        tokens = launched.wait()
+        self.last_wait_s = launched.waited_s
+        return tokens
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after: LaunchedTokens | None = None) -> LaunchedTokens:
+        """Queues one scheduled step (on every rank) and returns without waiting for its tokens. after: the step still
+        running whose samples are this step's pending input tokens (PENDING_TOKEN), gathered on the device in stream
+        order; a single-process engine only (can_overlap).
 
         The scheduler decides the vision tower's work: out.encode_now goes through it before the text tower,
         out.encode_ahead behind the step's sampling, so the GPU has that work while the host reads the tokens back
         and schedules the next step (on a second CUDA stream beside the text tower it was slower:
-        benchmarks/README.md, run27). The host queues the whole step and waits once, for its tokens."""
+        benchmarks/README.md, run27)."""
+        if after is not None and not self.can_overlap:
+            raise RuntimeError("launch after a running step needs a single-process engine")
         for key in out.encoder_drop:
             self._drop_image(key)
         self.last_wait_s = 0.0
         if not out.chunks:  # vision-tower work alone (the blocks of a pass every prompt waits for)
             self._encode(out.encode_now)
             self._encode(out.encode_ahead)
-            return {}
+            return LaunchedTokens([], None, None)
         imports = [(seq.block_table, self.kv.import_rows(seq.kv_import, self.device)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
-        batch = self._prepare(chunks)
+        batch = self._prepare(chunks, after)
         self._encode(out.encode_now)
         inputs = StepInputs(batch, self._visual_rows(chunks, batch.query_starts), imports)
         for key in out.encoder_free:
@@ -230,46 +244,17 @@ class ModelRunner:
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
         logits = self.forward(inputs, [batch.query_starts[i + 1] - 1 for i, _ in sampling])
         ids = [seq.request_id for _, seq in sampling]
-        tokens = HostCopy(self.sampler.sample(
+        tokens = self.sampler.sample(
             logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
-        )) if sampling else None
+        ) if sampling else None
+        copy = HostCopy(tokens) if tokens is not None else None
         self._encode(out.encode_ahead)  # behind the sampled tokens: not waited for by their read-back
-        if tokens is None:
-            self.last_wait_s = 0.0
-            return {}
-        waited = time.perf_counter()
-        host = tokens.wait()
-        self.last_wait_s = time.perf_counter() - waited
-        return dict(zip(ids, host.tolist()))
+        return LaunchedTokens(ids, tokens, copy)
 
     @property
     def can_overlap(self) -> bool:
-        """launch_decodes works on a single-process engine (the DecodeLauncher protocol)."""
+        """launch after a running step works on a single-process engine (the StepLauncher protocol)."""
         return self.ranks is None and self.tp.size == 1
-
-    @torch.inference_mode()
-    def launch_decodes(self, out: SchedulerOutput, after: LaunchedDecodes | None = None) -> LaunchedDecodes:
-        """Queues a decode-only step (every chunk one row that samples) and returns without waiting for it. after:
-        the step still running whose samples are these chunks' input tokens, gathered on the device in stream order
-        (so this step's inputs exist only once that step has sampled); None: the inputs are the host's tokens."""
-        if not self.can_overlap:
-            raise RuntimeError("launch_decodes needs a single-process engine")
-        chunks = out.chunks
-        if not chunks or any(c.num_tokens != 1 for c in chunks) or out.kv_imports or out.encode_now or out.encode_ahead:
-            raise ValueError("launch_decodes takes decode-only steps: one row a chunk, no images, no KV imports")
-        device_ids = None
-        if after is not None:
-            rows = {rid: i for i, rid in enumerate(after.request_ids)}
-            missing = [c.seq.request_id for c in chunks if c.seq.request_id not in rows]
-            if missing:
-                raise ValueError(f"launch_decodes: {missing} did not sample in the step it follows")
-            index = to_device(torch.tensor([rows[c.seq.request_id] for c in chunks]), self.device)
-            device_ids = after.tokens.index_select(0, index)
-        batch = self._prepare(chunks, device_ids)
-        logits = self.forward(StepInputs(batch, None, []), list(range(len(chunks))))
-        ids = [c.seq.request_id for c in chunks]
-        tokens = self.sampler.sample(logits, ids, [c.seq.sampling for c in chunks], [c.seq.grammar for c in chunks])
-        return LaunchedDecodes(ids, tokens, HostCopy(tokens))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor | None:
@@ -295,9 +280,9 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
 
-    def _prepare(self, chunks: list[ScheduledChunk], device_ids: torch.Tensor | None = None) -> StepBatch:
-        """The flat batch of one step, built with array operations rather than per-sequence tensors. device_ids:
-        the input tokens, already on the device (decodes whose tokens are not on the host yet)."""
+    def _prepare(self, chunks: list[ScheduledChunk], after: LaunchedTokens | None = None) -> StepBatch:
+        """The flat batch of one step, built with array operations rather than per-sequence tensors. after: the
+        running step whose samples are the pending input tokens (their rows then read on the device)."""
         n = len(chunks)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
         los = np.fromiter((c.start for c in chunks), np.int64, n)
@@ -305,7 +290,7 @@ class ModelRunner:
         starts = np.zeros(n + 1, np.int64)
         np.cumsum(lens, out=starts[1:])
         total = int(starts[-1])
-        ids = None if device_ids is not None else np.fromiter(
+        ids = np.fromiter(
             itertools.chain.from_iterable(c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks), np.int64, total
         )
         seq_of_row = np.repeat(np.arange(n), lens)
@@ -322,7 +307,7 @@ class ModelRunner:
             tables[i, : len(c.seq.block_table)] = c.seq.block_table
         slots = tables[seq_of_row, index // self.block_size].astype(np.int64) * self.block_size + index % self.block_size
         return StepBatch(
-            input_ids=device_ids if device_ids is not None else torch.from_numpy(ids),
+            input_ids=self._input_ids(ids, chunks, starts, after),
             positions=torch.from_numpy(positions),
             slot_mapping=torch.from_numpy(slots),
             block_tables=torch.from_numpy(tables),
@@ -330,6 +315,28 @@ class ModelRunner:
             query_starts=starts.tolist(),
             num_decodes=int((lens == 1).sum()),
         )
+
+    def _input_ids(self, ids: np.ndarray, chunks: list[ScheduledChunk], starts: np.ndarray,
+                   after: LaunchedTokens | None) -> torch.Tensor:
+        """The step's input tokens: on the host, or on the device where some are pending, those rows gathered from
+        `after`'s sampled tokens (in stream order, so this step's inputs exist once that step has sampled)."""
+        rows = np.flatnonzero(ids == PENDING_TOKEN)
+        if rows.size == 0:
+            return torch.from_numpy(ids)
+        if after is None or after.tokens is None:
+            raise ValueError("launch: pending input tokens, but no running step that samples them")
+        sampled = {rid: i for i, rid in enumerate(after.request_ids)}
+        owner = np.searchsorted(starts, rows, side="right") - 1
+        missing = [chunks[i].seq.request_id for i in owner if chunks[i].seq.request_id not in sampled]
+        if missing:
+            raise ValueError(f"launch: {missing} did not sample in the step it follows")
+        index = to_device(torch.tensor([sampled[chunks[i].seq.request_id] for i in owner]), self.device)
+        pending = after.tokens.index_select(0, index)
+        if rows.size == ids.size:  # decodes alone, all following the running step
+            return pending
+        ids[rows] = 0
+        return to_device(torch.from_numpy(ids), self.device).index_copy_(0, to_device(torch.from_numpy(rows), self.device),
+                                                                         pending)
 
     def _visual_rows(self, chunks: list[ScheduledChunk], starts: list[int]) -> VisualRows | None:
         """Visual embeddings for the <|image_pad|> rows of this step, from the encoder outputs the scheduler had

@@ -117,7 +117,8 @@ class MixedStepGraphs:
 
     def _before_attention(self, i: int, n: int) -> None:
         """Layer i up to its attention, from the residual stream alone (layer 0, and the layers after DeepStack's)."""
-        self._qkv(i, self.model.language_model.layers[i].input_layernorm(self.res[:n]), n)
+        layer = self.model.language_model.layers[i]
+        self._qkv(i, layer.input_layernorm.norm_for(self.res[:n], None, layer.self_attn)[0], n)
 
     def _after_attention(self, i: int, n: int) -> None:
         """Layer i from its attention output on; then the final norm (last layer), or the residual add (a DeepStack
@@ -125,14 +126,14 @@ class MixedStepGraphs:
         layers = self.model.language_model.layers
         layer, res = layers[i], self.res[:n]
         h = layer.self_attn.project_out(self.attn[:n])
-        h, _ = layer.post_attention_layernorm.add_and_norm(h, res, res_out=res)
+        h, _ = layer.post_attention_layernorm.norm_for(h, res, layer.mlp, res_out=res)
         x = layer.tp.all_reduce(layer.mlp(h))
         if i == self.num_layers - 1:
             self.model.language_model.norm.add_and_norm(x, res, out=self.hidden[:n], res_out=res)
         elif i < self.num_deepstack:
             res.add_(x)
         else:
-            h, _ = layers[i + 1].input_layernorm.add_and_norm(x, res, res_out=res)
+            h, _ = layers[i + 1].input_layernorm.norm_for(x, res, layers[i + 1].self_attn, res_out=res)
             self._qkv(i + 1, h, n)
 
     # ---- capture and replay -------------------------------------------------------------------------

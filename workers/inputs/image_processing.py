@@ -52,12 +52,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
-    """Decodes encoded image bytes (JPEG, PNG, WebP, or any format PIL reads) to an RGB image.
-
-    The pixel count is checked from the header before any pixel is decoded, so a decompression bomb
-    costs nothing. EXIF orientation is not applied, like transformers and the header-only token count.
-    """
+def open_image(data: bytes, max_pixels_limit: int) -> Image.Image:
+    """The image's header, read and checked (format, size, the pixel limit) before any pixel is decoded, so a
+    decompression bomb costs nothing."""
     if not data:
         raise ImageDecodeError("image data is empty (0 bytes)")
     try:
@@ -74,12 +71,23 @@ def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
             f"image of {width}x{height} = {width * height} pixels exceeds the limit of "
             f"{max_pixels_limit} pixels"
         )
+    return image
+
+
+def load_rgb(image: Image.Image, data: bytes) -> Image.Image:
+    """An opened image's pixels decoded (PIL: libjpeg for JPEG) and made RGB (to_rgb)."""
     try:
         image.load()
         return to_rgb(image)
     except Exception as exc:  # truncated data, bad chunks, unsupported codec options
-        raise ImageDecodeError(f"cannot decode {image.format or 'image'} {width}x{height}: "
+        raise ImageDecodeError(f"cannot decode {image.format or 'image'} {image.width}x{image.height}: "
                                f"{describe_image_error(exc, data)}") from exc
+
+
+def decode_image(data: bytes, max_pixels_limit: int) -> Image.Image:
+    """Decodes encoded image bytes (JPEG, PNG, WebP, or any format PIL reads) to an RGB image: open_image's checks,
+    then load_rgb. EXIF orientation is not applied, like transformers and the header-only token count."""
+    return load_rgb(open_image(data, max_pixels_limit), data)
 
 
 def resized_pixels(image: Image.Image, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> torch.Tensor:

@@ -1,16 +1,20 @@
 """A request's token ids and images made into a Sequence for the model on a device (ModelInputs, the real engine's
 RequestInputs, workers/engine_api.py): validation against the model's vocabulary and the engine's limits, image
-decoding and MRoPE positions (workers/inputs/mm_inputs.py), an imported KV cache checked against the model, a JSON
-schema compiled to a grammar. A request that cannot be served raises PromptError naming what is wrong."""
+decoding and MRoPE positions (workers/inputs/mm_inputs.py), an imported KV cache checked against the model and the
+prompt (one sent without its images is laid out from the KV's image layout instead), a JSON schema compiled to a
+grammar. A request that cannot be served raises PromptError naming what is wrong."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence as Seq
+
+import torch
 
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.kv_cache import KvExport
-from workers.inputs.mm_inputs import PreparedPrompt, PromptError, prepare_prompt
+from workers.inputs.mm_inputs import PromptError, layout_imported_prompt, prepare_prompt
 from workers.core.sequence import Sequence
 from workers.weights import ModelConfig
 
@@ -22,6 +26,10 @@ class ModelInputs:
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
+        self.decode_device = None
+        if config.image_decode == "nvjpeg":
+            importlib.import_module("torchvision.io")  # fails at start, not at the first image, without torchvision
+            self.decode_device = torch.device(config.device)
 
     def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
                       prefill_only: bool, kv_import: KvExport | None) -> Sequence:
@@ -33,15 +41,21 @@ class ModelInputs:
         bad = next((t for t in resume if not 0 <= t < mc.text.vocab_size), None)
         if bad is not None:
             raise PromptError(f"resume token id {bad} is outside the vocabulary")
-        prepared: PreparedPrompt = prepare_prompt(
-            prompt,
-            vocab_size=mc.text.vocab_size,
-            image_token_id=mc.image_token_id,
-            spatial_merge_size=mc.spatial_merge_size,
-            min_pixels=cfg.min_pixels,
-            max_pixels=cfg.max_pixels,
-            max_image_pixels=cfg.max_image_pixels,
-        )
+        without_images = kv_import is not None and not prompt.images and bool(kv_import.image_layout)
+        if without_images:  # a decode worker's: the KV holds the prompt, its layout stands for the images
+            prepared = layout_imported_prompt(list(prompt.token_ids), kv_import.image_layout,
+                                              vocab_size=mc.text.vocab_size, image_token_id=mc.image_token_id)
+        else:
+            prepared = prepare_prompt(
+                prompt,
+                vocab_size=mc.text.vocab_size,
+                image_token_id=mc.image_token_id,
+                spatial_merge_size=mc.spatial_merge_size,
+                min_pixels=cfg.min_pixels,
+                max_pixels=cfg.max_pixels,
+                max_image_pixels=cfg.max_image_pixels,
+                decode_device=self.decode_device,
+            )
         token_ids = list(prompt.token_ids) + resume
         if kv_import is not None:
             self._check_import(kv_import, len(token_ids), prepared.mrope_position_delta)
@@ -66,6 +80,8 @@ class ModelInputs:
             kv_import=kv_import,
             image_spans=prepared.image_spans,
             grammar=grammar,
+            image_layout=prepared.image_layout,
+            recomputable=not without_images,
         )
 
     def _check_import(self, kv: KvExport, num_tokens: int, delta: int) -> None:

@@ -199,6 +199,12 @@ def per_channel(block: BlockShape, k: int) -> bool:
     return block.n == 1 and fp8.activation_group(block, k) == k
 
 
+def input_group(block: BlockShape, k: int) -> int:
+    """The columns per activation scale fp8_linear quantises x in against weights in `block`s over K = k: per token
+    (a power of two >= k, one group, as quantize_tokens) against per-channel weights, else ACT_GROUP."""
+    return 1 << max(0, k - 1).bit_length() if per_channel(block, k) else ACT_GROUP
+
+
 def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, k: int) -> None:
     n = weight.shape[0]
     if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
@@ -228,17 +234,29 @@ def fp8_linear(
     _check_weight(weight, scale, block, k)
     if not on_triton(x):
         return fp8.block_fp8_linear_reference(x, weight, scale, block, bias)
-    n, m = weight.shape[0], x.shape[0]
-    library = backend != "triton" and m > 0 and x.is_cuda  # torch's FP8 GEMMs (CUDA only; probed once a device)
+    xq, xs = quantize_activations(x, input_group(block, k))
+    return fp8_linear_quantized(xq, xs, weight, scale, block, x.dtype, bias, backend)
+
+
+def fp8_linear_quantized(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: BlockShape,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """fp8_linear's GEMM on activations already quantised (xq [M, K] e4m3, xs [M, ceil(K / input_group(block, K))]
+    float32, on CUDA): what the norm before a layer writes in one kernel with its output (workers/model/norm_quant.py)."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if tuple(xs.shape) != (m, -(-k // input_group(block, k))):
+        raise ValueError(f"activation scales {tuple(xs.shape)} for rows {tuple(xq.shape)}: expected groups of "
+                         f"{input_group(block, k)} columns")
+    library = backend != "triton" and m > 0 and xq.is_cuda  # torch's FP8 GEMMs (CUDA only; probed once a device)
     if per_channel(block, k):
-        xq, xs = quantize_tokens(x)
-        if library and rowwise_fits(n, k, x.dtype) and rowwise_available(x.device):
-            return scaled_mm_rowwise(xq, xs, weight, scale, x.dtype, bias)
-        return w8a8_gemm(xq, xs.expand(m, -(-k // ACT_GROUP)).contiguous(), weight, scale, block, x.dtype, bias)
-    xq, xs = quantize_activations(x, ACT_GROUP)
-    if library and scaled_mm_fits(n, k, block, x.dtype, m) and scaled_mm_available(x.device):
-        return scaled_mm_blockwise(xq, xs, weight, scale, x.dtype, bias)
-    return w8a8_gemm(xq, xs, weight, scale, block, x.dtype, bias)
+        if library and rowwise_fits(n, k, out_dtype) and rowwise_available(xq.device):
+            return scaled_mm_rowwise(xq, xs, weight, scale, out_dtype, bias)
+        return w8a8_gemm(xq, xs.expand(m, -(-k // ACT_GROUP)).contiguous(), weight, scale, block, out_dtype, bias)
+    if library and scaled_mm_fits(n, k, block, out_dtype, m) and scaled_mm_available(xq.device):
+        return scaled_mm_blockwise(xq, xs, weight, scale, out_dtype, bias)
+    return w8a8_gemm(xq, xs, weight, scale, block, out_dtype, bias)
 
 
 def w8a8_gemm(

@@ -23,7 +23,8 @@ import torch
 
 from workers.model.fp8 import FP8_DTYPE, BlockShape
 from workers.model.fp8_gemm import quantize_activations
-from workers.model.moe_routing import align_pairs
+from workers.model.moe_routing import Alignment, align_pairs
+from workers.model.norm_quant import Fp8Rows
 
 try:
     import triton
@@ -473,17 +474,26 @@ def _expert_scales(
 def fused_experts(
     x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     foreign: bool = False, *, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-    block: BlockShape | None = None,
+    block: BlockShape | None = None, aligned: Alignment | None = None, x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """x [T, H]; top_w/top_i [T, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I] -> [T, H]:
     sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)). foreign: top_i may hold E (a pair
     served by another rank under expert parallelism): it contributes zero. With gate_up_scale, down_scale and
-    block (block.k 128): the weights are float8_e4m3fn with those block scales (ExpertScales)."""
+    block (block.k 128): the weights are float8_e4m3fn with those block scales (ExpertScales). aligned: top_i's
+    pairs already aligned (route_align, in the router's launch); x_fp8: x already quantised (the norm's launch);
+    the tiled path uses either where it fits."""
     _check_layout(x, gate_up_proj, down_proj)
     scales = _expert_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, block)
     if top_i.shape[0] <= SMALL_BATCH_TOKENS:
         return small_batch_experts(x, top_w, top_i, gate_up_proj, down_proj, scales)
-    return tiled_experts(x, top_w, top_i, gate_up_proj, down_proj, foreign, scales)
+    return tiled_experts(x, top_w, top_i, gate_up_proj, down_proj, foreign, scales, aligned, x_fp8)
+
+
+def gated_tiles(num_pairs: int, gate_up_proj: torch.Tensor, device_name: str | None) -> TileConfig:
+    """The tiled path's gated-GEMM tiles for num_pairs pairs (its BLOCK_M is the first alignment's)."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    fp8 = gate_up_proj.dtype == FP8_DTYPE
+    return tile_config(num_pairs, True, shape_key(num_experts, two_i // 2, hidden, True, fp8), device_name, fp8)
 
 
 def small_batch_experts(
@@ -524,21 +534,23 @@ def small_batch_experts(
 
 def tiled_experts(
     x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-    foreign: bool = False, scales: ExpertScales | None = None,
+    foreign: bool = False, scales: ExpertScales | None = None, aligned: Alignment | None = None,
+    x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """The sorted-and-padded GEMM path; foreign: top_i may hold E (its blocks are skipped, its rows stay zero).
-    scales: fp8 weights, W8A8: x quantised per token and group of 128 once, the gated output by the gated GEMM."""
+    scales: fp8 weights, W8A8: x quantised per token and group of 128 once, the gated output by the gated GEMM.
+    aligned / x_fp8: as fused_experts (each used where its block_m / group is the one this path wants)."""
     tokens, k = top_i.shape
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     num_pairs = tokens * k
     fp8 = scales is not None
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else None
-    cfg1 = tile_config(num_pairs, True, shape_key(num_experts, inter, hidden, True, fp8), device, fp8)
+    cfg1 = gated_tiles(num_pairs, gate_up_proj, device)
     cfg2 = tile_config(num_pairs, False, shape_key(num_experts, hidden, inter, False, fp8), device, fp8)
     bins = num_experts + foreign  # the foreign bin's blocks have expert id E: the kernel skips them
-    ids1, experts1 = align_pairs(top_i, bins, cfg1.block_m)
-    ids2, experts2 = (ids1, experts1) if cfg2.block_m == cfg1.block_m else align_pairs(top_i, bins, cfg2.block_m)
+    ids1, experts1 = _aligned(top_i, bins, cfg1.block_m, aligned)
+    ids2, experts2 = (ids1, experts1) if cfg2.block_m == cfg1.block_m else _aligned(top_i, bins, cfg2.block_m, aligned)
     ys = (x.new_zeros if foreign else x.new_empty)(num_pairs, hidden)
     weights = top_w.reshape(-1).contiguous()
     if not fp8:
@@ -546,10 +558,17 @@ def tiled_experts(
         _gemm(x, gate_up_proj, act, None, ids1, experts1, k, True, cfg1)
         _gemm(act, down_proj, ys, weights, ids2, experts2, 1, False, cfg2)
         return k_sum(ys, k)
-    xq, xs = quantize_activations(x, FP8_BLOCK_K)
+    xq, xs = (x_fp8.q, x_fp8.scales) if x_fp8 is not None and x_fp8.group == FP8_BLOCK_K else \
+        quantize_activations(x, FP8_BLOCK_K)
     act = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=x.device)
     act_s = torch.empty(num_pairs, -(-inter // FP8_BLOCK_K), dtype=torch.float32, device=x.device)
     rows = scales.block.n
     _gemm(xq, gate_up_proj, act, None, ids1, experts1, k, True, cfg1, Fp8Operands(xs, scales.gate_up, rows, x.dtype, act_s))
     _gemm(act, down_proj, ys, weights, ids2, experts2, 1, False, cfg2, Fp8Operands(act_s, scales.down, rows, x.dtype))
     return k_sum(ys, k)
+
+
+def _aligned(top_i: torch.Tensor, bins: int, block_m: int, aligned: Alignment | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if aligned is not None and aligned.block_m == block_m:
+        return aligned.sorted_ids, aligned.block_expert
+    return align_pairs(top_i, bins, block_m)

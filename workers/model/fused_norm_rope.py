@@ -2,9 +2,9 @@
 q/k RMSNorm + MRoPE that also writes this step's K/V into the paged cache. One launch replaces 6-20 torch ops.
 
 Each rounds where transformers rounds (norm in float32, cast, weight multiply in the activation dtype; RoPE
-products and their sum each rounded to the activation dtype). The torch reference paths live in layers.py and
-text.py; `supports` says when a kernel can run (Triton present, CUDA tensors). Into an FP8 cache the K/V write
-stores what kv_cache.quantize_fp8 stores, bit for bit.
+products and their sum each rounded to the activation dtype). The torch references are rms_norm_reference here
+and layers.py's and text.py's paths; `supports` says when a kernel can run (Triton present, CUDA tensors). Into an
+FP8 cache the K/V write stores what kv_cache.quantize_fp8 stores, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch, as transformers' Qwen3 computes it (float32 statistics, the product in the input's dtype):
+    the reference of the fused kernels here and in norm_quant.py."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
 
 HEADS_PER_PROGRAM = 4  # q/k heads one program of the q/k kernel normalises and rotates
 

@@ -1,7 +1,8 @@
 """Small building blocks of the Qwen3-VL text tower: RMSNorm (+ residual add), interleaved MRoPE, SwiGLU MLP.
 
 Each computes in the same dtype order as transformers so greedy tokens match it exactly; on CUDA the norms run
-as one Triton kernel each (workers/model/fused_norm_rope.py), on the CPU as the torch code here.
+as one Triton kernel each (workers/model/fused_norm_rope.py), before a layer that reads FP8 activations together
+with their quantisation (workers/model/norm_quant.py), on the CPU as the torch code here.
 """
 
 from __future__ import annotations
@@ -10,15 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import fused_norm_rope
+from workers.model import fused_norm_rope, norm_quant
+from workers.model.fused_norm_rope import rms_norm_reference
 from workers.model.fp8 import FP8_DTYPE, BlockShape, block_fp8_linear_reference
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+from workers.model.norm_quant import Fp8Input, Fp8Rows
 
 
 class RMSNorm(nn.Module):
@@ -47,6 +43,21 @@ class RMSNorm(nn.Module):
         if res_out is not None:
             total = res_out.copy_(total)
         return self(total, out), total
+
+    def norm_for(
+        self, x: torch.Tensor, residual: torch.Tensor | None, reader: nn.Module,
+        out: torch.Tensor | None = None, res_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(norm(x + residual) as `reader` takes it, x + residual); residual None: x is the whole hidden state (and
+        the second value). Where reader.fp8_input(x) names FP8 activations and norm_quant's kernel runs, one launch
+        writes the sum, the e4m3 rows and their scales (and the normed rows into out, where the reader reads those
+        too): Fp8Rows. Else the normed rows, as forward / add_and_norm."""
+        want = reader.fp8_input(x)
+        if want is not None and norm_quant.supports(x, want.group):
+            return norm_quant.add_norm_quantize(x, residual, self.weight, self.eps, want, out, res_out)
+        if residual is None:
+            return self(x, out), x
+        return self.add_and_norm(x, residual, out, res_out)
 
 
 class MRotaryEmbedding:
@@ -94,15 +105,28 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(nb, kb, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x [..., K], or [T, K] already quantised as fp8_input asks (the norm before wrote it: Fp8Rows)."""
+        from workers.model import fp8_gemm
+
+        if isinstance(x, Fp8Rows):
+            if x.group != fp8_gemm.input_group(self.block, self.in_features):
+                raise ValueError(f"{self}: activations quantised in groups of {x.group} columns, not "
+                                 f"{fp8_gemm.input_group(self.block, self.in_features)}")
+            return fp8_gemm.fp8_linear_quantized(x.q, x.scales, self.weight, self.weight_scale, self.block, x.dtype,
+                                                 self.bias)
         flat = x.reshape(-1, x.shape[-1])
         if x.is_cuda:
-            from workers.model import fp8_gemm
-
             out = fp8_gemm.fp8_linear(flat, self.weight, self.weight_scale, self.block, self.bias)
         else:
             out = block_fp8_linear_reference(flat, self.weight, self.weight_scale, self.block, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fp8_input(self, x: torch.Tensor) -> Fp8Input:
+        """The FP8 activations this layer's W8A8 GEMM reads (the norm before it may write them)."""
+        from workers.model import fp8_gemm
+
+        return Fp8Input(fp8_gemm.input_group(self.block, self.in_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block.n}x{self.block.k}"
@@ -179,6 +203,10 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
+        """What gate_up_proj reads: FP8 activations (an Fp8Linear), else None."""
+        return self.gate_up_proj.fp8_input(x) if isinstance(self.gate_up_proj, Fp8Linear) else None

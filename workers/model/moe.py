@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import fp8_gemm, fused_moe, grouped_fp8_moe, moe_routing
+from workers.model import fp8_gemm, fused_moe, grouped_fp8_moe, moe_routing, route_align
 from workers.model import fp8
 from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks
+from workers.model.moe_routing import Alignment
+from workers.model.norm_quant import Fp8Input, Fp8Rows
 from workers.parallel import TensorParallel
 
 
@@ -29,6 +31,12 @@ class MoeRouter(nn.Module):
         """x [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k] int64); with expert_range (lo, hi) the ids
         are local to it and an expert outside it is hi - lo (see moe_routing.route)."""
         return moe_routing.route(F.linear(x, self.weight), self.top_k, expert_range)
+
+    def route_aligned(self, x: torch.Tensor, expert_range: tuple[int, int] | None, num_bins: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+        """forward, and its pairs aligned in blocks of block_m over num_bins bins (route_align: one launch for
+        decode-sized steps)."""
+        return route_align.route_and_align(F.linear(x, self.weight), self.top_k, expert_range, num_bins, block_m)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -94,30 +102,57 @@ class MoeExperts(nn.Module):
             self.down_scale = nn.Parameter(
                 torch.empty(num_experts, *block.grid(hidden_size, intermediate_size), dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, foreign: bool = False, *,
+                aligned: Alignment | None = None, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path. foreign: top_i may hold
-        num_experts, a pair served by another rank, which contributes zero."""
-        if fused_moe.supports(x):
-            if self.block is None:
-                return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign)
-            if not self.per_channel:
-                return fused_moe.fused_experts(
-                    x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
-                    gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=self.block,
-                )
-            if top_i.shape[0] >= GROUPED_FP8_MIN_TOKENS and grouped_fp8_moe.available(x.device):
-                return grouped_fp8_moe.grouped_fp8_experts(
-                    x, top_w, top_i, self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale, foreign)
-            # the Triton kernels on per-channel scales seen as one per row and 128 columns (stride 0 along K): the
-            # GEMV path W8A16, the tiled one with activation groups of 128 (finer than the format's per-token)
-            row_block = BlockShape(1, fused_moe.FP8_BLOCK_K)
-            gate_up_scale = self.gate_up_scale.expand(self.num_experts, *row_block.grid(*self.gate_up_proj.shape[1:]))
-            down_scale = self.down_scale.expand(self.num_experts, *row_block.grid(*self.down_proj.shape[1:]))
+        num_experts, a pair served by another rank, which contributes zero. aligned / x_fp8: the pairs already
+        aligned and x already quantised (alignment / fp8_input said how), used where the tiled path runs."""
+        path = self.path(x)
+        if path == "reference":
+            return self.grouped(x, top_w, top_i, foreign)
+        if path == "grouped_fp8":
+            return grouped_fp8_moe.grouped_fp8_experts(
+                x, top_w, top_i, self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale, foreign)
+        fast = dict(aligned=aligned, x_fp8=x_fp8)
+        if self.block is None:
+            return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign, **fast)
+        if not self.per_channel:
             return fused_moe.fused_experts(
                 x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
-                gate_up_scale=gate_up_scale, down_scale=down_scale, block=row_block,
+                gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, block=self.block, **fast,
             )
-        return self.grouped(x, top_w, top_i, foreign)
+        # the Triton kernels on per-channel scales seen as one per row and 128 columns (stride 0 along K): the
+        # GEMV path W8A16, the tiled one with activation groups of 128 (finer than the format's per-token)
+        row_block = BlockShape(1, fused_moe.FP8_BLOCK_K)
+        gate_up_scale = self.gate_up_scale.expand(self.num_experts, *row_block.grid(*self.gate_up_proj.shape[1:]))
+        down_scale = self.down_scale.expand(self.num_experts, *row_block.grid(*self.down_proj.shape[1:]))
+        return fused_moe.fused_experts(
+            x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign,
+            gate_up_scale=gate_up_scale, down_scale=down_scale, block=row_block, **fast,
+        )
+
+    def path(self, x: torch.Tensor) -> str:
+        """Which kernels forward runs for x: "gemv" or "tiled" (the fused Triton kernels), "grouped_fp8" (torch's
+        grouped FP8 GEMMs, per-channel experts from GROUPED_FP8_MIN_TOKENS tokens) or "reference" (off CUDA)."""
+        if not fused_moe.supports(x):
+            return "reference"
+        tokens = x.shape[0]
+        if self.per_channel and tokens >= GROUPED_FP8_MIN_TOKENS and grouped_fp8_moe.available(x.device):
+            return "grouped_fp8"
+        return "gemv" if tokens <= fused_moe.SMALL_BATCH_TOKENS else "tiled"
+
+    def alignment(self, x: torch.Tensor, top_k: int) -> int | None:
+        """The BLOCK_M the tiled path aligns x's pairs to first (the router may align them in its launch), else None."""
+        if self.path(x) != "tiled":
+            return None
+        device = torch.cuda.get_device_name(x.device) if x.is_cuda else None
+        return fused_moe.gated_tiles(x.shape[0] * top_k, self.gate_up_proj, device).block_m
+
+    def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
+        """FP8 experts on the tiled path read x quantised per token and 128 columns, the router x itself."""
+        if self.block is None or self.path(x) != "tiled":
+            return None
+        return Fp8Input(fused_moe.FP8_BLOCK_K, rows_too=True)
 
     @property
     def per_channel(self) -> bool:
@@ -167,6 +202,18 @@ class SparseMoeBlock(nn.Module):
         else:
             self.experts = MoeExperts(num_experts // tp.size, hidden_size, intermediate_size, block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_w, top_i = self.gate(x, self.expert_range)
-        return self.experts(x, top_w, top_i, foreign=self.expert_range is not None)
+    def forward(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """h: the normed rows, or their FP8 form with the rows beside it (fp8_input). Where the tiled path runs, the
+        router's launch also aligns the pairs for it."""
+        x = h.rows if isinstance(h, Fp8Rows) else h
+        foreign = self.expert_range is not None
+        block_m = self.experts.alignment(x, self.gate.top_k)
+        if block_m is None:
+            top_w, top_i = self.gate(x, self.expert_range)
+            return self.experts(x, top_w, top_i, foreign=foreign)
+        top_w, top_i, aligned = self.gate.route_aligned(x, self.expert_range, self.experts.num_experts + foreign, block_m)
+        return self.experts(x, top_w, top_i, foreign=foreign, aligned=aligned,
+                            x_fp8=h if isinstance(h, Fp8Rows) else None)
+
+    def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
+        return self.experts.fp8_input(x)

@@ -6,6 +6,8 @@ Both are graph-safe: output sizes depend only on the token count, and nothing is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -75,7 +77,18 @@ def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return align_pairs_reference(top_i, num_experts, block_m)
 
 
-def _num_blocks(num_pairs: int, num_bins: int, block_m: int) -> int:
+@dataclass(frozen=True)
+class Alignment:
+    """align_pairs' result for blocks of block_m rows: sorted_ids [num_blocks * block_m] int32 (pair ids grouped by
+    expert, each group padded with the id P), block_expert [num_blocks] int32."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+
+def num_align_blocks(num_pairs: int, num_bins: int, block_m: int) -> int:
+    """Blocks of block_m rows for num_pairs pairs over num_bins groups in the worst case (every group padded)."""
     return (num_pairs + num_bins * (block_m - 1) + block_m - 1) // block_m
 
 
@@ -89,7 +102,7 @@ def align_pairs_reference(top_i: torch.Tensor, num_bins: int, block_m: int) -> t
     sorted_expert = flat[order]
     rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_expert]
     dest = (padded_end - padded)[sorted_expert] + rank
-    num_blocks = _num_blocks(num_pairs, num_bins, block_m)
+    num_blocks = num_align_blocks(num_pairs, num_bins, block_m)
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
     sorted_ids.index_put_((dest,), order.to(torch.int32))
     block_start = torch.arange(num_blocks, device=flat.device) * block_m
@@ -103,7 +116,7 @@ def align_pairs_triton(top_i: torch.Tensor, num_bins: int, block_m: int) -> tupl
     block_expert. Same result as the reference."""
     flat = top_i.reshape(-1)
     num_pairs = flat.numel()
-    num_blocks = _num_blocks(num_pairs, num_bins, block_m)
+    num_blocks = num_align_blocks(num_pairs, num_bins, block_m)
     chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
     num_chunks = max(1, triton.cdiv(num_pairs, chunk))
     bins_pow2 = triton.next_power_of_2(num_bins)

@@ -17,6 +17,7 @@ from workers.model.attention import AttentionMetadata, paged_attention, write_kv
 from workers.model.fp8 import BlockShape
 from workers.model.layers import DenseMLP, Fp8Linear, MRotaryEmbedding, RMSNorm, apply_rope, compact_rows_scale, fuse_linears, make_linear
 from workers.model.moe import MoeExperts, SparseMoeBlock
+from workers.model.norm_quant import Fp8Input, Fp8Rows
 from workers.parallel import TensorParallel
 from workers.weights import TextConfig
 
@@ -66,14 +67,22 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.qkv_proj is not None:
             return self.qkv_proj(x)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
+    def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
+        """The FP8 activations the q/k/v GEMMs read (all of them FP8 layers wanting the same), else None."""
+        parts = [self.qkv_proj] if self.qkv_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
+        if not all(isinstance(p, Fp8Linear) for p in parts):
+            return None
+        wants = {p.fp8_input(x) for p in parts}
+        return wants.pop() if len(wants) == 1 else None
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KvLayer,
@@ -83,11 +92,12 @@ class Attention(nn.Module):
         return self.project_out(self.attend(q, k, v, kv_cache, meta))
 
     def qkv_to_cache(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KvLayer, slot_mapping: torch.Tensor,
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KvLayer,
+        slot_mapping: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The part before attention: q, k, v [T, heads or kv_heads, head_dim] normed and rotated, k and v written to
-        slot_mapping's cache rows. out: contiguous (q, k, v) to write into."""
+        slot_mapping's cache rows. x: the normed rows, or their FP8 form (fp8_input). out: contiguous (q, k, v) to
+        write into."""
         t = x.shape[0]
         qkv = self.project_qkv(x)
         k_cache, v_cache, k_scale, v_scale = kv_cache
@@ -140,12 +150,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's output before its residual add (residual None: x is the whole hidden state).
         Returns this layer's MLP output and the residual it is still to be added to (the next norm adds it)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.input_layernorm.norm_for(x, residual, self.self_attn)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        h, residual = self.post_attention_layernorm.norm_for(h, residual, self.mlp)
         return self.tp.all_reduce(self.mlp(h)), residual
 
 

@@ -1,7 +1,7 @@
 """The vision tower's attention: bidirectional, within each frame, over the packed patches of a step's images
 (varlen), at the tower's head_dim 72.
 
-Three implementations, chosen by EngineConfig.vision_attention:
+Three implementations, and a rule between two of them, chosen by EngineConfig.vision_attention:
 - "sdpa": torch's scaled_dot_product_attention, one call per run of equal-size frames (cuDNN on the H200; it runs
   head_dim 72 as fast as 128, so it does 128/72 of the useful work);
 - "triton": our flash-attention forward in Triton. One launch covers every frame of the call: a table lists each
@@ -9,18 +9,22 @@ Three implementations, chosen by EngineConfig.vision_attention:
   (the tensor cores' k-step), so the tiles carry 80/72 of the useful work, padded in registers, never in memory.
   K and V tiles come through tensor descriptors (Hopper's bulk copies), read as [N, heads * 72] rows straight from
   the rotary's output and the fused qkv; a tail tile's columns past 72 belong to the next head and meet q's tail,
-  zeroed past 72, so they add nothing, and are never stored. Softmax in float32, base 2, as FlashAttention's;
+  zeroed past 72, so they add nothing, and are never stored. Softmax in float32, base 2, as FlashAttention's, each
+  score scaled and shifted in one FMA;
 - "triton_fp8": e4m3 Q, K and V with one scale per head (amax / 448 over the call's patches), the probabilities
-  scaled by 256 before their e4m3 rounding (their small values keep precision), float32 softmax and accumulation;
-  the tail is 32 wide (FP8's k-step). Its tiles come through pointer loads: a descriptor's offsets along its
-  contiguous dimension must be 16-byte aligned, which one byte per element at head offsets of 72 is not. V is
-  quantised into a [heads, dim, N] layout, so the tensor cores read both operands of P @ V along the keys, as
-  Hopper's FP8 MMA requires.
+  scaled by 256 before their e4m3 rounding (their small values keep precision), float32 softmax and accumulation.
+  The same kernel through descriptors, on operands quantised into layouts they can address (a descriptor's offsets
+  along a row must be 16-byte aligned, one byte an element): q and k padded to [N, heads, 96] (64 + FP8's 32-wide
+  k-step), V transposed to [heads * 72, keys] with each frame from a multiple of 16 keys, so the tensor cores read
+  both operands of P @ V along the keys, as Hopper's FP8 MMA requires. (Pointer loads remain, for
+  KernelConfig(tma=False): 143 TFLOP/s.);
+- "auto": "triton" for a call whose largest frame has AUTO_TRITON_FROM_PATCHES or more, else "sdpa".
 
-On the H200 (benchmarks/README.md, run77), 16 heads: "triton" runs 365 useful TFLOP/s at 62,500 patches against
-cuDNN's 331 (1.10x), 1.09x at 35,344, 0.94x at 16,384 and 0.91x at 4,096; the 235B tower on a 4,000 px image takes
-1.43 s against 1.58 s, with the same error against transformers' float32 module. "triton_fp8" keeps the tower's
-error within bf16's but runs at 143 TFLOP/s: its pointer loads, not its arithmetic, set its pace.
+On the H200 (benchmarks/README.md, runs 79-80), 16 heads, useful TFLOP/s: "triton" 374 at 62,500 patches against
+cuDNN's 325 (1.15x), 368 against 383 at 16,384 (0.96x), 218-263 against 292-296 at 4,096; the 235B tower on a
+4,000 px image 1.40 s against 1.62 s, with the same error against transformers' float32 module. "triton_fp8" runs
+320-343 at 62,500: halving the MMAs' time gains nothing while the exponentials and the softmax's other per-score
+work set the pace, so FP8 does not pay here.
 
 On the CPU (no Triton, not interpreted) every name runs the torch reference, which is SDPA itself.
 """
@@ -40,26 +44,37 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-IMPLEMENTATIONS = ("sdpa", "triton", "triton_fp8")
+IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8")
+# "auto": our bf16 kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
+# (run80) ours ran 0.75-0.89x cuDNN at 4,096 patches, 0.96x at 16,384, 1.09x at 35,344 and 1.15x at 62,500, and
+# 1.17x on one launch over a step's mix of sizes with a 62,500-patch frame in it.
+AUTO_TRITON_FROM_PATCHES = 24_000
 FP8_MAX = 448.0  # e4m3's largest finite value
 P_SCALE = 256.0  # probabilities in [0, 1] times this before their e4m3 rounding: 2^8 more range below 1
+# bf16 with lazy rescaling: a row keeps its softmax reference until its maximum grows by more than 2^8, so its
+# probabilities stay below 256 (bf16 and float32 hold that with their full precision). FP8's probabilities, already
+# scaled by P_SCALE up to 256, have no such room below e4m3's 448: there a row's reference moves whenever it grows.
+BF16_RESCALE_GROWTH = 8.0
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch configuration of the Triton kernels: query rows and keys per tile, warps, pipeline stages, and
-    for the bf16 kernel whether K and V tiles come through tensor descriptors (else pointer loads)."""
+    """One launch configuration of the Triton kernels: query rows and keys per tile, warps, pipeline stages, whether
+    K and V tiles come through tensor descriptors (else pointer loads), and whether Triton splits the key loop into
+    warps that load and warps that compute (warp specialisation)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = True
+    warp_specialize: bool = False  # the key loop's tl.range(warp_specialize=...): descriptor kernels only
+    lazy_rescale: bool = False  # descriptor kernels: rescale the accumulators only on tiles where a row's max moved
 
 
-# Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-77 in benchmarks/README.md): the highest rate at
-# 62,500 patches of the tile shapes swept.
-DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3), "triton_fp8": KernelConfig(128, 128, 8, 3, tma=False)}
+# Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-80 in benchmarks/README.md): the highest rate at
+# 62,500 patches of the tile shapes swept (warp specialisation and lazy rescaling gained nothing, run79-80).
+DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3), "triton_fp8": KernelConfig(128, 64, 4, 3)}
 
 
 def supports_triton(x: torch.Tensor) -> bool:
@@ -77,28 +92,57 @@ def frame_bounds(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return bounds
 
 
+KEY_ALIGN = 16  # keys: a frame's first column in V^T (FP8, keys contiguous) is 16-byte aligned, as descriptors need
+
+
+def aligned_starts(bounds: list[tuple[int, int]], align: int = KEY_ALIGN) -> list[int]:
+    """Each frame's first column in a layout of the keys where every frame starts at a multiple of align."""
+    starts, at = [], 0
+    for start, end in bounds:
+        starts.append(at)
+        at += -(-(end - start) // align) * align
+    return starts
+
+
 def block_table(runs: list[tuple[int, int]], block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [programs, 3]: each program's first query row and its frame's first and end rows. Frames are listed
-    largest first, so the longest programs start first and the short frames fill the tail of the launch."""
+    """int32 [programs, 4]: each program's first query row, its frame's first and end rows, and the frame's first
+    column in the aligned key layout (aligned_starts). Frames are listed largest first, so the longest programs
+    start first and the short frames fill the tail of the launch."""
+    bounds = frame_bounds(runs)
+    key_starts = dict(zip(bounds, aligned_starts(bounds)))
     rows = []
-    for start, end in sorted(frame_bounds(runs), key=lambda b: b[0] - b[1]):
-        rows.extend((q, start, end) for q in range(start, end, block_m))
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
+    for start, end in sorted(bounds, key=lambda b: b[0] - b[1]):
+        rows.extend((q, start, end, key_starts[(start, end)]) for q in range(start, end, block_m))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
 
 
 class AttentionPlan:
-    """What one tower pass's 27 attention calls share: the frames, and the Triton block table per block_m."""
+    """What one tower pass's 27 attention calls share: the frames, the Triton block table per block_m, and where
+    each key goes in the aligned key layout."""
 
     def __init__(self, runs: list[tuple[int, int]]):
         self.runs = runs
         self.patches = sum(length * count for length, count in runs)
+        self.largest_frame = max((length for length, _ in runs), default=0)
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._key_columns: dict[torch.device, torch.Tensor] = {}
 
     def table(self, block_m: int, device: torch.device) -> torch.Tensor:
         key = (block_m, device)
         if key not in self._tables:
             self._tables[key] = block_table(self.runs, block_m, device)
         return self._tables[key]
+
+    def key_columns(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(int64 [N]: each key's column in the aligned key layout, that layout's width)."""
+        bounds = frame_bounds(self.runs)
+        starts = aligned_starts(bounds)
+        if device not in self._key_columns:
+            shifts = torch.tensor([a - s for (s, _), a in zip(bounds, starts)], dtype=torch.int64)
+            lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.int64)
+            self._key_columns[device] = (torch.arange(self.patches) + shifts.repeat_interleave(lengths)).to(device)
+        width = starts[-1] + -(-(bounds[-1][1] - bounds[-1][0]) // KEY_ALIGN) * KEY_ALIGN if bounds else 0
+        return self._key_columns[device], width
 
     def useful_flops(self, num_heads: int, head_dim: int) -> float:
         """4 * heads * head_dim * sum of frame_len^2: QK^T and PV, multiply-adds counted as two."""
@@ -113,6 +157,8 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
     if q.shape[0] != plan.patches:
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
+    if impl == "auto":
+        impl = "triton" if plan.largest_frame >= AUTO_TRITON_FROM_PATCHES else "sdpa"
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "triton":
@@ -191,6 +237,9 @@ def attention_triton_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan
     out = q.new_empty(seq, heads * dim)
     if not seq:
         return out
+    if config.tma and d1 > 0:
+        _launch_fp8_descriptors(q, k, v, out, plan, scale, config, d0, d1)
+        return out
     (q8, q_scale), (k8, k_scale), (v8, v_scale) = map(quantize_per_head, (q, k, v))
     _launch_pointers(q8, k8, keys_contiguous(v8), out, plan, scale, (q_scale * k_scale, v_scale), config, d0, d1)
     return out
@@ -223,8 +272,52 @@ def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config:
     table = plan.table(config.block_m, q.device)
     _vision_attention_tma_kernel[(table.shape[0], heads)](
         q, rows(k, d0), rows(k, tail), rows(v, d0), rows(v, tail), out, table, q.stride(0), q.stride(1),
-        out.stride(0), scale * math.log2(math.e),
-        HEAD_DIM=dim, D0=d0, D1=tail, HAS_TAIL=d1 > 0, BLOCK_M=config.block_m, BLOCK_N=bn,
+        out.stride(0), scale * math.log2(math.e), out, out,
+        HEAD_DIM=dim, K_COLS=dim, D0=d0, D1=tail, DV1=tail, HAS_TAIL=d1 > 0, FP8=False, P_SCALE=1.0,
+        BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
+        LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=BF16_RESCALE_GROWTH,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def quantize_for_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                             padded_dim: int):
+    """e4m3 operands laid out for tensor descriptors (whose offsets along a row must be 16-byte aligned, one byte an
+    element): q and k [N, heads, padded_dim], zero past head_dim; V transposed, [heads * head_dim, keys], keys
+    contiguous in the plan's aligned key layout (each frame from a multiple of 16, zeros between). Returns them with
+    the per-head scales of q * k and of v (amax / 448 over the call)."""
+    seq, heads, dim = q.shape
+    out, scales = [], []
+    for t in (q, k):
+        t8, t_scale = quantize_per_head(t)
+        padded = t8.new_zeros(seq, heads, padded_dim)
+        padded[:, :, :dim] = t8
+        out.append(padded)
+        scales.append(t_scale)
+    v8, v_scale = quantize_per_head(v)
+    columns, width = plan.key_columns(q.device)
+    vt = v8.new_zeros(heads * dim, width)
+    vt.view(torch.uint8).index_copy_(1, columns, v8.permute(1, 2, 0).reshape(heads * dim, seq).view(torch.uint8))
+    return out[0], out[1], vt, scales[0] * scales[1], v_scale
+
+
+def _launch_fp8_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config: KernelConfig, d0: int, d1: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    seq, heads, dim = q.shape
+    q8, k8, vt, qk_scales, v_scales = quantize_for_descriptors(q, k, v, plan, d0 + d1)
+    bn, v_tail = config.block_n, 16  # P @ V's tail: 16 rows of V^T (those past head_dim are the next head's)
+    k_rows = k8.view(seq, heads * (d0 + d1))
+    table = plan.table(config.block_m, q.device)
+    _vision_attention_tma_kernel[(table.shape[0], heads)](
+        q8, TensorDescriptor(k_rows, list(k_rows.shape), [k_rows.stride(0), 1], [bn, d0]),
+        TensorDescriptor(k_rows, list(k_rows.shape), [k_rows.stride(0), 1], [bn, d1]),
+        TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [d0, bn]),
+        TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [v_tail, bn]),
+        out, table, q8.stride(0), q8.stride(1), out.stride(0), scale * math.log2(math.e), qk_scales, v_scales,
+        HEAD_DIM=dim, K_COLS=d0 + d1, D0=d0, D1=d1, DV1=v_tail, HAS_TAIL=d1 > 0, FP8=True, P_SCALE=P_SCALE,
+        BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
+        LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=0.0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -292,9 +385,9 @@ if triton is not None:
         """Program (table row, head), pointer loads: BLOCK_M query rows of one frame against all its keys."""
         row = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
-        q_start = tl.load(table_ptr + row * 3)
-        start = tl.load(table_ptr + row * 3 + 1)
-        end = tl.load(table_ptr + row * 3 + 2)
+        q_start = tl.load(table_ptr + row * 4)
+        start = tl.load(table_ptr + row * 4 + 1)
+        end = tl.load(table_ptr + row * 4 + 2)
         if FP8:  # the per-head scales of q * k, and of v
             qk_scale = qk_scale_base * tl.load(qk_scale_head_ptr + head)
             v_scale = tl.load(v_scale_head_ptr + head) / P_SCALE
@@ -337,57 +430,104 @@ if triton is not None:
                      mask=m_mask[:, None] & d1_mask[None, :])
 
     @triton.jit
-    def _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc, v1_desc, start_n, end, col0, col1,
-                         qk_scale, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts."""
-        s = tl.dot(q0, k0_desc.load([start_n, col0]).T)
+    def _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc, v1_desc, start_n, end, k_col0,
+                         v_at, v_shift, qk_scale, HAS_TAIL: tl.constexpr, FP8: tl.constexpr, P_SCALE: tl.constexpr,
+                         D0: tl.constexpr, BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                         RESCALE_GROWTH: tl.constexpr):
+        """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts. bf16: V's tiles
+        are [keys, dims] at column v_at of [N, heads * dim] rows; FP8: [dims, keys] at row v_at of V^T, read
+        transposed (Hopper's FP8 MMA reads both operands along the keys), whose keys sit v_shift columns on from
+        their rows (the aligned key layout)."""
+        s = tl.dot(q0, k0_desc.load([start_n, k_col0]).T)
         if HAS_TAIL:
-            s += tl.dot(q1, k1_desc.load([start_n, col1]).T)
-        s = s * qk_scale
+            s += tl.dot(q1, k1_desc.load([start_n, k_col0 + D0]).T)
         # keys past the frame (the next frame's, or zero-filled past the tensor), masked on the one tile that has
         # them: masking every tile cost the 4-warp kernel 6% (run76); only with 8 warps was the branch slower (run77)
         if start_n + BLOCK_N > end:
             s = tl.where((start_n + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v0 = v0_desc.load([start_n, col0])
-        pq = p.to(v0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0)
+        # the row maximum of the raw scores, scaled once a row, so that each score's scale and shift are one FMA
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if LAZY_RESCALE:  # a row's reference moves only when its maximum grew past RESCALE_GROWTH (base 2)
+            m_new = tl.where(m_new > m_i + RESCALE_GROWTH, m_new, m_i)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        if LAZY_RESCALE:
+            # the accumulators are rescaled only on the tiles where some row's reference moved: after a frame's
+            # first tiles almost none does (the conditional rescaling of FlashAttention-4, flash_attn/cute in
+            # https://github.com/Dao-AILab/flash-attention)
+            if tl.max(m_new - m_i, 0) > 0:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                l_i = l_i * alpha
+        else:
+            alpha = tl.math.exp2(m_i - m_new)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            l_i = l_i * alpha
+        l_i = l_i + tl.sum(p, 1)
+        if FP8:
+            v0 = v0_desc.load([v_at, start_n + v_shift]).T
+            pq = (p * P_SCALE).to(v0.dtype)
+        else:
+            v0 = v0_desc.load([start_n, v_at])
+            pq = p.to(v0.dtype)
+        # FP8: each tile's P @ V added in float32 on the CUDA cores. Hopper's FP8 MMA accumulates with fewer bits
+        # than float32 (DeepSeek-V3's report, arXiv:2412.19437, section 3.3.2); chained over a 62,500-key frame in
+        # the MMA's accumulator it took the tower's error against float32 from 0.014 to 0.137 (run80)
+        if FP8:
+            acc0 = acc0 + tl.dot(pq, v0)
+        else:
+            acc0 = tl.dot(pq, v0, acc0)
         if HAS_TAIL:
-            acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1_desc.load([start_n, col1]))
+            if FP8:
+                acc1 = acc1 + tl.dot(pq, v1_desc.load([v_at + D0, start_n + v_shift]).T)
+            else:
+                acc1 = tl.dot(pq, v1_desc.load([start_n, v_at + D0]), acc1)
         return acc0, acc1, m_new, l_i
 
     @triton.jit
     def _vision_attention_tma_kernel(q_ptr, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr, stride_qn,
-                                     stride_qh, stride_on, qk_scale,
-                                     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                                     HAS_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Program (table row, head), tensor descriptors: BLOCK_M query rows of one frame against all its keys."""
+                                     stride_qh, stride_on, qk_scale_base, qk_scale_head_ptr, v_scale_head_ptr,
+                                     HEAD_DIM: tl.constexpr, K_COLS: tl.constexpr, D0: tl.constexpr,
+                                     D1: tl.constexpr, DV1: tl.constexpr, HAS_TAIL: tl.constexpr, FP8: tl.constexpr,
+                                     P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                                     RESCALE_GROWTH: tl.constexpr):
+        """Program (table row, head), tensor descriptors: BLOCK_M query rows of one frame against all its keys.
+        K's head h starts at column h * K_COLS of its rows; q's and k's tails are D1 wide, V's DV1."""
         row = tl.program_id(0)
         head = tl.program_id(1)
-        q_start = tl.load(table_ptr + row * 3)
-        start = tl.load(table_ptr + row * 3 + 1)
-        end = tl.load(table_ptr + row * 3 + 2)
+        q_start = tl.load(table_ptr + row * 4)
+        start = tl.load(table_ptr + row * 4 + 1)
+        end = tl.load(table_ptr + row * 4 + 2)
+        if FP8:  # the per-head scales of q * k, and of v; V^T's keys in the aligned key layout
+            qk_scale = qk_scale_base * tl.load(qk_scale_head_ptr + head)
+            v_scale = tl.load(v_scale_head_ptr + head) / P_SCALE
+            v_shift = tl.load(table_ptr + row * 4 + 3) - start
+        else:
+            qk_scale = qk_scale_base
+            v_scale = 1.0
+            v_shift = 0
         offs_m = (q_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         m_mask = offs_m < end
         offs_d0 = tl.arange(0, D0)
         offs_d1 = D0 + tl.arange(0, D1)
-        d1_mask = offs_d1 < HEAD_DIM
         q_base = q_ptr + offs_m[:, None] * stride_qn + head.to(tl.int64) * stride_qh
         q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
-        q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :] & HAS_TAIL, other=0.0)
-        col0 = head * HEAD_DIM
-        col1 = col0 + D0
+        q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & (offs_d1 < HEAD_DIM)[None, :] & HAS_TAIL,
+                     other=0.0)
+        v_at = head * HEAD_DIM
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, D1], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
         # one loop over every tile: a separate tail tile after a pipelined loop of descriptor loads read stale tiles
         # on the H200 (Triton 3.6: NaN whenever a frame was not a whole number of 64- or 128-key tiles, run75)
-        for start_n in range(start, end, BLOCK_N):
+        for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             acc0, acc1, m_i, l_i = _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc,
-                                                    v1_desc, start_n, end, col0, col1, qk_scale, HAS_TAIL, BLOCK_N)
-        _store_rows(o_ptr, offs_m, m_mask, stride_on, col0.to(tl.int64), acc0, acc1, 1.0 / l_i, offs_d0, offs_d1,
-                    d1_mask, HAS_TAIL)
+                                                    v1_desc, start_n, end, head * K_COLS, v_at, v_shift, qk_scale,
+                                                    HAS_TAIL, FP8, P_SCALE, D0, BLOCK_N, LAZY_RESCALE,
+                                                    RESCALE_GROWTH)
+        offs_v1 = D0 + tl.arange(0, DV1)
+        _store_rows(o_ptr, offs_m, m_mask, stride_on, v_at.to(tl.int64), acc0, acc1, v_scale / l_i, offs_d0, offs_v1,
+                    offs_v1 < HEAD_DIM, HAS_TAIL)

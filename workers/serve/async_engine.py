@@ -69,9 +69,11 @@ class AsyncEngine:
         resume_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
         kv_import: KvExport | None = None,
+        latency_bound_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until one has finished=True. Leaving the loop early (or the
-        caller being cancelled) aborts the request."""
+        caller being cancelled) aborts the request. latency_bound_s: the caller's bound from now (0: none), which
+        the scheduler weighs (Sequence.deadline)."""
         loop = asyncio.get_running_loop()
         submitted = time.monotonic()
         prepared = await loop.run_in_executor(
@@ -82,6 +84,7 @@ class AsyncEngine:
             ),
         )
         prepared.submitted = submitted  # the wait for a preparation thread, for the step trace
+        prepared.latency_bound_s = latency_bound_s
         stream = _Stream(loop)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already being generated")

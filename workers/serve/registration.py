@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import grpc.aio
 
+from contract.network import KeepaliveConfig
 from contract.transport import open_channel
 from contract.types import EngineLoad
 from contract.wire import pb, pb_grpc
@@ -39,11 +40,12 @@ async def report_to_router(
     interval_s: float,
     max_message_bytes: int,
     after_each: Callable[[], Awaitable[None]],
+    keepalive: KeepaliveConfig = KeepaliveConfig(),
 ) -> None:
     """Registers, then heartbeats every interval (the router's reply may set it) until cancelled; registers again
     whenever the router says it does not know the worker or cannot be reached. after_each runs once per interval
     (the worker's own periodic chores)."""
-    async with open_channel(router_address, max_message_bytes=max_message_bytes) as channel:
+    async with open_channel(router_address, max_message_bytes=max_message_bytes, keepalive=keepalive) as channel:
         stub = pb_grpc.RouterServiceStub(channel)
         registered = False
         while True:

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from contract.network import MIB, is_loopback, split_host_port
+from contract import event_loop
+from contract.network import MIB, KeepaliveConfig, is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
-from workers.kv_cache import KvExport
+from workers.kv_cache import ImageLayout, KvExport
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.registration import load_report, report_to_router
@@ -42,11 +43,26 @@ _FINISH = {
 _END = object()  # marks the end of an engine stream in the coalescing queue
 
 
+class Preempted(Exception):
+    """The engine dropped a request it cannot compute again (FinishReason.PREEMPTED): the call ends ABORTED, which
+    the router answers by replaying the request, with its images, on a serving worker."""
+
+
+def image_layout(handle: pb.KvHandle) -> tuple[ImageLayout, ...]:
+    """The prompt's images as a KvHandle describes them."""
+    return tuple(ImageLayout(i.grid_rows, i.grid_cols, i.content_digest) for i in handle.images)
+
+
 @dataclass
 class _HeldKv:
     request_id: str
     export: KvExport
     expires_at: float
+
+
+def _layout_on_wire(export: KvExport) -> list[pb.ImageLayout]:
+    return [pb.ImageLayout(grid_rows=i.grid_rows, grid_cols=i.grid_cols, content_digest=i.digest)
+            for i in export.image_layout]
 
 
 def role_value(role: int | str) -> int:
@@ -77,10 +93,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             except (ValueError, KvLinkError, grpc.aio.AioRpcError) as exc:
                 # UNAVAILABLE: the router replays the request here or elsewhere with a local prefill.
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
+            kv_import.image_layout = image_layout(request.kv_handle)
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
         outputs = s.engine.generate(
             rid, prompt, sampling, resume_token_ids=list(request.resume_token_ids),
-            prefill_only=request.prefill_only, kv_import=kv_import,
+            prefill_only=request.prefill_only, kv_import=kv_import, latency_bound_s=request.latency_bound_s,
         )
         s.running.add(rid)
         try:
@@ -88,6 +105,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
                 yield chunk
+        except Preempted as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {exc}")
         except asyncio.CancelledError:
             await s.engine.abort(rid)  # the caller went away: free the engine's slot and KV now
             raise
@@ -136,8 +155,9 @@ class WorkerServer:
         kv_hold_s: float = 60.0,
         generation_defaults: SamplingParams | None = None,
         kv_link: KvLink | None = None,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
-        """kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
+        """keepalive: of this worker's channels (to the router, to prefill peers). kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
         every held KV over it at once, a decode worker takes KV announced over it from it."""
         if not is_loopback(listen) and not token:
             raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
@@ -157,6 +177,7 @@ class WorkerServer:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kv_hold_s = kv_hold_s
         self.kv_link = kv_link
+        self.keepalive = keepalive
         if kv_link is not None and pb.WorkerRole.Name(self.role).lower() != kv_link.config.role:
             raise ValueError(f"kv_link role {kv_link.config.role!r} does not match worker role {pb.WorkerRole.Name(self.role).lower()!r}")
         self.port = 0
@@ -219,7 +240,8 @@ class WorkerServer:
         self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1
     ) -> AsyncIterator[pb.GenerateChunk]:
         """One chunk per send: whatever the engine produced while the previous chunk was being written. With
-        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends)."""
+        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends). A
+        request the engine ended PREEMPTED raises Preempted once the tokens it had are sent."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
@@ -248,6 +270,10 @@ class WorkerServer:
                         chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
                         break
                     chunk.token_ids.extend(item.new_token_ids)
+                    if item.finish_reason is FinishReason.PREEMPTED:
+                        if chunk.token_ids:
+                            yield chunk
+                        raise Preempted(item.error or "preempted")
                     if item.finished:
                         chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
                         chunk.error = item.error or ""
@@ -271,10 +297,12 @@ class WorkerServer:
         handle = pb.KvHandle(worker_address=self.address, transfer_id=rid, num_tokens=num_tokens, first_token_id=first_token_id)
         if self.kv_link is not None:
             export = await self.engine.export_kv(rid, on_device=True)
+            handle.images.extend(_layout_on_wire(export))
             await self.engine.release(rid)  # the export is a copy: the send does not need the blocks
             handle.transport_hint = await asyncio.get_running_loop().run_in_executor(None, self.kv_link.send, export)
             return handle
         export = await self.engine.export_kv(rid)
+        handle.images.extend(_layout_on_wire(export))
         await self._expire_held()
         self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.kv_hold_s)
         return handle
@@ -293,7 +321,7 @@ class WorkerServer:
         channel = self._peers.get(handle.worker_address)
         if channel is None:
             channel = self._peers[handle.worker_address] = open_channel(
-                handle.worker_address, max_message_bytes=self.max_message_bytes
+                handle.worker_address, max_message_bytes=self.max_message_bytes, keepalive=self.keepalive
             )
         stub = pb_grpc.WorkerServiceStub(channel)
         chunks = [c async for c in stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id),
@@ -334,7 +362,7 @@ class WorkerServer:
         if self.router_address is None:
             return
         await report_to_router(self.router_address, self.info, self.load_report, self._metadata,
-                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held)
+                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held, self.keepalive)
 
 
 def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
@@ -396,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         await server.stop()
         served.async_engine.shutdown()
 
-    asyncio.run(serve())
+    event_loop.run(serve())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -37,9 +38,29 @@ def next_token(context_len: int, salt: int) -> int:
     return (context_len * 104_729 + salt * 7919) % VOCAB
 
 
+@dataclass
+class SimulatedStep:
+    """A simulated step launched and not yet waited for (workers/engine_api.LaunchedStep): its tokens were sampled at
+    launch, as the device would; wait() charges its length (slept when realtime)."""
+
+    executor: SimulatedExecutor
+    work: StepWork
+    sampled: dict[str, int]
+    request_ids: list[str]
+    waited_s: float = 0.0
+
+    def wait(self) -> dict[str, int]:
+        self.executor._run(self.work)
+        self.waited_s = self.executor.last_wait_s
+        return self.sampled
+
+
 class SimulatedExecutor:
-    """The executor (workers/engine_api.Executor) of a simulated engine: each step's length from the step model,
-    slept when realtime (scaled by sim.time_scale), else only reported in last_step_s for a virtual clock."""
+    """The executor (workers/engine_api.Executor and StepLauncher) of a simulated engine: each step's length from the
+    step model, slept when realtime (scaled by sim.time_scale), else only reported in last_step_s for a virtual clock.
+    With engine.overlap_decode_steps the engine launches each step behind the one running, as the real engine does,
+    so the simulation makes its decisions; the step's length is still charged whole (the host's share a real
+    overlapped step hides is the step model's to calibrate)."""
 
     def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool,
                  vision: VisionCost):
@@ -58,8 +79,17 @@ class SimulatedExecutor:
         self.encoded_sizes: set[int] = set()  # image sizes (patches) encoded so far: the real tower's cuDNN plans
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        self._run(self.work(out))
-        return self._sample(out)
+        return self.launch(out).wait()
+
+    @property
+    def can_overlap(self) -> bool:
+        return True
+
+    def launch(self, out: SchedulerOutput, after: SimulatedStep | None = None) -> SimulatedStep:
+        """The step's tokens now (they depend on the sequences' lengths only, pending tokens counted), its length
+        charged by wait()."""
+        sampled = self._sample(out)
+        return SimulatedStep(self, self.work(out), sampled, list(sampled))
 
     def idle(self) -> None:
         self._run(StepWork(num_seqs=0))
@@ -173,6 +203,10 @@ class SimulatedEngine(LLMEngine):
                 if o.finished and o.request_id not in queued:
                     self._trace.leave(o.request_id, self.executor.overrun_s)
         return outputs
+
+    def _step_seconds(self, started: float, ended: float) -> float:
+        """The step model's time for the step (what realtime sleeps, and a virtual clock advances by)."""
+        return self.executor.last_step_s
 
     # the executor's clock, as the drivers read it
     @property

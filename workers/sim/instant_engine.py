@@ -44,7 +44,9 @@ class InstantEngine:
         self.steps = 0
         self._frozen_load: EngineLoad | None = None  # set by stall(): a hung engine
         self.requests_seen: list[str] = []
+        self.images_seen: dict[str, int] = {}  # request id -> how many images its request carried
         self.sampling_seen: dict[str, SamplingParams] = {}
+        self.latency_bounds_seen: dict[str, float] = {}
         self.aborted: list[str] = []
         self._running: dict[str, int] = {}  # request id -> context length (for the load report)
         self._queued_prompt_tokens = 0
@@ -60,9 +62,12 @@ class InstantEngine:
         resume_token_ids: Sequence[int] = (),
         prefill_only: bool = False,
         kv_import: KvExport | None = None,
+        latency_bound_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         self.requests_seen.append(request_id)
+        self.images_seen[request_id] = len(prompt.images)
         self.sampling_seen[request_id] = sampling
+        self.latency_bounds_seen[request_id] = latency_bound_s
         if kv_import is not None:  # the prompt comes from the pulled cache, not from the request
             context = [int(t) for t in kv_import.keys[0][:, 0, 0].tolist()] + [kv_import.first_token_id]
         else:

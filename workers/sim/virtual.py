@@ -69,6 +69,7 @@ class _Engine:
     def __init__(self, engine: SimulatedEngine):
         self.engine = engine
         self.clock = 0.0
+        engine.scheduler.clock = lambda: self.clock  # deadlines and slack on the virtual clock
 
 
 class VirtualCluster:
