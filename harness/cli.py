@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from harness.scenarios import LoadGenMode, Mode, Scenario
-from harness.system_config import ConfigError, available_systems
-
-DEFAULT_SYSTEM = "cpu-tiny"
+from harness.system_config import DEFAULT_SYSTEM, ConfigError, available_systems
 DEFAULT_OUTPUT = Path("submission_output")
 DEFAULT_CACHE = Path.home() / ".cache" / "q3vl-harness"
 

@@ -52,6 +52,7 @@ ROUTER_START_TIMEOUT_S = 60.0
 ROUTER_POLL_S = 0.5
 MAX_ROUTER_RESTARTS = 5
 WARMUP_MAX_TOKENS = 4
+RAY_LOG = "ray.log"  # Ray's own log lines of the run, beside router.log (harness.ray_log)
 SIMULATED_CPUS_PER_PROCESS = 0.01  # simulated workers sleep; they must not claim the cores LoadGen needs
 
 
@@ -251,7 +252,7 @@ class Cluster:
     def _start(self) -> None:
         engine = engine_config(self._config, self._checkpoint)
         logger.info("starting Ray")
-        self._ray = init_ray(self._config.ray, self._ray_address)
+        self._ray = init_ray(self._config.ray, self._ray_address, log_file=self._run_dir / RAY_LOG)
         have = ray.cluster_resources()
         simulated = self._config.model.simulated_hardware
         if simulated is None:

@@ -31,6 +31,7 @@ from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
 from harness.loadgen_run import TRACE_FILE
 from harness.interrupts import interruptible
+from harness.output_lock import OutputLock
 from harness.pipeline import RUNS_DIR, check_startable, run_test_process, say
 from harness.plot import read_sample_latencies
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
@@ -291,7 +292,13 @@ class PeakFinder:
         self.report = PeakReport(report_path, {})
 
     def run(self) -> dict[str, Any]:
+        """The search, holding OUTPUT's lock as run_submission does (harness.output_lock): a second search or run
+        into the same --output is refused at once (OutputInUse, exit 2) and touches nothing there."""
         check_startable(self.config, self.ray_address)
+        with OutputLock(self.output):
+            return self._search()
+
+    def _search(self) -> dict[str, Any]:
         self._started = time.monotonic()
         self.report.data = self._skeleton()
         say(f"peak search on {self.config.system.name} ({self.report.data['device']}): "

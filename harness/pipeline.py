@@ -20,7 +20,8 @@ from harness.progress import format_table
 from harness.ray_network import RayUnreachable, probe_address
 from harness.run_logs import StagedRunLogs
 from harness.scenarios import LoadGenMode, Mode, Scenario, log_dir_for
-from harness.system_config import DATASET_FOR_SCENARIO, ConfigError, SystemConfig, load_system_config
+from harness.system_config import (DATASET_FOR_SCENARIO, DEFAULT_SYSTEM, ConfigError, SystemConfig,
+                                   load_system_config)
 from harness.user_conf import write_user_conf
 
 logger = logging.getLogger(__name__)
@@ -191,9 +192,26 @@ def _report(config: SystemConfig, options: RunOptions, scenario_dir: Path, user_
     except IncompleteTree as exc:
         say(f"submission tree not written: {exc}")
         return 1
+    return print_audit(config, options.scenario, tree)
+
+
+def print_audit(config: SystemConfig, scenario: Scenario, tree: Path) -> int:
+    """Prints the audit's lines and verdict as `python -m audit TREE` does and returns its exit status; under a
+    cpu-tiny verdict, why the demo is rejected and what a real submission needs (harness.demo_verdict)."""
+    from audit.checker import audit_tree
+    from harness.demo_verdict import demo_verdict_lines
+
     say("auditing the submission tree")
-    audit = subprocess.run([sys.executable, "-m", "audit", str(tree)], check=False)
-    return audit.returncode
+    try:
+        report = audit_tree(tree)
+    except (FileNotFoundError, ValueError) as exc:
+        say(f"the submission tree cannot be audited: {exc}")
+        return 2
+    print("\n".join(report.lines()), flush=True)
+    if config.system.name == DEFAULT_SYSTEM:
+        for line in demo_verdict_lines(report, config, scenario.value):
+            say(line)
+    return 0 if report.accepted else 1
 
 
 def submission_builder(config: SystemConfig, tree: Path):

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from contract import event_loop
 from harness.interrupts import deferred
+from harness.ray_log import RayLogFile
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
 from workers.config import KvLinkConfig
@@ -114,22 +115,29 @@ class _Instance:
 @dataclasses.dataclass
 class RaySession:
     """This process's Ray. `close()` (idempotent) disconnects from a joined cluster, or stops an embedded one and
-    removes its session files; a session that found Ray already initialised owns nothing and closes nothing."""
+    removes its session files, then gives Ray's log lines back to the console; a session that found Ray already
+    initialised owns nothing and closes nothing."""
 
     owned: bool
     temp_dir: Path | None = None  # an embedded Ray's session files (Ray's _temp_dir), the harness's to remove
+    log: RayLogFile | None = None  # where Ray's own log lines go meanwhile
 
     def close(self) -> None:
-        if self.owned and ray.is_initialized():
-            ray.shutdown()
-        self.owned = False
-        if self.temp_dir is not None:
-            temp_dir, self.temp_dir = self.temp_dir, None
-            remove_temp_dir(temp_dir)
+        try:
+            if self.owned and ray.is_initialized():
+                ray.shutdown()
+            self.owned = False
+            if self.temp_dir is not None:
+                temp_dir, self.temp_dir = self.temp_dir, None
+                remove_temp_dir(temp_dir)
+        finally:
+            if self.log is not None:
+                self.log.close()
 
 
-def init_ray(settings: RaySection, address: str | None) -> RaySession:
+def init_ray(settings: RaySection, address: str | None, log_file: Path | None = None) -> RaySession:
     """Joins `address`, or starts an embedded local Ray on loopback with its session files in a fresh temp dir.
+    Ray's own log lines go to `log_file` (appended) until the session closes, when one is given.
 
     SIGINT and SIGTERM are held until Ray is up (or has failed and been shut down); if one came meanwhile, Ray is
     shut down again and the signal then delivered. Raised inside ray.init, an interrupt was caught and logged by
@@ -139,18 +147,20 @@ def init_ray(settings: RaySection, address: str | None) -> RaySession:
     """
     if ray.is_initialized():
         return RaySession(owned=False)
+    session = RaySession(owned=True, log=RayLogFile(log_file) if log_file is not None else None)
+    if session.log is not None:
+        session.log.open()
     with deferred("Ray has started") as held, _ray_keeps_the_sigterm_handler():
-        if address is not None:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            session = RaySession(owned=True)
-        else:
-            session = RaySession(owned=True, temp_dir=make_temp_dir())
-            try:
+        try:
+            if address is not None:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                session.temp_dir = make_temp_dir()
                 _start_embedded(settings, session.temp_dir)
-            except BaseException:
-                session.close()
-                raise
-            logger.info("embedded Ray on loopback, its session files in %s", session.temp_dir)
+                logger.info("embedded Ray on loopback, its session files in %s", session.temp_dir)
+        except BaseException:
+            session.close()
+            raise
         if held:  # interrupted while starting: nothing of it is left when the signal is delivered
             session.close()
     return session

@@ -587,5 +587,8 @@ def load_system_config(name_or_path: str | Path) -> SystemConfig:
     return config
 
 
+DEFAULT_SYSTEM = "cpu-tiny"  # the embedded default: runs with no --system, on CPU, with nothing on disk
+
+
 def available_systems() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))

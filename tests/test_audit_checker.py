@@ -288,6 +288,15 @@ def test_measured_latency_over_the_constraint_fails_with_the_measured_and_target
     assert "31 of 40 queries over 1.5 s" in reason and "at least 9000 more queries" in reason
 
 
+def test_an_invalid_result_names_loadgens_failing_check_with_the_measured_and_needed_values(tree):
+    rewrite_detail_values(perf_log(tree, "Offline"), {
+        "result_validity": "INVALID", "result_min_duration_met": False, "result_max_latency_ns": 8_210_000_000})
+    [finding] = audit_tree(tree).failures
+    assert (finding.rule_id, finding.scenario) == ("perf-result-valid", "Offline")
+    assert finding.reason.startswith("result_validity = INVALID, need == VALID: min duration: the last of its ")
+    assert "samples completed 8.21 s after the query was issued; LoadGen needs min_duration 600 s" in finding.reason
+
+
 def test_cli_accepts_one_submission_dir_as_the_readme_quotes_it(tree, capsys):
     (tree / "closed" / "Other").mkdir()  # an incomplete submission beside ours is not audited
     assert audit_main([str(sub(tree))]) == 0

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from audit.loadgen_logs import parse_detail_log
+from harness.demo_verdict import REAL_SUBMISSION
 from harness.system_config import CONFIG_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +107,5 @@ def test_cpu_tiny_run_produces_loadgen_logs_a_tree_and_an_honest_verdict(scenari
     assert {"accuracy-f1", "perf-min-duration"} <= failures, result.stdout
     assert failures <= ALLOWED_FAILURES, result.stdout
     assert "VERDICT  REJECTED" in result.stdout
+    # ... and the console says why that is expected of the embedded default, then what a real submission needs.
+    assert result.stderr.splitlines()[-1] == f"[q3vl] {REAL_SUBMISSION}", result.stderr[-3000:]

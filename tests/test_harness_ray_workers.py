@@ -123,6 +123,20 @@ def test_the_embedded_ray_and_its_workers_listen_and_advertise_loopback_only(fle
     assert outside == [], f"listening outside loopback: {outside}"
 
 
+RAY_DASHBOARD_PORT = 8265  # ray_constants.DEFAULT_DASHBOARD_PORT
+
+
+@pytest.mark.slow
+def test_the_embedded_rays_dashboard_process_runs_minimal_with_no_web_ui(fleet):
+    """What the README says runs: include_dashboard=False leaves Ray's dashboard process up, with its usage-stats
+    module alone and the frontend off, and nothing listening on the dashboard's port."""
+    ray_processes = {pid: cmd for pid, cmd in descendants(os.getpid()).items() if "ray" in cmd}
+    [dashboard] = [cmd for cmd in ray_processes.values() if "dashboard/dashboard.py" in cmd]
+    assert "--disable-frontend" in dashboard and "--modules-to-load=UsageStatsHead" in dashboard
+    assert any("ray::DashboardAgent" in cmd for cmd in ray_processes.values())  # each raylet starts its agents
+    assert RAY_DASHBOARD_PORT not in {one.port for one in listening_sockets(ray_processes)}
+
+
 def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatch):
     calls = []
 

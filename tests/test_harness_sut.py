@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,15 +117,31 @@ class StoreDouble:
         return Prepared(PromptInput([BEHAVIOUR[index], 100, 101], [b"jpeg-bytes"]), None)
 
 
-class TimedSUT(RouterSUT):
-    """Records how long LoadGen's thread spends inside issue_queries."""
+class GatedRouter(RouterDouble):
+    """Answers nothing until `issue_returned` is set; counts the calls that gave up waiting for it (TIMEOUT_S)."""
 
-    issue_seconds: float = 0.0
+    def __init__(self) -> None:
+        super().__init__()
+        self.issue_returned = threading.Event()
+        self.answered_before_issue_returned = 0
+
+    async def Generate(self, request, context):
+        if not await asyncio.to_thread(self.issue_returned.wait, TIMEOUT_S):
+            self.answered_before_issue_returned += 1  # issue_queries was waiting for the router
+        async for chunk in super().Generate(request, context):
+            yield chunk
+
+
+class GateOpeningSUT(RouterSUT):
+    """Opens its router's gate once LoadGen's issue_queries call has returned."""
+
+    def __init__(self, *args, gate: threading.Event) -> None:
+        super().__init__(*args)
+        self._gate = gate
 
     def issue_queries(self, query_samples):
-        start = time.monotonic()
         super().issue_queries(query_samples)
-        self.issue_seconds = max(self.issue_seconds, time.monotonic() - start)
+        self._gate.set()
 
 
 LATENCY_BOUND_S = 12.0
@@ -143,11 +159,11 @@ def test_queries_carry_loadgens_target_latency_as_their_bound_and_offline_none()
 
 
 def run_loadgen(address: str, out: Path, scenario: lg.TestScenario, mode: lg.TestMode,
-                reconnect_s: float = 0.0) -> TimedSUT:
+                reconnect_s: float = 0.0, sut_class=RouterSUT) -> RouterSUT:
     settings = SUTSettings(router_address=address, timeout_s=TIMEOUT_S, stream_interval=STREAM_INTERVAL,
                            reconnect_s=reconnect_s, reconnect_interval_s=0.05, latency_bound_s=LATENCY_BOUND_S)
     return run_sut_test(StoreDouble(), lambda ids: "".join(chr(i) for i in ids), settings, out, scenario, mode,
-                        NUM_SAMPLES, TimedSUT)
+                        NUM_SAMPLES, sut_class)
 
 
 def run_sut_test(store, decode, sut_settings: SUTSettings, out: Path, scenario: lg.TestScenario,
@@ -224,10 +240,12 @@ def test_a_query_whose_router_call_is_cancelled_is_sent_again_after_the_tokens_i
     assert "UNAVAILABLE" in read_failed(tmp_path)[4]
 
 
-def test_issue_queries_returns_while_the_router_is_still_working(router_double, tmp_path):
-    _, address = router_double
-    sut = run_loadgen(address, tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly)
-    assert sut.issue_seconds < 0.2 < TIMEOUT_S  # a hung request is still pending when issue returns
+def test_issue_queries_returns_before_the_router_has_answered_anything(tmp_path):
+    router = GatedRouter()  # holds every answer until issue_queries has returned
+    with serving(router) as address:
+        run_loadgen(address, tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly,
+                    sut_class=functools.partial(GateOpeningSUT, gate=router.issue_returned))
+    assert router.requests and router.answered_before_issue_returned == 0  # (run_sut_test: every query completed)
 
 
 def test_server_run_completes_every_issued_query(router_double, tmp_path):

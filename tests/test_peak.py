@@ -13,11 +13,11 @@ import yaml
 from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
-from harness.peak import PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
+from harness.peak import PeakFinder, PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
 from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
-from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
+from tests.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
 from workers.tiny_checkpoint import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_a_point_is_read_from_loadgens_logs(tmp_path):
 def test_a_latency_point_says_how_many_queries_missed_the_bound_and_what_early_stopping_then_needs(tmp_path):
     log_dir = run_loadgen(LoadGenRunSpec(scenario="Server", mode="PerformanceOnly", total_samples=50,
                                          min_duration_ms=100, min_query_count=100, target_qps=500.0,
-                                         server_target_latency_ms=500, slow_queries=2), tmp_path)
+                                         server_target_latency_ms=SLOW_BOUND_MS, slow_queries=2), tmp_path)
     point = read_point(log_dir, "server", 500.0)
     assert (point.over_bound_queries, point.queries_early_stopping_needs) == (2, 838)
     assert point.verdict == "INVALID" and "at least 738 more queries" in point.early_stopping
@@ -256,3 +256,42 @@ def test_find_peak_reads_engine_settings_as_yaml_and_refuses_one_without_a_value
     result = subprocess.run([sys.executable, "scripts/find_peak.py", "--engine", "mixed_step_graphs"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr
+
+
+HOLD_OUTPUT = """
+import sys
+from pathlib import Path
+from harness.output_lock import OutputLock
+OutputLock(Path(sys.argv[1])).acquire()
+print("held", flush=True)
+sys.stdin.read()  # holds the lock until killed
+"""
+
+
+def test_a_search_into_an_output_another_run_holds_is_refused_at_once_and_writes_nothing(tmp_path, monkeypatch):
+    import harness.peak
+    from harness.output_lock import LOCK_FILE, OutputInUse
+
+    def went_on(*args):
+        raise AssertionError("the search went on into an output another run holds")
+
+    monkeypatch.setattr(harness.peak, "resolve_checkpoint", went_on)  # what the search does first
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_OUTPUT, str(tmp_path / "out")], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        search = PeakSearch(scenarios=("server",), offline_samples_per_s=1.0)
+        finder = PeakFinder(str(tiny_search_system(tmp_path)), search, tmp_path / "out", tmp_path / "cache",
+                            tmp_path / "peak.json")
+        with pytest.raises(OutputInUse, match=f"pid {holder.pid} holds {tmp_path / 'out' / LOCK_FILE}"):
+            finder.run()
+        cli = subprocess.run([sys.executable, "scripts/find_peak.py", "--output", str(tmp_path / "out"),
+                              "--json", str(tmp_path / "cli.json"), "--scenarios", "server",
+                              "--offline-samples-per-s", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.returncode == 2 and f"pid {holder.pid}" in cli.stderr, cli.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_FILE]  # no point, no cluster dir
+    assert not (tmp_path / "peak.json").exists() and not (tmp_path / "cli.json").exists()
+    assert not (tmp_path / "cache").exists()  # nothing was made either

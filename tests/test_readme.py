@@ -110,3 +110,28 @@ def test_every_repository_file_the_readme_names_exists():
     assert named, "no repository paths found in the README"
     missing = sorted(t for t in named if not (REPO / t).exists())
     assert missing == [], f"the README names files that are not in the repository: {missing}"
+
+
+def test_the_min_durations_the_readme_gives_for_cpu_tiny_are_its_configs():
+    prose = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    [(offline, latency)] = re.findall(r"configured `min_duration` \((\d+) s Offline, (\d+) s Server and Interactive\)",
+                                      prose)
+    config = load_system_config("cpu-tiny")
+    assert int(offline) * 1000 == config.scenario("offline").min_duration_ms
+    assert {int(latency) * 1000} == {config.scenario(s).min_duration_ms for s in ("server", "interactive")}
+
+
+def test_the_router_figures_the_readme_quotes_are_those_bench_router_printed():
+    import json
+
+    prose = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    bullet = prose[prose.index("`scripts/bench_router.py` — "):prose.index("`scripts/bench_router_burst.py` — ")]
+    [path] = re.findall(r"`(benchmarks/[\w.-]+\.json)`", bullet)
+    run = json.loads((REPO / path).read_text())
+    [quoted] = re.findall(r"carried (\d+) / (\d+) req/s over gRPC streaming every step's tokens, (\d+) / (\d+) with "
+                          r"the SUT's 16-token chunks and (\d+) / (\d+) over HTTP", bullet)
+    printed = [round(run[policy][point]["requests_per_s"]) for point in ("grpc", "grpc_sut_chunks", "http")
+               for policy in ("round_robin", "least_loaded")]
+    assert [int(n) for n in quoted] == printed
+    [vllm] = re.findall(r"vllm-router ([\d,]+) \(", bullet)
+    assert int(vllm.replace(",", "")) == round(run["vllm_router"]["http"]["requests_per_s"])

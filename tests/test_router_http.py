@@ -90,7 +90,9 @@ def test_flood_beyond_admission_gets_http_429():
         limits = {"max_inflight_total": 1, "max_queue": 0}
         async with Cluster(roles=("aggregated",), step_delay_s=0.05, config=HTTP | {"limits": limits}) as c:
             client = openai_client(c)
-            held = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True)
+            # 100,000 tokens at 0.05 s a step: held until closed (50 tokens ended after 2.5 s, which a loaded machine
+            # could take to send the next request, and then it got its slot).
+            held = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100_000, stream=True)
             await anext(aiter(held))  # the one slot is taken
             with pytest.raises(openai.RateLimitError):
                 await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
@@ -436,7 +438,9 @@ def test_json_schema_response_from_the_tiny_checkpoint_parses_and_validates(tiny
     response_format = {"type": "json_schema", "json_schema": {"name": "product", "schema": SCHEMA, "strict": True}}
 
     async def body():
-        async with Cluster(config=HTTP, roles=()) as c:
+        # No worker is judged by the clock here: a real engine's first guided step (its grammar built, its first
+        # forward) can outlast FAST_HEALTH's 2 s stall bound on a loaded machine, which marked it down mid-request.
+        async with Cluster(config=HTTP | {"health": {"heartbeat_interval_s": 0.1, "down_after_s": 600}}, roles=()) as c:
             await c.add_worker("real", engine=engine)
             await c.client.wait_for_workers(1, timeout=10)
             client = openai_client(c)

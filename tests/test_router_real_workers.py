@@ -30,9 +30,11 @@ listen: 127.0.0.1:0
 http_listen: 127.0.0.1:0
 policy: {name: least_loaded, seed: 0}
 disaggregation: {enabled: true, min_remote_prefill_tokens: 0}
-health: {heartbeat_interval_s: 0.2, down_after_s: 1.5}
+health: {heartbeat_interval_s: 0.2, down_after_s: 600}
 migration: {max_retries: 2}
 """
+# down_after_s: no test here waits for a worker's silence (a killed worker's stream fails UNAVAILABLE, which marks it
+# down at once); with 1.5 s a live worker whose first step outlasted it on a loaded machine was marked down.
 
 
 class Processes:

@@ -199,19 +199,48 @@ def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work():
     run(body())
 
 
+class Calls:
+    """Records each call of `obj.name` (wrapped in place) by `key` of its arguments; `until` waits on an event the
+    calls set, never on a sleep."""
+
+    def __init__(self, obj, name: str, key=lambda *args: None):
+        self.keys: list = []
+        self._called = asyncio.Event()
+        original = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self.keys.append(key(*args))
+            self._called.set()
+            return result
+
+        setattr(obj, name, wrapper)
+
+    async def until(self, predicate) -> None:
+        while not predicate(self.keys):
+            self._called.clear()
+            await self._called.wait()
+
+
 def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down():
     # A burst of large requests can hold the router's loop for seconds (1,500 queries of 2 MB images on 2 cores:
     # 6 s); heartbeats that arrived meanwhile wait behind the health check, which must not read them as silence.
     async def body():
         async with Cluster() as c:
-            marked_down = []
-            mark_down = c.router.registry.mark_down
-            c.router.registry.mark_down = lambda entry, reason: (marked_down.append(reason), mark_down(entry, reason))
-            await asyncio.sleep(0.5)  # heartbeats flowing
+            registry = c.router.registry
+            marked_down = Calls(registry, "mark_down", key=lambda entry, reason: reason)
+            heartbeats = Calls(registry, "heartbeat", key=lambda report: report.worker_id)
+            checks = Calls(registry, "check")
+            await heartbeats.until(lambda ids: {"w0", "w1"} <= set(ids))  # heartbeats flowing
             time.sleep(FAST_HEALTH["down_after_s"] + 1.5)  # the loop blocks (the workers' heartbeats too)
-            await asyncio.sleep(1.0)
-            assert marked_down == []
-            assert {e.worker_id: e.healthy for e in c.router.registry.entries()} == {"w0": True, "w1": True}
+            heartbeats.keys.clear()  # nothing ran meanwhile: what is recorded from here came after the stall
+            checks.keys.clear()
+            # The health checks after the stall have run, the first of them on the silence, and both workers'
+            # heartbeats have been handled since.
+            await checks.until(lambda calls: len(calls) >= 2)
+            await heartbeats.until(lambda ids: {"w0", "w1"} <= set(ids))
+            assert marked_down.keys == []
+            assert {e.worker_id: e.healthy for e in registry.entries()} == {"w0": True, "w1": True}
 
     run(body())
 

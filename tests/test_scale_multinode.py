@@ -5,9 +5,14 @@ ray.cluster_utils.Cluster starts the same head and worker-node processes as `ray
 `ray start --address`, but tracks them, so the teardown stops only this test's processes (`ray stop` would
 stop every Ray on the machine). Both nodes take 127.0.0.1 as their address (`--node-ip-address 127.0.0.1`), so
 that they, and the run that joins them at 127.0.0.1, listen on loopback only; their session files go to a temp dir
-of the test's (`--temp-dir`), not /tmp/ray."""
+of the test's (`--temp-dir`), not /tmp/ray. So does the cluster's address file: ray.cluster_utils.Cluster writes its
+head's address to Ray's machine-wide default (/tmp/ray/ray_current_cluster, "for convenience in unit testing": a
+bare ray.init() then joins it), whatever temp dir its nodes were given. On a fresh machine, where /tmp/ray does not
+exist, that write failed (FileNotFoundError) and the test failed when run alone; elsewhere it pointed every later
+ray.init() on the machine at this test's cluster."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,15 +24,24 @@ from tests.net_fixtures import listening_sockets
 LOOPBACK = "127.0.0.1"
 
 
+def address_file_in(temp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's write_ray_address (a private function; cluster_utils calls it through the module) writes into temp_dir."""
+    import ray._private.utils as ray_utils
+
+    write = ray_utils.write_ray_address
+    monkeypatch.setattr(ray_utils, "write_ray_address", lambda address, _temp_dir=None: write(address, str(temp_dir)))
+
+
 @pytest.mark.slow
-def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path):
+def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
     temp_dir = make_temp_dir()
+    address_file_in(temp_dir, monkeypatch)
     node = {"node_ip_address": LOOPBACK, "temp_dir": str(temp_dir)}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 4},
-                                                            "include_dashboard": False, **node})
+    cluster = Cluster()  # no node yet: the first one added is the head, inside the try that shuts it down
     try:
+        cluster.add_node(num_cpus=1, resources={"node_a": 4}, include_dashboard=False, **node)
         cluster.add_node(num_cpus=1, resources={"node_b": 4}, **node)
         cluster.wait_for_nodes()
         config = simulated_system("sim-2node", "h200", workers=2, layout="disaggregated", policy="round_robin",
@@ -36,6 +50,7 @@ def test_a_simulated_run_spans_two_ray_nodes_on_loopback(tmp_path):
         prefill, decode = config["workers"]["pools"]
         prefill["resources"], decode["resources"] = {"node_a": 1}, {"node_b": 1}
         assert cluster.address.startswith(f"{LOOPBACK}:")
+        assert (temp_dir / "ray_current_cluster").read_text() == cluster.address  # not the machine's /tmp/ray
         point = run_point(config, "server", tmp_path, timeout_s=150, ray_address=cluster.address)
         assert point.get("valid"), point
         assert point["completed_qps"] > 1.0

@@ -31,15 +31,15 @@ def test_poisson_arrivals_are_seeded_increasing_and_average_one_over_qps_apart()
 
 @pytest.mark.parametrize("over", [0, 1, 3])
 def test_early_stopping_needs_as_many_queries_as_real_loadgen_says(tmp_path, over):
-    """A real LoadGen Server run of 100 queries whose first `over` answers miss a 500 ms target: its early-stopping
+    """A real LoadGen Server run of 100 queries whose first `over` answers miss its target latency: its early-stopping
     result asks for exactly early_stopping_min_queries(over) queries in all."""
     import re
 
     from audit.loadgen_logs import parse_detail_log
-    from tests.loadgen_fixtures import LoadGenRunSpec, run_loadgen
+    from tests.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
 
     spec = LoadGenRunSpec("Server", "PerformanceOnly", total_samples=50, min_duration_ms=100, min_query_count=100,
-                          target_qps=500, server_target_latency_ms=500, slow_queries=over)
+                          target_qps=500, server_target_latency_ms=SLOW_BOUND_MS, slow_queries=over)
     detail = parse_detail_log(run_loadgen(spec, tmp_path) / "mlperf_log_detail.txt")
     text = " ".join(str(detail["early_stopping_result"]).split())
     processed = int(re.search(r"Processed (\d+) queries", text).group(1))

@@ -78,16 +78,32 @@ def test_explicit_sampling_is_passed_through_and_bad_values_are_invalid_argument
     run(body())
 
 
+class HeldEngine(InstantEngine):
+    """Streams a request's first token, then holds the rest until `release` is set and hands them over together, as
+    an engine does with the tokens it produced while the first chunk was on its way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def generate(self, request_id, prompt, sampling, **kwargs):
+        outputs = aiter(super().generate(request_id, prompt, sampling, **kwargs))
+        yield await anext(outputs)
+        await self.release.wait()
+        rest = [out async for out in outputs]
+        for out in rest:  # back to back, nothing awaited between them
+            yield out
+
+
 def test_tokens_produced_while_a_chunk_is_in_flight_are_coalesced():
     async def body():
-        async with Worker() as w:
+        async with Worker(HeldEngine()) as w:
             call = w.stub.Generate(request("c", max_tokens=200))
-            chunks = []
-            async for chunk in call:
+            chunks = [await call.read()]  # the first token's chunk is out; the other 199 pile up behind it
+            w.engine.release.set()
+            while (chunk := await call.read()) is not grpc.aio.EOF:
                 chunks.append(chunk)
-                await asyncio.sleep(0.01)  # a slow reader lets tokens pile up
-            tokens = [t for c in chunks for t in c.token_ids]
-            assert len(tokens) == 200 and len(chunks) < 100
+            assert [len(c.token_ids) for c in chunks] == [1, 199]
             assert chunks[-1].finish_reason == pb.LENGTH and chunks[-1].completion_tokens == 200
 
     run(body())

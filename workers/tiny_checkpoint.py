@@ -4,6 +4,7 @@ architecture (real vocabulary, tiny dims) written by transformers' save_pretrain
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import json
@@ -11,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -237,6 +238,20 @@ def _shard_size_for(model, shards: int) -> int:
     return low
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' tqdm bars off inside the block, as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _build(out_dir: Path, arch: Literal["moe", "dense"], seed: int, shards: int) -> None:
     import torch
     import transformers
@@ -250,7 +265,8 @@ def _build(out_dir: Path, arch: Literal["moe", "dense"], seed: int, shards: int)
             if param.dim() > 1:  # 1-D tensors (norm weights, biases) keep transformers' init
                 param.normal_(0.0, TINY_INIT_STD)
     max_shard_size = _shard_size_for(model, shards) if shards > 1 else "50GB"
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    with _no_progress_bars():  # save_pretrained's "Writing model shards" bar is not the harness's line to print
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     write_side_configs(out_dir)  # replaces the generation_config.json save_pretrained derived from config
 
 

@@ -1,5 +1,7 @@
 """Rules that compare one value of a LoadGen detail log with what the round requires, declared as data:
-(rule id, which run's log, key, comparison, expected value for this round and scenario)."""
+(rule id, which run's log, key, comparison, expected value for this round and scenario); beside them the two
+that explain what LoadGen measured: perf-result-valid (its failing checks, audit.rules.loadgen_validity) and
+perf-latency-constraint."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from audit.rules.base import Outcome, Rule, ScenarioContext, check_that, failed
+from audit.rules.loadgen_validity import check_result_valid, seconds
 from audit.rules.rounds import LOADGEN_SCENARIO, SCENARIOS
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
@@ -66,7 +69,8 @@ def _sample_count_note(ctx: ScenarioContext) -> str:
 
 _PERF_SERVER_LIKE = ("Server", "Interactive")
 
-SPECS: tuple[LogValueRule, ...] = (
+# In report order; perf-result-valid is a rule of its own (audit.rules.loadgen_validity), among them.
+SPECS: tuple[LogValueRule | Rule, ...] = (
     LogValueRule("perf-scenario", "performance", "effective_scenario", "==",
                  lambda c: LOADGEN_SCENARIO[c.scenario],
                  "the performance run used the LoadGen scenario of its directory"),
@@ -89,8 +93,8 @@ SPECS: tuple[LogValueRule, ...] = (
     LogValueRule("perf-token-latencies-off", "performance", "requested_use_token_latencies", "==",
                  lambda c: False, "end-to-end latency is tracked (mlperf.conf use_token_latencies = 0)",
                  default=False),
-    LogValueRule("perf-result-valid", "performance", "result_validity", "==", lambda c: "VALID",
-                 "LoadGen judged the run VALID"),
+    Rule("perf-result-valid", "scenario", "LoadGen judged the run VALID (else: its failing checks, measured and "
+         "needed)", check_result_valid),
     LogValueRule("perf-result-metric", "performance", "result_samples_per_second", ">", lambda c: 0,
                  "Offline result (samples/s) is logged", scenarios=("Offline",)),
     LogValueRule("perf-result-metric", "performance", "result_completed_samples_per_sec", ">",
@@ -110,11 +114,6 @@ SPECS: tuple[LogValueRule, ...] = (
 )
 
 
-
-def _seconds(ns: Any) -> str:
-    return f"{ns / 1e9:.3g} s" if isinstance(ns, (int, float)) else repr(ns)
-
-
 def check_latency_constraint(ctx: ScenarioContext) -> Outcome:
     """The configured target and the latency LoadGen measured at the target percentile, both within the
     scenario's constraint; a failure shows the measured percentile, LoadGen's early-stopping verdict and
@@ -128,21 +127,21 @@ def check_latency_constraint(ctx: ScenarioContext) -> Outcome:
     label = f"p{percentile * 100:g}" if isinstance(percentile, float) else "percentile"
     problems = []
     if not isinstance(configured, (int, float)) or configured > constraint:
-        problems.append(f"configured target {_seconds(configured)} exceeds it")
+        problems.append(f"configured target {seconds(configured)} exceeds it")
     if not isinstance(measured, (int, float)):
         problems.append(f"{key or 'the percentile latency'} not logged")
     elif measured > constraint:
         over = log.get("result_overlatency_query_count")
         queries = log.get("result_query_count")
         estimate = " ".join(str(log.get("early_stopping_result", "not logged")).split())
-        problems.append(f"measured {label} {_seconds(measured)} exceeds it; LoadGen early stopping: "
-                        f"{over} of {queries} queries over {_seconds(configured)}: {estimate}")
-    reason = (f"{label} constraint {_seconds(constraint)} ({_latency_note(ctx)}): "
+        problems.append(f"measured {label} {seconds(measured)} exceeds it; LoadGen early stopping: "
+                        f"{over} of {queries} queries over {seconds(configured)}: {estimate}")
+    reason = (f"{label} constraint {seconds(constraint)} ({_latency_note(ctx)}): "
               + ("; ".join(problems) if problems else
-                 f"measured {label} {_seconds(measured)}, configured target {_seconds(configured)}"))
+                 f"measured {label} {seconds(measured)}, configured target {seconds(configured)}"))
     return check_that(not problems, reason, log.path)
 
 
-RULES: tuple[Rule, ...] = tuple(spec.as_rule() for spec in SPECS) + (
+RULES: tuple[Rule, ...] = tuple(spec.as_rule() if isinstance(spec, LogValueRule) else spec for spec in SPECS) + (
     Rule("perf-latency-constraint", "scenario", "configured target and measured percentile latency within the "
          "scenario's constraint", check_latency_constraint, _PERF_SERVER_LIKE),)
