@@ -129,6 +129,17 @@ def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted(mode):
     run(body())
 
 
+def test_a_router_without_a_healthy_worker_refuses_unavailable(mode):
+    async def body():
+        async with Cluster(mode=mode, roles=()) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.client.generate(request("early")))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no healthy worker" in err.value.details()
+
+    run(body())
+
+
 def test_request_deadline_gives_deadline_exceeded(mode):
     async def body():
         async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
