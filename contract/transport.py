@@ -18,10 +18,14 @@ from contract.network import MIB, KeepaliveConfig, TlsConfig
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 
 
-def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfig = KeepaliveConfig()
-                    ) -> list[tuple[str, int]]:
-    """Large messages (images travel inline), keepalive so a dead peer is noticed, on idle connections too."""
-    return [
+def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfig = KeepaliveConfig(),
+                    reconnect_backoff_s: float | None = None) -> list[tuple[str, int]]:
+    """Large messages (images travel inline), keepalive so a dead peer is noticed, on idle connections too.
+
+    reconnect_backoff_s caps the wait between attempts to reach a peer that is not listening. gRPC's own backoff
+    grows by 1.6x from 1 s to 120 s, so a channel whose peer was away for minutes finds it back up to two minutes
+    after it returns (20 s away: 7.6 s later, measured)."""
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", round(keepalive.time_s * 1000)),
@@ -29,6 +33,10 @@ def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfi
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+    if reconnect_backoff_s is not None:
+        cap_ms = max(1, round(reconnect_backoff_s * 1000))
+        options += [("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)), ("grpc.max_reconnect_backoff_ms", cap_ms)]
+    return options
 
 
 def server_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
@@ -48,9 +56,9 @@ def server_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
 
 def open_channel(
     address: str, *, max_message_bytes: int = 64 * MIB, root_certificates: bytes | None = None,
-    keepalive: KeepaliveConfig = KeepaliveConfig(),
+    keepalive: KeepaliveConfig = KeepaliveConfig(), reconnect_backoff_s: float | None = None,
 ) -> grpc.aio.Channel:
-    options = channel_options(max_message_bytes, keepalive)
+    options = channel_options(max_message_bytes, keepalive, reconnect_backoff_s)
     if root_certificates is not None:
         return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
     return grpc.aio.insecure_channel(address, options=options)

@@ -58,6 +58,8 @@ def test_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenario", required=True, choices=[s.value for s in Scenario])
     parser.add_argument("--test", required=True, choices=[t.value for t in LoadGenMode])
     parser.add_argument("--router", required=True, metavar="HOST:PORT")
+    parser.add_argument("--embedded-router", metavar="HOST:PORT", default=None,
+                        help="router.mode embedded: route in this process; its router listens here for the workers")
     parser.add_argument("--scenario-dir", required=True, type=Path)
     parser.add_argument("--cache-dir", required=True, type=Path)
     parser.add_argument("--no-progress", action="store_true")
@@ -81,6 +83,7 @@ def run_test_main(argv: list[str]) -> int:
         scenario=Scenario(args.scenario),
         test=LoadGenMode(args.test),
         router_address=args.router,
+        embedded_router=args.embedded_router,
         scenario_dir=args.scenario_dir,
         cache_dir=args.cache_dir,
         show_progress=not args.no_progress,

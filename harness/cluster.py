@@ -1,5 +1,8 @@
 """Brings a system up and down: the router as its own process (`python -m router`), the workers as Ray
-actors, then waits until every worker is registered, healthy and warm (one request each) before LoadGen."""
+actors, then waits until every worker is registered, healthy and warm (one request each) before LoadGen.
+
+With router.mode embedded the cluster also holds the address where each LoadGen test process's own router listens
+(harness/embedded_routing.py), and every worker registers there as well as with the router process."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from contract.tokenizer import load_tokenizer
 from contract.transport import call_metadata, open_channel
 from contract.types import PromptInput
 from contract.wire import pb, pb_grpc
+from harness.embedded_routing import ReservedAddress
 from harness.interrupts import deferred
 from harness.ray_workers import (
     RaySession,
@@ -228,11 +232,17 @@ class Cluster:
         self._routers = [RouterProcess(config, run_dir if shards == 1 else run_dir / f"router-{k}") for k in range(shards)]
         self._fleet: WorkerFleet | None = None
         self._ray: RaySession | None = None
+        self._embedded: ReservedAddress | None = None
 
     @property
     def router_address(self) -> str:
         """The router's address; comma-separated addresses when the router is sharded."""
         return ",".join(router.address for router in self._routers)
+
+    @property
+    def embedded_router_address(self) -> str | None:
+        """With router.mode embedded: where the LoadGen test processes' routers listen for the workers."""
+        return None if self._embedded is None else self._embedded.address
 
     @property
     def router_token(self) -> str | None:
@@ -261,6 +271,11 @@ class Cluster:
         addresses = [router.start() for router in self._routers]
         address = addresses[0]
         logger.info("router listening on %s", self.router_address)
+        if self._config.router_mode == "embedded":  # one router process (the config says so): workers report to both
+            self._embedded = ReservedAddress()
+            addresses = [f"{address},{self._embedded.address}"]
+            logger.info("LoadGen's tests route in their own process; workers register at %s too",
+                        self._embedded.address)
         template = WorkerSpec(
             worker_id="",
             role="aggregated",
@@ -321,3 +336,6 @@ class Cluster:
                 finally:
                     for router in self._routers:
                         router.stop()
+                    if self._embedded is not None:
+                        self._embedded, reserved = None, self._embedded
+                        reserved.close()

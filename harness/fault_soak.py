@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from audit.loadgen_logs import parse_detail_log
+from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
 from harness.process_tree import descendants
 from harness.system_config import CONFIG_DIR
 
@@ -68,16 +69,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def soak_system(out: Path, samples: int, qps: float, dataset: str | None = None, **requests) -> Path:
+def soak_system(out: Path, samples: int, qps: float, dataset: str | None = None, router_mode: str = "process",
+                **requests) -> Path:
     """cpu-tiny with `samples` samples at `qps`, quick failure detection, the router's HTTP front end (for
-    /metrics) on a fixed loopback port, and `dataset` (a catalogue directory) if given."""
+    /metrics) on a fixed loopback port, `dataset` (a catalogue directory) if given, and LoadGen's queries routed
+    as `router_mode` says (system YAML router.mode)."""
     data = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
     data["datasets"]["product-catalogue"]["path"] = dataset or f"synthetic:{samples}"
     data["scenarios"]["server"].update(target_qps=qps, min_duration_ms=1000, min_query_count=samples,
                                        performance_sample_count=samples)
     offline = data["scenarios"]["offline"]  # the same dataset: no more performance samples than it has
     offline["performance_sample_count"] = min(offline["performance_sample_count"], samples)
-    data["router"] = SOAK_ROUTER | {"http_listen": f"127.0.0.1:{free_port()}"}
+    data["router"] = SOAK_ROUTER | {"http_listen": f"127.0.0.1:{free_port()}", "mode": router_mode}
     data["requests"].update(requests)
     path = out / "soak-system.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +111,9 @@ class HarnessRun:
     def __init__(self, system: Path, output: Path, cache: Path, scenario: str = "server", mode: str = "accuracy",
                  progress: bool = False):
         self.output = output
-        self.metrics_url = f"http://{yaml.safe_load(system.read_text())['router']['http_listen']}/metrics"
+        router = yaml.safe_load(system.read_text())["router"]
+        self.metrics_url = f"http://{router['http_listen']}/metrics"
+        self.embedded = router.get("mode") == "embedded"  # LoadGen's queries routed in its own process
         self.scenario_dir = output / "runs" / "cpu-tiny" / scenario.capitalize()
         self.command = [sys.executable, "-m", "harness", "--scenario", scenario, "--mode", mode, "--system",
                         str(system), "--output", str(output), "--cache-dir", str(cache)]
@@ -130,9 +135,14 @@ class HarnessRun:
         return self.process.pid
 
     def router_log(self) -> str:
-        """The run's router log: in its staging dir while it runs (or after it failed), in place once complete."""
-        staged = sorted(self.scenario_dir.parent.glob(f".{self.scenario_dir.name}.partial-*/router.log"))
-        path = staged[-1] if staged else self.scenario_dir / "router.log"
+        """The run's router log (with router.mode embedded, the router process's and then the LoadGen test's): in
+        its staging dir while it runs (or after it failed), in place once complete."""
+        return "".join(self.run_file(name) for name in ("router.log", EMBEDDED_LOG))
+
+    def run_file(self, name: str) -> str:
+        """One of the run's files in its scenario dir (router.log, ...), "" while there is none."""
+        staged = sorted(self.scenario_dir.parent.glob(f".{self.scenario_dir.name}.partial-*/{name}"))
+        path = staged[-1] if staged else self.scenario_dir / name
         return path.read_text(errors="replace") if path.exists() else ""
 
     def count_in_router_log(self, pattern: str) -> int:
@@ -142,12 +152,16 @@ class HarnessRun:
         wait_for(lambda: loadgen_pids(self.pid) or self.process.poll() is not None, timeout_s, "LoadGen test start")
 
     def inflight(self) -> int:
-        """Requests the router holds now (its /metrics), 0 while it is unreachable."""
+        """Requests the router holds now (its /metrics), 0 while it is unreachable. With router.mode embedded the
+        router process holds none of LoadGen's: then the requests its workers last reported running."""
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as reply:
                 text = reply.read().decode()
         except OSError:
             return 0
+        if self.embedded:
+            running = re.findall(r"^q3vl_router_worker_running_requests\{[^}]*\} (\S+)$", text, re.MULTILINE)
+            return int(sum(float(value) for value in running))
         match = re.search(r"^q3vl_router_inflight_requests (\S+)$", text, re.MULTILINE)
         return int(float(match.group(1))) if match else 0
 

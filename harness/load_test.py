@@ -86,6 +86,21 @@ async def closed_loop(send: Callable[[], Awaitable[None]], concurrency: int, sec
     return result
 
 
+async def interleaved(sends: dict[str, Callable[[], Awaitable[None]]], seconds: float) -> dict[str, dict]:
+    """One request at a time, the senders taking turns for `seconds`: each one's latency percentiles. Taking turns,
+    every sender meets the same load of a shared machine, so their differences are not its drift between points."""
+    latencies: dict[str, list[float]] = {name: [] for name in sends}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for name, send in sends.items():
+            t = time.monotonic()
+            await send()
+            latencies[name].append(time.monotonic() - t)
+    ms = lambda values, q: round(1000 * percentile(values, q), 3)
+    return {name: {"p50_ms": ms(values, 0.5), "p99_ms": ms(values, 0.99), "completed": len(values)}
+            for name, values in latencies.items()}
+
+
 async def drain(stream) -> None:
     """Reads a response stream to its end."""
     async for _ in stream:

@@ -1,5 +1,6 @@
 """One LoadGen test in this process (`python -m harness run-test ...`): the QSL over the sample store, the
-router SUT and settings from user.conf; LoadGen's logs and the failed-samples record land in the test's log dir."""
+router SUT and settings from user.conf; LoadGen's logs and the failed-samples record land in the test's log dir.
+With router.mode embedded the SUT routes in this process (harness/embedded_routing.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ from contract.dataset import load_catalogue
 from contract.prompt import PromptBuilder
 from contract.tokenizer import load_tokenizer
 from harness.assets import resolve_dataset
+from harness.embedded_routing import LOG_FILE, EmbeddedRouting, embedded_routing, log_router_to
 from harness.progress import Progress
 from harness.qsl import StoreQSL
 from harness.sample_store import SampleStore
 from harness.scenarios import LoadGenMode, Scenario, log_dir_for
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
-from harness.system_config import DATASET_FOR_SCENARIO, image_pixel_limits, load_system_config, sut_inflight_bound
+from harness.system_config import (
+    DATASET_FOR_SCENARIO,
+    SystemConfig,
+    image_pixel_limits,
+    load_system_config,
+    router_config,
+    sut_inflight_bound,
+)
 from harness.user_conf import expected_sample_count, load_test_settings
 
 logger = logging.getLogger(__name__)
@@ -36,6 +45,7 @@ class LoadGenTestSpec:
     scenario_dir: Path  # holds user.conf; the test's logs go to log_dir_for(scenario_dir, test)
     cache_dir: Path
     show_progress: bool = True
+    embedded_router: str | None = None  # router.mode embedded: the Cluster's address for this process's router
 
 
 def latency_bound_s(scenario: Scenario, settings: lg.TestSettings) -> float:
@@ -44,6 +54,20 @@ def latency_bound_s(scenario: Scenario, settings: lg.TestSettings) -> float:
     if scenario is Scenario.OFFLINE:
         return 0.0
     return settings.server_target_latency_ns / 1e9
+
+
+def sut_routing(config: SystemConfig, spec: LoadGenTestSpec) -> EmbeddedRouting | None:
+    """How the SUT reaches the workers: None for the router process at spec.router_address; with router.mode
+    embedded, a router of its own at spec.embedded_router, logging to the scenario dir's embedded-router.log."""
+    if (spec.embedded_router is not None) != (config.router_mode == "embedded"):
+        given = "an --embedded-router address" if spec.embedded_router else "no --embedded-router address"
+        raise ValueError(f"router.mode is {config.router_mode}, but this test was given {given}")
+    if spec.embedded_router is None:
+        return None
+    log_router_to(spec.scenario_dir / LOG_FILE)
+    routing = embedded_routing(router_config(config, spec.embedded_router), config.workers.num_workers)
+    logger.info("routing in this process; its router listens for the workers on %s", spec.embedded_router)
+    return routing
 
 
 def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
@@ -84,6 +108,7 @@ def run_loadgen_test(spec: LoadGenTestSpec) -> Path:
             max_inflight=sut_inflight_bound(config),
             token=config.router.get("token"),
             report_first_token=settings.use_token_latencies,
+            embedded=sut_routing(config, spec),
         ),
         failed,
         progress,

@@ -310,16 +310,16 @@ class PeakFinder:
         with interruptible(), self._clusters(checkpoint) as cluster_for:
             offline = self.search.offline_samples_per_s
             for name in self.search.scenarios:
-                router = cluster_for(name)
+                cluster = cluster_for(name)
                 if name == "offline":
-                    point = self._run_point(router, name, self.config.scenario("offline").target_qps)
+                    point = self._run_point(cluster, name, self.config.scenario("offline").target_qps)
                     offline = point.samples_per_s
                     self.report.data["offline_samples_per_s"] = offline
                     self.report.write()
                     continue
                 fraction = getattr(self.search, f"{name}_start_fraction")
                 best = bisect_max_valid(
-                    lambda qps, name=name, router=router: self._run_point(router, name, qps).valid,
+                    lambda qps, name=name, cluster=cluster: self._run_point(cluster, name, qps).valid,
                     high=offline, first=fraction * offline, steps=self.search.steps,
                     resolution=self.search.resolution_qps, fits=lambda qps, name=name: self._fits(name, qps),
                 )
@@ -409,14 +409,14 @@ class PeakFinder:
 
     @contextmanager
     def _clusters(self, checkpoint: Path) -> Iterator[Callable[[ScenarioName], str]]:
-        """cluster_for(scenario) -> router address: the running cluster while the scenario's engine settings
-        equal those it was started with; otherwise that one is stopped and one with the new settings started."""
+        """cluster_for(scenario) -> the running cluster while the scenario's engine settings equal those it was
+        started with; otherwise that one is stopped and one with the new settings started."""
         running: list[tuple[dict[str, Any], Cluster]] = []
 
-        def cluster_for(name: ScenarioName) -> str:
+        def cluster_for(name: ScenarioName) -> Cluster:
             config = self.config.for_scenario(name)
             if running and running[0][0] == config.engine:
-                return running[0][1].router_address
+                return running[0][1]
             stop()
             say(f"starting the router and {config.workers.num_workers} worker(s) for {name} "
                 f"(engine {json.dumps(config.engine, sort_keys=True)})")
@@ -427,7 +427,7 @@ class PeakFinder:
             say(f"workers registered, healthy and warm after {time.monotonic() - started:.0f} s")
             self.report.data["cluster_starts"].append(
                 {"for": name, "ready_s": round(time.monotonic() - started, 1)})
-            return cluster.router_address
+            return cluster
 
         def stop() -> None:
             while running:
@@ -441,7 +441,7 @@ class PeakFinder:
         finally:
             stop()
 
-    def _run_point(self, router: str, name: ScenarioName, qps: float) -> PointResult:
+    def _run_point(self, cluster: Cluster, name: ScenarioName, qps: float) -> PointResult:
         scenario = Scenario(name)
         index = len(self.report.data["points"])
         point_dir = (self.output / RUNS_DIR / self.config.system.name / scenario.result_dir_name
@@ -450,8 +450,8 @@ class PeakFinder:
         write_user_conf(config, scenario, point_dir / "user.conf")
         say(f"{scenario.result_dir_name} at target {qps:g} QPS (point {index})")
         started = time.time()
-        run_test_process(str(system_yaml), scenario, LoadGenMode.PERFORMANCE, router, point_dir, self.cache_dir,
-                         self.show_progress)
+        run_test_process(str(system_yaml), scenario, LoadGenMode.PERFORMANCE, cluster.router_address, point_dir,
+                         self.cache_dir, self.show_progress, cluster.embedded_router_address)
         window = [round(started, 3), round(time.time(), 3)]  # the engines' request lines of this point lie inside
         point = read_point(log_dir_for(point_dir, LoadGenMode.PERFORMANCE), name, qps)
         over = ("" if point.over_bound_queries is None else f"; {point.over_bound_queries} of {point.queries} queries "

@@ -100,7 +100,7 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
             for test in options.mode.tests:
                 say(f"running the LoadGen {scenario.result_dir_name} {test.value} test")
                 run_test_process(options.system, scenario, test, cluster.router_address, staging,
-                                 options.cache_dir, options.show_progress)
+                                 options.cache_dir, options.show_progress, cluster.embedded_router_address)
                 if test is LoadGenMode.PERFORMANCE:
                     _plot(config, scenario, staging)
             say("stopping the workers and the router")
@@ -110,14 +110,17 @@ def _run(config: SystemConfig, options: RunOptions) -> int:
 
 
 def run_test_process(system: str, scenario: Scenario, test: LoadGenMode, router: str, scenario_dir: Path,
-                     cache_dir: Path, show_progress: bool) -> None:
+                     cache_dir: Path, show_progress: bool, embedded_router: str | None = None) -> None:
     """One LoadGen test in its own process (mlperf.conf is read only by a process's first FromConfig), with
-    scenario_dir/user.conf, against the running router; its logs land in log_dir_for(scenario_dir, test)."""
+    scenario_dir/user.conf, against the running router (or, given embedded_router, the Cluster's address for it:
+    routing in the test's own process); its logs land in log_dir_for(scenario_dir, test)."""
     command = [
         sys.executable, "-m", "harness", "run-test",
         "--system", system, "--scenario", scenario.value, "--test", test.value,
         "--router", router, "--scenario-dir", str(scenario_dir), "--cache-dir", str(cache_dir),
     ]
+    if embedded_router is not None:
+        command += ["--embedded-router", embedded_router]
     if not show_progress:
         command.append("--no-progress")
     child = None

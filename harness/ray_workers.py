@@ -40,7 +40,7 @@ class WorkerSpec:
 
     worker_id: str
     role: str  # aggregated | prefill | decode
-    router_address: str
+    router_address: str  # comma-separated: the worker registers with each of those routers
     router_token: str | None
     engine_factory: Callable[[], ServedEngine]
     model_name: str = ""

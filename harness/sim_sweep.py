@@ -174,7 +174,8 @@ class LiveSystem:
         child = subprocess.Popen(
             [sys.executable, "-m", "harness", "run-test", "--system", str(path), "--scenario", scenario,
              "--test", "performance", "--router", self.cluster.router_address, "--scenario-dir", str(point_dir),
-             "--cache-dir", str(s.cache_dir), "--no-progress"],
+             "--cache-dir", str(s.cache_dir), "--no-progress",
+             *(["--embedded-router", embedded] if (embedded := self.cluster.embedded_router_address) else [])],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=(point_dir / "run-test.log").open("w"), start_new_session=True)
         try:
             rc = child.wait(timeout=s.point_timeout_s)

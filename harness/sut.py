@@ -1,6 +1,9 @@
 """The LoadGen SUT: each query becomes one RouterService.Generate stream, run on a dedicated asyncio
 event-loop thread so issue_queries never blocks LoadGen; every issued query is completed exactly once.
 
+The stream goes through a RouterPath (harness/embedded_routing.py): a RouterClient to the router process, or with
+router.mode embedded the router started in this process, which streams straight from the chosen worker.
+
 When the router is unreachable (it died and is being restarted) or its call ends CANCELLED (which this SUT never
 asks for while it still wants the answer: its own cancellations come as asyncio.CancelledError at teardown), a
 query not yet answered is sent again, resuming after the tokens it already received, for up to `reconnect_s`
@@ -28,9 +31,9 @@ import mlperf_loadgen as lg
 from contract import event_loop
 from contract.types import PromptInput
 from contract.wire import pb
+from harness.embedded_routing import EmbeddedRouting, RouterPath, start_embedded_router
 from harness.progress import Progress
-from router.client import RouterClient
-from router.shards import ShardedRouterClient, connect_router
+from router.shards import connect_router
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ class SUTSettings:
     # (its workers' in-flight limits plus its queue): the rest would be refused RESOURCE_EXHAUSTED, and the
     # images of all of them would sit in the router's memory.
     max_inflight: int | None = None
+    # router.mode embedded: route in this process instead of at router_address (harness/embedded_routing.py)
+    embedded: EmbeddedRouting | None = None
 
 
 class FailedSamplesLog:
@@ -96,7 +101,8 @@ class FailedSamplesLog:
 
 
 class RouterSUT:
-    """Sends queries to the router over gRPC; completes them with the detokenized UTF-8 text."""
+    """Sends queries to the router (over gRPC, or the one in this process); completes them with the detokenized
+    UTF-8 text."""
 
     def __init__(
         self,
@@ -118,11 +124,20 @@ class RouterSUT:
         self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sut-event-loop", daemon=True)
         self._thread.start()
-        self._client: RouterClient | ShardedRouterClient = self._call(self._connect())
+        try:
+            self._client: RouterPath = self._call(self._connect())
+        except BaseException:  # no router path (an embedded router that could not start): no loop left behind
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
         self.handle = lg.ConstructSUT(self.issue_queries, self.flush_queries)
 
-    async def _connect(self) -> RouterClient | ShardedRouterClient:
-        return connect_router(self._settings.router_address, self._settings.token)  # its channels bind to this loop
+    async def _connect(self) -> RouterPath:
+        """The path to the workers, made in this loop (its channels, and an embedded router's server, bind to it)."""
+        if self._settings.embedded is not None:
+            return await start_embedded_router(self._settings.embedded)
+        return connect_router(self._settings.router_address, self._settings.token)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

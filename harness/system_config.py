@@ -34,6 +34,10 @@ SYNTHETIC_PREFIX = "synthetic:"
 DatasetKind = Literal["product-catalogue", "catalogue-8k"]
 SyntheticProfile = Literal["small", "mixed", "realistic"]  # harness.synthetic_catalogue.PROFILES
 ScenarioName = Literal["offline", "server", "interactive"]
+# Where LoadGen's queries are routed: in the router process (the SUT -> router -> worker), or in the SUT's own process
+# (SUT -> worker; harness/embedded_routing.py), the router process still serving HTTP clients and health.
+RouterMode = Literal["process", "embedded"]
+ROUTER_MODES: tuple[RouterMode, ...] = ("process", "embedded")
 
 
 class ConfigError(ValueError):
@@ -352,6 +356,7 @@ class SystemConfig(_Strict):
     datasets: dict[DatasetKind, DatasetSection] = Field(min_length=1)
     engine: dict[str, Any] = Field(default_factory=dict)
     workers: WorkersSection
+    # router.config.RouterConfig's keys, and `mode` (RouterMode, default process), which is the harness's
     router: dict[str, Any] = Field(default_factory=dict)
     # Router processes: worker i registers with router i mod N and the SUT spreads queries over all N
     # (one Python router process carries ~150 req/s; an NVL72 needs many).
@@ -361,6 +366,25 @@ class SystemConfig(_Strict):
     measurements: MeasurementsSection
     requests: RequestsSection = RequestsSection()
     ray: RaySection = RaySection()
+
+    @field_validator("router")
+    @classmethod
+    def _known_router_mode(cls, value: dict[str, Any]) -> dict[str, Any]:
+        mode = value.get("mode", "process")
+        if mode not in ROUTER_MODES:
+            raise ValueError(f"router.mode: {mode!r} is not one of {', '.join(ROUTER_MODES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _embedded_routing_is_one_router(self) -> SystemConfig:
+        if self.router_mode == "embedded" and self.router_shards != 1:
+            raise ValueError(f"router_shards: {self.router_shards} router processes, but router.mode embedded "
+                             f"routes LoadGen's queries in the SUT's process; set router_shards: 1")
+        return self
+
+    @property
+    def router_mode(self) -> RouterMode:
+        return self.router.get("mode", "process")
 
     @model_validator(mode="after")
     def _kv_link_needs_a_model(self) -> SystemConfig:
@@ -510,10 +534,11 @@ def simulation_config(config: SystemConfig):
 
 
 def router_config(config: SystemConfig, listen: str):
-    """The router's RouterConfig: the `router` section listening on `listen`."""
+    """The router's RouterConfig: the `router` section (less the harness's `mode`) listening on `listen`."""
     from router.config import RouterConfig
 
-    return RouterConfig.model_validate({**config.router, "listen": listen})
+    section = {key: value for key, value in config.router.items() if key != "mode"}
+    return RouterConfig.model_validate({**section, "listen": listen})
 
 
 def sut_inflight_bound(config: SystemConfig) -> int:

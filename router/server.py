@@ -1,6 +1,7 @@
 """RouterServer: the gRPC RouterService (generate, abort, worker registration, heartbeats) plus grpc health.
 
 Embeddable (`await start()`, `.port`, `await stop()`); also starts the OpenAI HTTP front end when configured.
+router.embedded runs one inside a caller's process and calls its dispatcher directly.
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         return pb.HeartbeatReply(known=self.registry.heartbeat(request))
 
     async def ListWorkers(self, request, context):
-        entries = self.registry.entries()
-        return pb.WorkerList(
-            workers=[e.info for e in entries], loads=[e.report for e in entries], healthy=[e.healthy for e in entries]
-        )
+        return worker_list(self.registry)
+
+
+def worker_list(registry: Registry) -> pb.WorkerList:
+    """Every registered worker: its registration, last load report and whether it gets new work."""
+    entries = registry.entries()
+    return pb.WorkerList(
+        workers=[e.info for e in entries], loads=[e.report for e in entries], healthy=[e.healthy for e in entries]
+    )
 
 
 class RouterServer:

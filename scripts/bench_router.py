@@ -1,9 +1,11 @@
 """Router overhead with instant workers: sustained requests/s through one router process, the CPU it spends per
 request and the latency it adds, round_robin vs least_loaded, gRPC and HTTP, side by side with vllm-router (Rust)
-when installed.
+when installed; and routing in the caller's own process (router.embedded, the harness's router.mode embedded)
+beside a direct call to a worker.
 
-gRPC requests stream every engine step's tokens (`grpc`) and, as the harness SUT asks, chunks of
-SUT_STREAM_INTERVAL tokens after the first (`grpc_sut_chunks`).
+gRPC requests stream every engine step's tokens (`grpc`, `embedded`) and, as the harness SUT asks, chunks of
+SUT_STREAM_INTERVAL tokens after the first (`*_sut_chunks`). The one-client latencies are taken in turns (direct,
+embedded, through the router process, one request each), so the shared machine's drift meets all of them alike.
 
 Prints one JSON object. `python scripts/bench_router.py [--seconds 3] [--concurrency 64]` (default run < 60 s).
 """
@@ -26,8 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from contract import event_loop  # noqa: E402
-from harness.load_test import Procs, closed_loop, drain  # noqa: E402
+from harness.load_test import Procs, closed_loop, drain, interleaved  # noqa: E402
 
+EMBEDDED_TARGET_MS = 0.3  # issue 35: embedded routing adds at most this to a direct call's p50
 PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly
 OUTPUT_TOKENS = 45     # NVL72's reported average output length
 NVL72_QPS = 2323       # Vera Rubin NVL72 server-scenario queries/s to compare one router process with
@@ -116,41 +119,68 @@ def http_sender(session, url: str, model: str = "instant",
     return send
 
 
-async def bench_our_router(policy: str, args, procs: Procs) -> dict:
-    import aiohttp
+def added_ms(solo: dict, path: str, base: str = "direct") -> dict:
+    """p50 and p99 of `path` over `base`, from one interleaved one-client run."""
+    return {"p50": round(solo[path]["p50_ms"] - solo[base]["p50_ms"], 3),
+            "p99": round(solo[path]["p99_ms"] - solo[base]["p99_ms"], 3),
+            f"{path}_p50_ms": solo[path]["p50_ms"], f"{base}_p50_ms": solo[base]["p50_ms"]}
 
-    from contract.transport import open_channel
-    from contract.wire import pb_grpc
-    from router.client import RouterClient
-    from router.config import RouterConfig
+
+async def bench_our_router(policy: str, args, procs: Procs) -> dict:
+    """One policy: the router process over gRPC and HTTP, the router embedded in this process, and a direct call to a
+    worker; the workers register with both routers."""
+    from router.config import RouterConfig, parse_router_config
+    from router.embedded import EmbeddedRouter
 
     grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                                         "--policy", policy], lines=2)
     address, http = grpc_line.split()[-1], http_line.split()[-1]
     router_pid = procs.procs[-1].pid
-    (worker_address,) = procs.start([__file__, "--grpc-workers", address, "--workers", str(args.workers)])
+    async with EmbeddedRouter(parse_router_config({"policy": {"name": policy}})) as embedded:
+        (worker_address,) = procs.start([__file__, "--grpc-workers", f"{address},{embedded.address}",
+                                         "--workers", str(args.workers)])
+        await embedded.wait_for_workers(args.workers, timeout=30)
+        served = RouterConfig.model_fields["served_model_name"].default
+        result = await _measure_paths(args, address, f"http://{http}/v1/chat/completions", served, worker_address,
+                                      embedded, router_pid)
+    procs.stop()
+    return result
+
+
+async def _measure_paths(args, address: str, http_url: str, served: str, worker_address: str, embedded,
+                         router_pid: int) -> dict:
+    import aiohttp
+
+    from contract.transport import open_channel
+    from contract.wire import pb_grpc
+    from router.client import RouterClient
+
+    me = os.getpid()  # with the router embedded, this process is the SUT: its CPU is the routing's
     result: dict = {}
     async with RouterClient(address) as client, open_channel(worker_address) as channel:
         await client.wait_for_workers(args.workers, timeout=30)
         stub = pb_grpc.WorkerServiceStub(channel)
-        via_router = lambda: drain(client.generate(grpc_request()))
-        direct = lambda: drain(stub.Generate(grpc_request()))
-        solo_router = await closed_loop(via_router, 1, args.seconds / 2)
-        solo_direct = await closed_loop(direct, 1, args.seconds / 2)
-        result["grpc_added_latency_ms"] = {
-            "p50": round(solo_router["p50_ms"] - solo_direct["p50_ms"], 3),
-            "p99": round(solo_router["p99_ms"] - solo_direct["p99_ms"], 3),
-            "router_p50_ms": solo_router["p50_ms"], "direct_p50_ms": solo_direct["p50_ms"],
-        }
-        result["grpc_direct_to_worker"] = await closed_loop(direct, args.concurrency, args.seconds)
-        result["grpc"] = await closed_loop(via_router, args.concurrency, args.seconds, router_pid)
-        result["grpc_sut_chunks"] = await closed_loop(lambda: drain(client.generate(grpc_request(SUT_STREAM_INTERVAL))),
-                                                      args.concurrency, args.seconds, router_pid)
+        paths = {"direct": lambda interval=0: drain(stub.Generate(grpc_request(interval))),
+                 "embedded": lambda interval=0: drain(embedded.generate(grpc_request(interval))),
+                 "router": lambda interval=0: drain(client.generate(grpc_request(interval)))}
+        sut = {f"{name}_sut_chunks": lambda send=send: send(SUT_STREAM_INTERVAL) for name, send in paths.items()}
+        solo = await interleaved(paths | sut, args.seconds * 2)
+        result["one_client"] = solo
+        result["grpc_added_latency_ms"] = added_ms(solo, "router")
+        result["grpc_sut_chunks_added_latency_ms"] = added_ms(solo, "router_sut_chunks", "direct_sut_chunks")
+        result["embedded_added_latency_ms"] = added_ms(solo, "embedded")
+        result["embedded_sut_chunks_added_latency_ms"] = added_ms(solo, "embedded_sut_chunks", "direct_sut_chunks")
+        load = (args.concurrency, args.seconds)
+        result["grpc_direct_to_worker"] = await closed_loop(paths["direct"], *load, me)
+        result["grpc_direct_to_worker_sut_chunks"] = await closed_loop(sut["direct_sut_chunks"], *load, me)
+        result["embedded"] = await closed_loop(paths["embedded"], *load, me)
+        result["embedded_sut_chunks"] = await closed_loop(sut["embedded_sut_chunks"], *load, me)
+        result["grpc"] = await closed_loop(paths["router"], args.concurrency, args.seconds, router_pid)
+        result["grpc_sut_chunks"] = await closed_loop(sut["router_sut_chunks"], args.concurrency, args.seconds,
+                                                      router_pid)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
-            served = RouterConfig.model_fields["served_model_name"].default
-            result["http"] = await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions", served),
-                                               args.concurrency, args.seconds, router_pid)
-    procs.stop()
+            result["http"] = await closed_loop(http_sender(session, http_url, served), args.concurrency, args.seconds,
+                                               router_pid)
     return result
 
 
@@ -196,8 +226,12 @@ async def bench(args) -> dict:
         out: dict = {
             "setup": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "workers": args.workers,
                       "concurrency": args.concurrency, "seconds_per_point": args.seconds, "cpus": os.cpu_count(),
+                      "loadavg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
+                      "client_event_loop": event_loop.loop_name(),
                       "note": "instant workers; load generator, router and workers share this machine's CPUs; "
-                              "cpu_ms_per_request: the router process's CPU time per completed request"},
+                              "cpu_ms_per_request: the router process's CPU time per completed request (embedded "
+                              "and grpc_direct_to_worker: this process's, the load generator and any routing in "
+                              "it); one_client: the paths taken in turns, one request each, for 2x seconds"},
         }
         for policy in ("round_robin", "least_loaded"):
             out[policy] = await bench_our_router(policy, args, procs)
@@ -210,6 +244,15 @@ async def bench(args) -> dict:
             p: {"requests_per_s": round(out[p]["http"]["requests_per_s"] / peer["requests_per_s"], 3),
                 "cpu_per_request": round(out[p]["http"]["cpu_ms_per_request"] / peer["cpu_ms_per_request"], 2)}
             for p in ("round_robin", "least_loaded")}
+    out["embedded_vs_direct"] = {  # the issue-35 target: embedded routing adds <= 0.3 ms p50 over a direct call
+        "target_p50_added_ms": EMBEDDED_TARGET_MS,
+        **{p: {"p50_added_ms": out[p]["embedded_added_latency_ms"]["p50"],
+               "sut_chunks_p50_added_ms": out[p]["embedded_sut_chunks_added_latency_ms"]["p50"]}
+           for p in ("round_robin", "least_loaded")},
+    }
+    out["embedded_vs_direct"]["met"] = all(
+        max(v["p50_added_ms"], v["sut_chunks_p50_added_ms"]) <= EMBEDDED_TARGET_MS
+        for k, v in out["embedded_vs_direct"].items() if isinstance(v, dict))
     best = max(out[p]["grpc"]["requests_per_s"] for p in ("round_robin", "least_loaded"))
     out["nvl72"] = {
         "target_queries_per_s": NVL72_QPS,
@@ -237,7 +280,7 @@ def main() -> None:
     elif args.http_workers:
         event_loop.run(serve_http_workers(args.http_workers))
     else:
-        print(json.dumps(asyncio.run(bench(args)), indent=2))
+        print(json.dumps(event_loop.run(bench(args)), indent=2))  # the loop the harness SUT runs on
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """In-process router + instant-engine workers for the router tests (one event loop, loopback ports).
 
-`Cluster` starts a RouterServer and WorkerServers around InstantEngines and waits until all registered.
+`Cluster` starts a RouterServer and WorkerServers around InstantEngines and waits until all registered. Its
+`client` reaches the router the way its `mode` says: "process", over gRPC (RouterClient), as a caller in another
+process does; "embedded", by calling the dispatcher in this process (router.embedded.EmbeddedRouter), as the
+harness SUT does with router.mode embedded. Tests of behaviour that must not depend on the mode run in both (MODES).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from dataclasses import dataclass, field
 from contract.wire import pb
 from router.client import RouterClient
 from router.config import parse_router_config
+from router.embedded import EmbeddedRouter
 from router.server import RouterServer
 from workers.serve.server import WorkerServer
 from workers.sim.instant_engine import InstantEngine
 
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.
 FAST_HEALTH = {"heartbeat_interval_s": 0.1, "down_after_s": 2.0}
+MODES = ("process", "embedded")
 
 
 def run(coro, timeout: float = 30.0):
@@ -44,18 +49,21 @@ class Cluster:
     roles: tuple[str, ...] = ("aggregated", "aggregated")
     step_delay_s: float = 0.0
     token: str | None = None
+    mode: str = "process"
+    also_register_at: str | None = None  # another router's address the workers register with too
     router: RouterServer | None = None
     workers: list[WorkerServer] = field(default_factory=list)
     engines: list[InstantEngine] = field(default_factory=list)
-    client: RouterClient | None = None
+    client: RouterClient | EmbeddedRouter | None = None
 
     async def __aenter__(self) -> Cluster:
-        config = {"health": FAST_HEALTH, "policy": {"seed": 0}, "token": self.token} | self.config
-        self.router = RouterServer(parse_router_config(config))
+        config = parse_router_config({"health": FAST_HEALTH, "policy": {"seed": 0}, "token": self.token} | self.config)
+        embedded = EmbeddedRouter(config) if self.mode == "embedded" else None
+        self.router = RouterServer(config) if embedded is None else embedded.server
         await self.router.start()
         for i, role in enumerate(self.roles):
             await self.add_worker(f"w{i}", role)
-        self.client = RouterClient(self.router.address, token=self.token)
+        self.client = embedded or RouterClient(self.router.address, token=self.token)
         await self.client.wait_for_workers(len(self.roles), timeout=10)
         return self
 
@@ -64,7 +72,8 @@ class Cluster:
     ) -> WorkerServer:
         """worker_kwargs: more WorkerServer settings (max_model_len, kv_block_size, ...)."""
         engine = engine or InstantEngine(step_delay_s=self.step_delay_s)
-        worker = WorkerServer(engine, worker_id, role, self.router.address, token=self.token, heartbeat_interval_s=0.1,
+        routers = ",".join(a for a in (self.router.address, self.also_register_at) if a)
+        worker = WorkerServer(engine, worker_id, role, routers, token=self.token, heartbeat_interval_s=0.1,
                               **worker_kwargs)
         await worker.start()
         self.workers.append(worker)
@@ -72,7 +81,8 @@ class Cluster:
         return worker
 
     async def __aexit__(self, *exc) -> None:
-        await self.client.close()
+        if isinstance(self.client, RouterClient):
+            await self.client.close()
         for worker in self.workers:
             await worker.stop(0)
-        await self.router.stop(0)
+        await self.router.stop(0)  # the embedded client's router too

@@ -1,5 +1,6 @@
 """One real run per scenario on cpu-tiny (shortened): LoadGen in its own process, the router process, Ray
-workers running the real engine on a tiny checkpoint, the submission tree and the audit's verdict."""
+workers running the real engine on a tiny checkpoint, the submission tree and the audit's verdict; and a run whose
+LoadGen tests route in their own process (router.mode embedded)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ ALLOWED_FAILURES = {
 }
 
 
-def short_cpu_tiny(tmp_path: Path) -> Path:
+def short_cpu_tiny(tmp_path: Path, router_mode: str = "process") -> Path:
     """cpu-tiny with fewer samples and shorter runs, so each scenario finishes in about a minute."""
     data = yaml.safe_load((CONFIG_DIR / "cpu-tiny.yaml").read_text())
+    data["router"]["mode"] = router_mode
     data["datasets"]["product-catalogue"]["path"] = f"synthetic:{NUM_SAMPLES['server']}"
     data["datasets"]["catalogue-8k"]["path"] = f"synthetic:{NUM_SAMPLES['interactive']}"
     for name, section in data["scenarios"].items():
@@ -48,10 +50,12 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("harness-cache")
 
 
-def run_harness(scenario: str, tmp_path: Path, cache: Path) -> tuple[subprocess.CompletedProcess, Path]:
+def run_harness(scenario: str, tmp_path: Path, cache: Path, router_mode: str = "process"
+                ) -> tuple[subprocess.CompletedProcess, Path]:
     output = tmp_path / "out"
+    system = short_cpu_tiny(tmp_path, router_mode)
     result = subprocess.run(
-        [sys.executable, "-m", "harness", "--scenario", scenario, "--system", str(short_cpu_tiny(tmp_path)),
+        [sys.executable, "-m", "harness", "--scenario", scenario, "--system", str(system),
          "--output", str(output), "--cache-dir", str(cache), "--no-progress", "--verbose"],
         cwd=REPO, capture_output=True, text=True, timeout=400,
     )
@@ -109,3 +113,29 @@ def test_cpu_tiny_run_produces_loadgen_logs_a_tree_and_an_honest_verdict(scenari
     assert "VERDICT  REJECTED" in result.stdout
     # ... and the console says why that is expected of the embedded default, then what a real submission needs.
     assert result.stderr.splitlines()[-1] == f"[q3vl] {REAL_SUBMISSION}", result.stderr[-3000:]
+
+
+def served(log: str) -> list[int]:
+    """Requests each router of a log served, from its closing line ('router ... served requests LENGTH=3 STOP=2;
+    ...')."""
+    return [sum(int(n) for n in re.findall(r"=(\d+)", line))
+            for line in re.findall(r"served requests ([^;]*);", log)]
+
+
+@pytest.mark.slow
+def test_a_run_routed_in_its_loadgen_processes_answers_every_sample_once_through_them(tmp_path, cache_dir):
+    result, output = run_harness("server", tmp_path, cache_dir, router_mode="embedded")
+    assert result.returncode == 1, result.stderr[-3000:]  # the audit rejects a tiny random model
+    runs = output / "runs" / "cpu-tiny" / "Server"
+    entries = json.loads((runs / "accuracy" / "mlperf_log_accuracy.json").read_text())
+    assert sorted(e["qsl_idx"] for e in entries) == list(range(NUM_SAMPLES["server"]))
+    assert json.loads((runs / "accuracy" / "failed_samples.json").read_text()) == []
+    perf = parse_detail_log(runs / "performance" / "run_1" / "mlperf_log_detail.txt")
+    # Each LoadGen test (performance, then accuracy) had a router of its own, and both workers registered with it
+    embedded = (runs / "embedded-router.log").read_text()
+    assert embedded.count("router listening on") == 2
+    assert embedded.count("registered at") >= 2 * 2
+    performance, accuracy = served(embedded)
+    assert performance >= perf["effective_min_query_count"] and accuracy == NUM_SAMPLES["server"]
+    assert served((runs / "router.log").read_text()) == [1]  # the router process: the warm-up's request only
+    assert "VERDICT  REJECTED" in result.stdout

@@ -129,6 +129,30 @@ def test_router_keys_are_validated_by_the_router_config():
     assert "router.policy.name" in error_for(data)
 
 
+def test_the_router_runs_as_its_own_process_unless_the_yaml_says_embedded():
+    from harness.system_config import router_config
+
+    assert parse_system_config(cpu_tiny(), "test.yaml").router_mode == "process"
+    data = cpu_tiny()
+    data["router"]["mode"] = "embedded"
+    config = parse_system_config(data, "test.yaml")
+    assert config.router_mode == "embedded"
+    assert router_config(config, "127.0.0.1:0").policy.name == "least_loaded"  # the rest is the router's config
+
+
+def test_an_unknown_router_mode_is_rejected_naming_the_key():
+    data = cpu_tiny()
+    data["router"]["mode"] = "inline"
+    assert "router.mode: 'inline' is not one of process, embedded" in error_for(data)
+
+
+def test_embedded_routing_takes_one_router_not_shards():
+    data = cpu_tiny()
+    data["router"]["mode"] = "embedded"
+    data["router_shards"] = 2
+    assert "router_shards: 2 router processes, but router.mode embedded" in error_for(data)
+
+
 def test_interactive_needs_the_8k_dataset():
     data = cpu_tiny()
     del data["datasets"]["catalogue-8k"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import threading
@@ -19,9 +20,11 @@ import pytest
 from audit.rules.rounds import FAILED_SAMPLES_FILE
 from contract.types import PromptInput
 from contract.wire import pb, pb_grpc
+from harness.embedded_routing import EmbeddedRouting, ReservedAddress, embedded_routing
 from harness.progress import Progress
 from harness.qsl import StoreQSL
 from harness.sut import FailedSamplesLog, RouterSUT, SUTSettings
+from router.config import parse_router_config
 
 ANSWER = '{"category": "A > B", "brand": "x", "is_secondhand": false}'
 # What the double does with a request is chosen by the prompt's first token.
@@ -272,37 +275,84 @@ class TextStore:
         return Prepared(PromptInput([index + 1, 100, 101], []), None)
 
 
-def offline_through_a_small_router(tmp_path: Path, max_inflight: int | None) -> dict[int, str]:
-    """32 Offline samples through a real router (one instant worker, 2 calls in flight, 2 queued), on an event loop
-    of its own; LoadGen on this thread, as the harness runs it. Returns the failed samples."""
+@contextlib.contextmanager
+def small_cluster(router: dict, embedded_at: str | None = None):
+    """One instant worker (5 ms a step) behind a real router from `router` (a RouterConfig dict), on an event loop
+    of its own; with embedded_at, the worker registers there too (where an embedded SUT's router listens)."""
     from tests.router_fixtures import Cluster
 
-    samples = 32
-    tmp_path.mkdir(parents=True)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    limits = {"max_inflight_per_worker": 2, "max_queue": 2}
-    cluster = Cluster(roles=("aggregated",), step_delay_s=0.005, config={"limits": limits})
+    cluster = Cluster(roles=("aggregated",), step_delay_s=0.005, config=router, also_register_at=embedded_at)
     asyncio.run_coroutine_threadsafe(cluster.__aenter__(), loop).result(30)
     try:
-        run_sut_test(TextStore(), lambda ids: "x" * len(ids),
-                     SUTSettings(router_address=cluster.router.address, max_tokens=8, max_inflight=max_inflight),
-                     tmp_path, lg.TestScenario.Offline, lg.TestMode.PerformanceOnly, samples)
+        yield cluster
     finally:
         asyncio.run_coroutine_threadsafe(cluster.__aexit__(None, None, None), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+def sut_routing(mode: str, router: dict, address: str) -> EmbeddedRouting | None:
+    """The SUT's EmbeddedRouting for router.mode `mode`: its own router from `router`, listening at `address`."""
+    if mode == "process":
+        return None
+    from tests.router_fixtures import FAST_HEALTH
+
+    return embedded_routing(parse_router_config({"health": FAST_HEALTH} | router | {"listen": address}), workers=1)
+
+
+def offline_through_a_small_router(tmp_path: Path, max_inflight: int | None, mode: str = "process"
+                                   ) -> dict[int, str]:
+    """32 Offline samples through a real router (one instant worker, 2 calls in flight, 2 queued), routed as `mode`
+    says (router.mode); LoadGen on this thread, as the harness runs it. Returns the failed samples."""
+    samples = 32
+    tmp_path.mkdir(parents=True)
+    router = {"limits": {"max_inflight_per_worker": 2, "max_queue": 2}}
+    with ReservedAddress() as reserved, small_cluster(router, reserved.address if mode == "embedded" else None
+                                                      ) as cluster:
+        settings = SUTSettings(router_address=cluster.router.address, max_tokens=8, max_inflight=max_inflight,
+                               embedded=sut_routing(mode, router, reserved.address))
+        run_sut_test(TextStore(), lambda ids: "x" * len(ids), settings, tmp_path, lg.TestScenario.Offline,
+                     lg.TestMode.PerformanceOnly, samples)
     return read_failed(tmp_path)
 
 
-def test_an_offline_test_larger_than_the_router_admits_answers_every_sample(tmp_path):
+@pytest.mark.parametrize("mode", ["process", "embedded"])
+def test_an_offline_test_larger_than_the_router_admits_answers_every_sample(mode, tmp_path):
     # LoadGen issues all 32 at once; the router takes 4 (2 running, 2 queued) and refuses the rest, so the SUT
-    # keeps the others until a call ends
-    assert offline_through_a_small_router(tmp_path / "bounded", max_inflight=4) == {}
-    refused = offline_through_a_small_router(tmp_path / "unbounded", max_inflight=None)
+    # keeps the others until a call ends; the router's admission is the same code whichever process it runs in
+    assert offline_through_a_small_router(tmp_path / "bounded", max_inflight=4, mode=mode) == {}
+    refused = offline_through_a_small_router(tmp_path / "unbounded", max_inflight=None, mode=mode)
     assert refused and all("RESOURCE_EXHAUSTED" in error for error in refused.values())
+
+
+def test_an_embedded_sut_routes_in_its_own_process_straight_to_the_workers(tmp_path):
+    # router.mode embedded: the workers register with the SUT's own router as well as with the router process,
+    # and every query goes from the SUT to a worker, none through the router process
+    with ReservedAddress() as reserved, small_cluster({}, reserved.address) as cluster:
+        settings = SUTSettings(router_address=cluster.router.address, max_tokens=8,
+                               embedded=sut_routing("embedded", {}, reserved.address))
+        run_sut_test(TextStore(), lambda ids: "x" * len(ids), settings, tmp_path, lg.TestScenario.Offline,
+                     lg.TestMode.AccuracyOnly, 6)
+        engine_requests = cluster.engines[0].requests_seen
+        via_router_process = cluster.router.dispatcher.metrics.render()
+    entries = json.loads((tmp_path / "mlperf_log_accuracy.json").read_text())
+    answers = [bytes.fromhex(e["data"]).decode() for e in entries]
+    assert answers == ["x" * 8] * 6 and read_failed(tmp_path) == {}
+    assert len(engine_requests) == 6
+    assert b"q3vl_router_requests_total{" not in via_router_process  # the router process counted no request
+
+
+def test_an_embedded_sut_whose_workers_never_register_fails_at_start_naming_them(tmp_path):
+    with ReservedAddress() as reserved:  # no worker registers there
+        routing = sut_routing("embedded", {}, reserved.address)
+        settings = SUTSettings(router_address="127.0.0.1:1", embedded=dataclasses.replace(routing, ready_timeout_s=0.3))
+        with pytest.raises(TimeoutError, match="0 of 1 workers registered"):
+            RouterSUT(TextStore(), str, settings, FailedSamplesLog(tmp_path / "failed.json"))
+        assert "sut-event-loop" not in {thread.name for thread in threading.enumerate()}  # none left behind
 
 
 class LingeringRouter(pb_grpc.RouterServiceServicer):

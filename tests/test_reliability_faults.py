@@ -1,6 +1,7 @@
 """Faults on the real path (`python -m harness`: LoadGen -> router process -> Ray workers on cpu-tiny): worker
 SIGKILL and SIGSTOP, router SIGKILL, and a catalogue of bad samples. Every accuracy run must answer each
-sample exactly once (LoadGen's accuracy log), lose none, and show the migrations or restarts it took."""
+sample exactly once (LoadGen's accuracy log), lose none, and show the migrations or restarts it took. Worker faults
+are met alike when LoadGen's queries are routed in the SUT's own process (router.mode embedded)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
 from harness.synthetic_catalogue import write_synthetic_catalogue
 from harness.fault_soak import HarnessRun, soak_system
 
@@ -26,10 +28,12 @@ def assert_every_sample_answered_once(report, failed_expected: set[int] = frozen
     assert report.lost == len(failed_expected)
 
 
-def test_worker_killed_and_worker_hung_mid_run_lose_and_repeat_no_query(tmp_path):
+@pytest.mark.parametrize("router_mode", ["process", "embedded"])
+def test_worker_killed_and_worker_hung_mid_run_lose_and_repeat_no_query(router_mode, tmp_path):
     # 1 query/s keeps LoadGen issuing for ~SAMPLES s, long enough for both faults and the recovery between them
     # (a Ray restart rebuilds the engine) even on a loaded 2-core machine.
-    run = HarnessRun(soak_system(tmp_path, SAMPLES, qps=1.0), tmp_path / "out", CACHE).start()
+    system = soak_system(tmp_path, SAMPLES, qps=1.0, router_mode=router_mode)
+    run = HarnessRun(system, tmp_path / "out", CACHE).start()
     run.wait_for_loadgen()
     for fault in ("kill_worker", "stop_worker"):
         if run.wait_for_inflight(2):
@@ -38,9 +42,11 @@ def test_worker_killed_and_worker_hung_mid_run_lose_and_repeat_no_query(tmp_path
     assert_every_sample_answered_once(report)
     assert report.faults == ["kill_worker", "stop_worker"], "the run ended before every fault"
     assert report.migrations >= 2  # at least one request moved per fault
-    log = run.router_log()
+    log = run.router_log()  # the router that routed LoadGen's queries is the one that saw this
     assert "down: stream failed" in log  # the killed worker: its streams broke at once
     assert "down: no heartbeat" in log or "down: engine stalled" in log  # the hung one: the health check
+    if router_mode == "embedded":  # LoadGen's queries went from its own process straight to the workers
+        assert "migrating (" in run.run_file(EMBEDDED_LOG) and "migrating (" not in run.run_file("router.log")
 
 
 @pytest.mark.slow

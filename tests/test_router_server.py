@@ -1,5 +1,6 @@
 """RouterService with instant-engine workers in one process: streaming, cancel, limits, auth, health,
-worker failure (down detection, migration) and disaggregated prefill/decode."""
+worker failure (down detection, migration) and disaggregated prefill/decode; each test that takes `mode` the same
+whether its caller reaches the router over gRPC or routes in the router's own process (router.embedded)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from workers.sim.instant_engine import InstantEngine, next_token
-from tests.router_fixtures import FAST_HEALTH, Cluster, collect, request, run
+from tests.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Each test that takes it runs twice: the caller reaches the router over gRPC, and from inside its process."""
+    return request.param
 
 
 def expected_tokens(req: pb.GenerateRequest) -> list[int]:
@@ -33,9 +40,9 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_generate_streams_every_token_once_and_ends_with_counts():
+def test_generate_streams_every_token_once_and_ends_with_counts(mode):
     async def body():
-        async with Cluster() as c:
+        async with Cluster(mode=mode) as c:
             req = request("r1", prompt_len=40, max_tokens=12)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -48,9 +55,9 @@ def test_generate_streams_every_token_once_and_ends_with_counts():
     run(body())
 
 
-def test_booked_load_is_released_after_every_request():
+def test_booked_load_is_released_after_every_request(mode):
     async def body():
-        async with Cluster() as c:
+        async with Cluster(mode=mode) as c:
             await asyncio.gather(*(collect(c.client.generate(request(f"r{i}"))) for i in range(20)))
             for entry in c.router.registry.entries():
                 assert (entry.inflight, entry.booked_prefill_tokens, entry.booked_blocks) == (0, 0, 0)
@@ -77,9 +84,9 @@ def test_a_requests_slots_are_free_when_its_final_chunk_reaches_the_caller():
     run(body())
 
 
-def test_client_cancel_aborts_the_engine_request_upstream():
+def test_client_cancel_aborts_the_engine_request_upstream(mode):
     async def body():
-        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
             stream = c.client.generate(request("gone", max_tokens=100))
             await stream.__anext__()
             await stream.aclose()  # the caller goes away
@@ -89,9 +96,9 @@ def test_client_cancel_aborts_the_engine_request_upstream():
     run(body())
 
 
-def test_abort_rpc_ends_the_stream_with_abort():
+def test_abort_rpc_ends_the_stream_with_abort(mode):
     async def body():
-        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
             stream = c.client.generate(request("ab", max_tokens=100))
             await stream.__anext__()
             assert await c.client.abort("ab") is True
@@ -103,10 +110,10 @@ def test_abort_rpc_ends_the_stream_with_abort():
     run(body())
 
 
-def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted():
+def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted(mode):
     async def body():
         limits = {"max_inflight_total": 1, "max_queue": 1}
-        async with Cluster(roles=("aggregated",), step_delay_s=0.02, config={"limits": limits}) as c:
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02, config={"limits": limits}) as c:
             first = asyncio.create_task(collect(c.client.generate(request("a", max_tokens=10))))
             await wait_until(lambda: c.router.dispatcher.inflight == 1)
             queued = asyncio.create_task(collect(c.client.generate(request("b", max_tokens=10))))
@@ -122,9 +129,20 @@ def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted():
     run(body())
 
 
-def test_request_deadline_gives_deadline_exceeded():
+def test_a_router_without_a_healthy_worker_refuses_unavailable(mode):
     async def body():
-        async with Cluster(roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(mode=mode, roles=()) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(c.client.generate(request("early")))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no healthy worker" in err.value.details()
+
+    run(body())
+
+
+def test_request_deadline_gives_deadline_exceeded(mode):
+    async def body():
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(c.client.generate(request("slow", max_tokens=100, deadline_s=0.3)))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -141,9 +159,9 @@ def test_non_loopback_bind_without_token_is_rejected_naming_the_key():
     assert parse_router_config({"listen": "0.0.0.0:50051", "token": "s3cret"}).token == "s3cret"
 
 
-def test_calls_without_the_token_are_unauthenticated():
+def test_calls_without_the_token_are_unauthenticated(mode):
     async def body():
-        async with Cluster(token="s3cret") as c:
+        async with Cluster(mode=mode, token="s3cret") as c:
             tokens, _ = await collect(c.client.generate(request("ok")))  # workers registered with the token too
             assert len(tokens) == 8
             async with RouterClient(c.router.address) as anonymous:
@@ -158,9 +176,9 @@ def test_calls_without_the_token_are_unauthenticated():
     run(body())
 
 
-def test_health_service_reports_serving_with_workers():
+def test_health_service_reports_serving_with_workers(mode):
     async def body():
-        async with Cluster() as c:
+        async with Cluster(mode=mode) as c:
             async with grpc.aio.insecure_channel(c.router.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service="q3vl.v1.RouterService"))
@@ -169,9 +187,9 @@ def test_health_service_reports_serving_with_workers():
     run(body())
 
 
-def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_names_the_missing_on_timeout():
+def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_names_the_missing_on_timeout(mode):
     async def body():
-        async with Cluster(roles=("aggregated", "decode")) as c:
+        async with Cluster(mode=mode, roles=("aggregated", "decode")) as c:
             listing = await wait_for_workers(c.client, worker_ids=["w0", "w1"], timeout_s=10)
             assert sorted(w.worker_id for w in listing.workers) == ["w0", "w1"] and all(listing.healthy)
             with pytest.raises(TimeoutError, match="not registered and healthy: w2"):
@@ -185,9 +203,9 @@ def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_
     run(body())
 
 
-def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work():
+def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work(mode):
     async def body():
-        async with Cluster() as c:
+        async with Cluster(mode=mode) as c:
             c.workers[0]._reporter.cancel()  # w0 goes silent
             await wait_until(lambda: not c.router.registry.get("w0").healthy)
             listing = await c.client.list_workers()
@@ -222,11 +240,11 @@ class Calls:
             await self._called.wait()
 
 
-def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down():
+def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down(mode):
     # A burst of large requests can hold the router's loop for seconds (1,500 queries of 2 MB images on 2 cores:
     # 6 s); heartbeats that arrived meanwhile wait behind the health check, which must not read them as silence.
     async def body():
-        async with Cluster() as c:
+        async with Cluster(mode=mode) as c:
             registry = c.router.registry
             marked_down = Calls(registry, "mark_down", key=lambda entry, reason: reason)
             heartbeats = Calls(registry, "heartbeat", key=lambda report: report.worker_id)
@@ -245,9 +263,9 @@ def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down():
     run(body())
 
 
-def test_hung_engine_is_marked_down_and_its_request_migrates():
+def test_hung_engine_is_marked_down_and_its_request_migrates(mode):
     async def body():
-        async with Cluster(step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
+        async with Cluster(mode=mode, step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
             req = request("hang", max_tokens=40)
             stream = c.client.generate(req)
             first = await stream.__anext__()
@@ -262,9 +280,9 @@ def test_hung_engine_is_marked_down_and_its_request_migrates():
     run(body())
 
 
-def test_worker_killed_mid_stream_loses_no_token_and_repeats_none():
+def test_worker_killed_mid_stream_loses_no_token_and_repeats_none(mode):
     async def body():
-        async with Cluster(step_delay_s=0.02) as c:
+        async with Cluster(mode=mode, step_delay_s=0.02) as c:
             req = request("mig", max_tokens=40)
             stream = c.client.generate(req)
             seen = []
@@ -283,9 +301,10 @@ def test_worker_killed_mid_stream_loses_no_token_and_repeats_none():
     run(body())
 
 
-def test_migration_gives_up_after_max_retries_with_an_error_chunk():
+def test_migration_gives_up_after_max_retries_with_an_error_chunk(mode):
     async def body():
-        async with Cluster(roles=("aggregated",), step_delay_s=0.02, config={"migration": {"max_retries": 0}}) as c:
+        no_retries = {"migration": {"max_retries": 0}}
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02, config=no_retries) as c:
             stream = c.client.generate(request("lost", max_tokens=40))
             await stream.__anext__()
             await c.workers[0].stop(0)
@@ -295,9 +314,9 @@ def test_migration_gives_up_after_max_retries_with_an_error_chunk():
     run(body())
 
 
-def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_token():
+def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_token(mode):
     async def body():
-        async with Cluster(roles=("aggregated",), step_delay_s=0.02) as c:
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02) as c:
             req = request("restart", max_tokens=40)
             stream = c.client.generate(req)
             first = await stream.__anext__()
@@ -316,9 +335,9 @@ def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_tok
     run(body())
 
 
-def test_restarted_worker_replaces_its_old_entry():
+def test_restarted_worker_replaces_its_old_entry(mode):
     async def body():
-        async with Cluster(roles=("aggregated",)) as c:
+        async with Cluster(mode=mode, roles=("aggregated",)) as c:
             old_address = c.workers[0].address
             await c.workers[0].stop(0)
             await c.add_worker("w0")  # same id, new port
@@ -334,9 +353,9 @@ def test_restarted_worker_replaces_its_old_entry():
 DISAGG = {"disaggregation": {"enabled": True}}
 
 
-def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv():
+def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv(mode):
     async def body():
-        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
             req = request("pd", prompt_len=64, max_tokens=10)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)  # the decode engine rebuilt the prompt from the pulled KV
@@ -348,9 +367,9 @@ def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulle
     run(body())
 
 
-def test_images_cross_each_hop_once_the_decode_worker_gets_none():
+def test_images_cross_each_hop_once_the_decode_worker_gets_none(mode):
     async def body():
-        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
             req = request("img", prompt_len=64, max_tokens=6, images=[b"an encoded image", b"another"])
             tokens, _ = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -374,9 +393,9 @@ class PreemptingEngine(InstantEngine):
             yield out
 
 
-def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images():
+def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images(mode):
     async def body():
-        async with Cluster(roles=("prefill",), config=DISAGG) as c:
+        async with Cluster(mode=mode, roles=("prefill",), config=DISAGG) as c:
             await c.add_worker("w1", "decode", engine=PreemptingEngine())
             await c.client.wait_for_workers(2)
             req = request("pre", prompt_len=64, max_tokens=8, images=[b"an encoded image"])
@@ -390,10 +409,10 @@ def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back
     run(body())
 
 
-def test_short_prompts_prefill_locally_under_conditional_disaggregation():
+def test_short_prompts_prefill_locally_under_conditional_disaggregation(mode):
     async def body():
         config = {"disaggregation": {"enabled": True, "min_remote_prefill_tokens": 100}}
-        async with Cluster(roles=("prefill", "decode"), config=config) as c:
+        async with Cluster(mode=mode, roles=("prefill", "decode"), config=config) as c:
             req = request("short", prompt_len=40)
             tokens, _ = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -402,9 +421,9 @@ def test_short_prompts_prefill_locally_under_conditional_disaggregation():
     run(body())
 
 
-def test_prefill_worker_failure_falls_back_to_local_prefill():
+def test_prefill_worker_failure_falls_back_to_local_prefill(mode):
     async def body():
-        async with Cluster(roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
             await c.workers[0]._server.stop(0)  # the prefill worker stops serving but still heartbeats
             req = request("fallback", prompt_len=64)
             tokens, chunks = await collect(c.client.generate(req))
@@ -414,9 +433,9 @@ def test_prefill_worker_failure_falls_back_to_local_prefill():
     run(body())
 
 
-def test_least_loaded_sends_less_traffic_to_a_slow_worker():
+def test_least_loaded_sends_less_traffic_to_a_slow_worker(mode):
     async def body():
-        async with Cluster(config={"policy": {"name": "least_loaded"}}) as c:
+        async with Cluster(mode=mode, config={"policy": {"name": "least_loaded"}}) as c:
             c.engines[0].step_delay_s = 0.03  # w0 is slow, w1 instant
             counts = {"w0": 0, "w1": 0}
             sem = asyncio.Semaphore(8)

@@ -1,5 +1,8 @@
 """Keeping a worker known to its router: RegisterWorker once (and again whenever the router forgets it), then a
-Heartbeat carrying the engine's load every interval, for as long as the worker serves."""
+Heartbeat carrying the engine's load every interval, for as long as the worker serves.
+
+A worker may report to several routers at once (`router_addresses`): the router process, and with the harness's
+router.mode embedded, the router inside the LoadGen SUT's process too, which comes and goes with each test."""
 
 from __future__ import annotations
 
@@ -16,6 +19,14 @@ from contract.types import EngineLoad
 from contract.wire import pb, pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+def router_addresses(addresses: str) -> list[str]:
+    """'host:a,host:b' -> ['host:a', 'host:b']: the routers a worker registers with, one or more."""
+    parts = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not parts:
+        raise ValueError(f"no router address in {addresses!r}")
+    return parts
 
 
 def load_report(worker_id: str, load: EngineLoad) -> pb.LoadReport:
@@ -44,8 +55,10 @@ async def report_to_router(
 ) -> None:
     """Registers, then heartbeats every interval (the router's reply may set it) until cancelled; registers again
     whenever the router says it does not know the worker or cannot be reached. after_each runs once per interval
-    (the worker's own periodic chores)."""
-    async with open_channel(router_address, max_message_bytes=max_message_bytes, keepalive=keepalive) as channel:
+    (the worker's own periodic chores). A router that was away (restarted, or not started yet) is tried again
+    every interval, not on gRPC's growing backoff, so the worker is back in its registry within about one."""
+    async with open_channel(router_address, max_message_bytes=max_message_bytes, keepalive=keepalive,
+                            reconnect_backoff_s=interval_s) as channel:
         stub = pb_grpc.RouterServiceStub(channel)
         registered = False
         while True:

@@ -29,7 +29,7 @@ from workers.engine_api import ServingEngine
 from workers.kv_cache import ImageLayout, KvExport
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
-from workers.serve.registration import load_report, report_to_router
+from workers.serve.registration import load_report, report_to_router, router_addresses
 from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
 class WorkerServer:
     """Serves an engine (workers/engine_api.ServingEngine) as WorkerService; registers with `router_address` if
-    given."""
+    given (comma-separated addresses: with each of those routers)."""
 
     def __init__(
         self,
@@ -358,11 +358,18 @@ class WorkerServer:
         )
 
     async def _report_loop(self) -> None:
-        """Register with the router, then heartbeat (workers/serve/registration.py); held KV expires on the same beat."""
+        """Register with each router, then heartbeat (workers/serve/registration.py); held KV expires on the first
+        one's beat."""
         if self.router_address is None:
             return
-        await report_to_router(self.router_address, self.info, self.load_report, self._metadata,
-                               self.heartbeat_interval_s, self.max_message_bytes, self._expire_held, self.keepalive)
+
+        async def nothing() -> None:
+            pass
+
+        await asyncio.gather(*(
+            report_to_router(address, self.info, self.load_report, self._metadata, self.heartbeat_interval_s,
+                             self.max_message_bytes, self._expire_held if k == 0 else nothing, self.keepalive)
+            for k, address in enumerate(router_addresses(self.router_address))))
 
 
 def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
@@ -381,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m workers.serve.server --checkpoint DIR --router ADDR`: one engine process serving the router."""
     parser = argparse.ArgumentParser(prog="python -m workers.serve.server", description=main.__doc__)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--router", default=None, help="router address host:port to register with")
+    parser.add_argument("--router", default=None,
+                        help="router address host:port to register with (comma-separated: with each of them)")
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--worker-id", default=f"{socket.gethostname()}-{int(time.time())}")
     parser.add_argument("--role", default="aggregated", choices=["aggregated", "prefill", "decode"])

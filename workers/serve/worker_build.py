@@ -25,7 +25,7 @@ class WorkerSettings:
 
     worker_id: str
     role: str = "aggregated"
-    router_address: str | None = None
+    router_address: str | None = None  # comma-separated: registers with each of those routers
     listen: str = "127.0.0.1:0"
     token: str | None = None
     model_name: str = ""
