@@ -187,10 +187,10 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
 
     t0 = time.perf_counter()
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests, tensor_parallel_size=tp, expert_parallel=ep,
-                                     enforce_eager=args.eager))
-    result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.runner.num_kv_blocks,
-              "cuda_graphs": engine.runner.graphs is not None}
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests, tensor_parallel_size=tp, expert_parallel=ep,
+                                                 enforce_eager=args.eager))
+    result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.executor.num_kv_blocks,
+              "cuda_graphs": engine.executor.graphs is not None}
     try:
         warm_up(engine)
         result["catalogue"] = catalogue(engine, requests)
@@ -208,7 +208,7 @@ def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
     from workers.engine import LLMEngine
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     warm_up(engine)
     requests = requests[args.shard :: 2]
     barrier = Path(args.barrier)  # both instances start the timed run together
@@ -252,8 +252,8 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
     from workers.engine import LLMEngine
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint_root, "cuda:0", w, requests, tensor_parallel_size=2,
-                                     expert_parallel=args.ep, enforce_eager=args.eager))
+    engine = LLMEngine.from_config(engine_config(checkpoint_root, "cuda:0", w, requests, tensor_parallel_size=2,
+                                                 expert_parallel=args.ep, enforce_eager=args.eager))
     try:
         warm_up(engine)
         out = {"layers": args.layers, "expert_parallel": args.ep,

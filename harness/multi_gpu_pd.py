@@ -47,7 +47,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     from workers.serve.kv_transfer import KvLink
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
 
@@ -116,7 +116,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
     from workers.config import KvLinkConfig
     from workers.serve.kv_transfer import KvLink
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
     generated = 0

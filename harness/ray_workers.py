@@ -311,9 +311,9 @@ def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:
 def build_simulated_engine(engine_config, simulation, hardware: str, tp: int) -> ServedEngine:
     """A model-free engine timed by the step model of `hardware` (workers.sim), in the same AsyncEngine loop."""
     from workers.serve.async_engine import AsyncEngine
-    from workers.sim.engine import SimulatedEngine, build_step_model
+    from workers.sim.engine import build_step_model, simulated
 
-    engine = SimulatedEngine(engine_config, simulation, build_step_model(hardware, simulation, tp))
+    engine = simulated(engine_config, simulation, build_step_model(hardware, simulation, tp))
     return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
 
 

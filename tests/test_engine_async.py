@@ -14,7 +14,7 @@ from workers.engine import LLMEngine
 
 @pytest.fixture(scope="module")
 def engine(tiny_moe_checkpoint):
-    async_engine = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128)))
+    async_engine = AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128)))
     yield async_engine
     async_engine.shutdown()
 

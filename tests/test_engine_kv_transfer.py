@@ -31,8 +31,8 @@ def image_prompt() -> PromptInput:
 @pytest.fixture(scope="module")
 def engines(tiny_moe_checkpoint):
     def make(**kw):
-        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4,
-                                      max_model_len=256, min_pixels=4096, max_pixels=65536, **kw))
+        return LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4,
+                                                  max_model_len=256, min_pixels=4096, max_pixels=65536, **kw))
     return make(), make(), make(dtype="bfloat16")
 
 
@@ -134,14 +134,14 @@ def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scal
     from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 
     def make():
-        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
-                                      min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+        return LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                                  min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
     prefill, decode = make(), make()
-    scales = [(0.5, 0.25)] * len(prefill.runner.kv.layers)  # not the default: the scales must travel too
+    scales = [(0.5, 0.25)] * len(prefill.executor.kv.layers)  # not the default: the scales must travel too
     for engine in (prefill, decode):  # a fresh pool with these scales, as a checkpoint's k/v_scale would give
-        layers, block_size, heads, head_dim = engine.runner._kv_shape
-        engine.runner.kv = KvCache(layers, engine.runner.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
-                                   engine.runner.device, scales)
+        layers, block_size, heads, head_dim = engine.executor._kv_shape
+        engine.executor.kv = KvCache(layers, engine.executor.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
+                                   engine.executor.device, scales)
     expected, first, export = whole_then_prefill_split(prefill, decode)
     assert export.dtype_name == "float8_e4m3fn" and export.scales == scales
     received = kv_from_chunks(kv_to_chunks(export), export.first_token_id)  # the proto messages PullKv streams
@@ -153,7 +153,7 @@ def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scal
             outs.setdefault(out.request_id, []).append(out)
         seq = decode.scheduler.find("split")
         if seq is not None and "imported" not in outs:  # after the step that copied the KV in
-            outs["imported"] = decode.runner.kv.gather(seq.block_table, export.num_tokens).clone()
+            outs["imported"] = decode.executor.kv.gather(seq.block_table, export.num_tokens).clone()
     assert torch.equal(outs["imported"].view(torch.uint8), export.stacked().view(torch.uint8))
     assert first + tokens(outs["split"]) == expected
 
@@ -165,8 +165,8 @@ def test_an_fp8_engine_imports_bfloat16_kv_by_quantizing_it(engines, tiny_moe_ch
     export = prefill_bf16.export_kv("q")
     prefill_bf16.release("q")
     assert export.scales is None
-    decode = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
-                                    min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+    decode = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                                min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
     decode.add_request("q", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
     (*_, last) = drain(decode)["q"]
     assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3
@@ -220,8 +220,8 @@ def test_a_kv_import_without_its_images_that_is_preempted_finishes_preempted_wit
         tiny_moe_checkpoint, engines):
     prefill, decode, _ = engines
     _, first, export = whole_then_prefill_split(prefill, decode)
-    small = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=8, block_size=4, max_model_len=256,
-                                   min_pixels=4096, max_pixels=65536))
+    small = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=8, block_size=4, max_model_len=256,
+                                               min_pixels=4096, max_pixels=65536))
     small.add_request("older", PromptInput([151644, 872, 198, 1, 2, 3, 151645, 198]), SamplingParams(max_tokens=20))
     small.step()  # the older request runs first: when blocks run out, the imported one is the youngest
     small.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=20), kv_import=export)

@@ -40,7 +40,7 @@ PROMPTS = {
 
 def make(checkpoint, **kw) -> LLMEngine:
     settings = dict(num_kv_blocks=64, block_size=4, max_model_len=256, min_pixels=4096, max_pixels=65536) | kw
-    return LLMEngine(EngineConfig(checkpoint=checkpoint, **settings))
+    return LLMEngine.from_config(EngineConfig(checkpoint=checkpoint, **settings))
 
 
 def generate(engine: LLMEngine) -> dict[str, list[int]]:

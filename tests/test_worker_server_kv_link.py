@@ -58,8 +58,8 @@ class LinkedPair:
         self.checkpoint = checkpoint
 
     def engine(self) -> AsyncEngine:
-        return AsyncEngine(LLMEngine(EngineConfig(checkpoint=self.checkpoint, num_kv_blocks=64, block_size=4,
-                                                  max_model_len=256, min_pixels=4096, max_pixels=65536)))
+        return AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=self.checkpoint, num_kv_blocks=64, block_size=4,
+                                                              max_model_len=256, min_pixels=4096, max_pixels=65536)))
 
     async def __aenter__(self):
         port = free_port()

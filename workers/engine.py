@@ -1,32 +1,33 @@
 """LLMEngine: the engine core as a plain object. Requests go in as token ids (+ image bytes); each step()
 schedules, has its executor run the batch once and returns what every request produced.
 
-One engine, swappable executors (workers/engine_api.py): LLMEngine(config) runs the checkpoint's model on a device
-(ModelRunner, with ModelInputs making the requests' Sequences); the simulated engine (workers/sim/engine.py) is this
-same class, scheduler and request lifecycle with a SimulatedExecutor that sleeps what the step model says.
+One engine, swappable executors (workers/engine_api.py): LLMEngine(config, executor, inputs, model_facts) runs on
+whatever executor it is given. LLMEngine.from_config(config) builds the checkpoint's model on a device (ModelRunner,
+with ModelInputs making the requests' Sequences); workers.sim.engine.simulated builds this same class, scheduler and
+request lifecycle on a SimulatedExecutor that sleeps what the step model says.
 
 step() never raises for a bad request: that request finishes with FinishReason.ERROR and a reason.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
-from contract.tokenizer import VISION_END_ID
 from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
-from contract.vision_geometry import image_geometry
 from workers.core.block_manager import BlockManager
 from workers.config import EngineConfig
-from workers.engine_api import Executor, LaunchedStep, PreparedRequest, RequestInputs, StepLauncher
+from workers.engine_api import (
+    Executor, LaunchedStep, ModelFacts, PreparedRequest, RequestInputs, StepLauncher, StepTimer,
+)
 from workers.core.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError
 from workers.executor.model_runner import ModelRunner
-from workers.inputs.request_inputs import ModelInputs
+from workers.inputs.request_inputs import WARM_UP_OUTPUT_TOKENS, ModelInputs
 from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.sequence import Sequence
 from workers.core.step_trace import StepTrace
@@ -35,8 +36,31 @@ from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
 
-WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
-WARM_UP_OUTPUT_TOKENS = 3  # a prefill step, a mixed step and decode steps
+
+class WallTimer:
+    """The StepTimer of an engine on a device: a step takes its wall time."""
+
+    def began(self, started: float) -> None:
+        """Nothing to note: the wall clock runs on its own."""
+
+    def seconds(self, started: float, ended: float) -> float:
+        return ended - started
+
+    def ended(self, started: float, busy: bool, outputs: list[RequestOutput]) -> None:
+        """Nothing to account."""
+
+
+@dataclass
+class _Executed:
+    """What the executor made of one scheduled step: its samples, or the error it raised (the step's sequences then
+    fail, not the engine). applied: the scheduler applied the step when it was launched (overlap), so its samples
+    resolve its pending tokens; ahead: the sequences that scheduling the step behind it rejected or failed."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    error: Exception | None = None
+    waited_s: float = 0.0  # how long the executor waited for the device's results
+    applied: bool = False
+    ahead: list[Sequence] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -49,85 +73,64 @@ class LLMEngine:
     budget. RequestOutput.num_generated_tokens counts the same tokens (not the resumed ones).
     """
 
-    def __init__(self, config: EngineConfig):
-        self.model_config = load_model_config(config.checkpoint)
-        self.generation_config = load_generation_config(config.checkpoint)
-        max_pos = self.model_config.text.max_position_embeddings
-        if config.max_model_len > max_pos:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({max_pos})")
-        g = self.generation_config
-        self.runner = ModelRunner(config, self.model_config)
-        self._assemble(
-            config, self.runner, ModelInputs(config, self.model_config, g.eos_token_ids), self._vision_cost(),
-            eos_token_ids=g.eos_token_ids,
-            generation_defaults=SamplingParams(temperature=g.temperature if g.do_sample else 0.0, top_p=g.top_p, top_k=g.top_k),
-        )
-        self.warm_up_report: dict | None = None
-        if config.is_cuda and config.warm_up:
-            self.warm_up_report = {**(self.runner.warm_up_report or {}), **self.warm_up()}
-
-    def _assemble(
-        self, config: EngineConfig, executor: Executor, inputs: RequestInputs, vision: VisionCost, *,
-        eos_token_ids: frozenset[int], generation_defaults: SamplingParams, stream_interval: int | None = None,
-        prefix_caching: bool | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, inputs: RequestInputs, model_facts: ModelFacts, *,
+                 stream_interval: int | None = None, timer: StepTimer | None = None):
         """The engine around an executor: the scheduler over a block manager of the executor's KV blocks.
         stream_interval None: every request that changed in a step hands out its output; n: only at its first token,
         its end and every n tokens (the simulated engine's, so that many simulated workers stay cheap to serve).
-        prefix_caching None: config.enable_prefix_caching."""
+        timer: the clock its steps are timed on (None: the wall clock)."""
         self.config = config
         self.executor = executor
         self.inputs = inputs
-        caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
-        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, caching)
-        self.scheduler = Scheduler(SchedulerLimits.of(config, vision), self.block_manager, eos_token_ids)
-        self._eos_token_ids = eos_token_ids
-        self._generation_defaults = generation_defaults
+        self.model_facts = model_facts
+        self.timer = timer or WallTimer()
+        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerLimits.of(config, model_facts.vision), self.block_manager,
+                                   model_facts.eos_token_ids)
         self._stream_interval = stream_interval
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
         self._steps = 0
         self.last_step_phases: StepPhases | None = None  # where the last step's wall time went
+        self.warm_up_report: dict | None = None  # what from_config's warm-up ran (None: none)
         # config.overlap_decode_steps: the next step, scheduled and queued on the device behind the one being applied
         self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._overlap = config.overlap_decode_steps and isinstance(executor, StepLauncher) and executor.can_overlap
         if config.overlap_decode_steps and not self._overlap:
             log.info("engine.overlap_decode_steps: this engine's executor cannot queue steps ahead; steps run one at "
                      "a time")
-        self._vision_depth = vision.depth
         self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
 
-    def _vision_cost(self) -> VisionCost:
-        """How the scheduler costs this model's vision tower (nothing to cost without one)."""
-        if self.runner.vision is None:
-            return VisionCost()
-        vc = self.model_config.hf_config.vision_config
-        return VisionCost.of_tower(vc.depth, vc.hidden_size, vc.intermediate_size, self.model_config.spatial_merge_size)
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """The checkpoint's model on config.device, or on its tensor-parallel ranks: a ModelRunner, ModelInputs, the
+        sampling defaults of generation_config.json. On CUDA (config.warm_up) it is warmed up before it is returned."""
+        model_config = load_model_config(config.checkpoint)
+        g = load_generation_config(config.checkpoint)
+        max_pos = model_config.text.max_position_embeddings
+        if config.max_model_len > max_pos:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({max_pos})")
+        runner = ModelRunner(config, model_config)
+        inputs = ModelInputs(config, model_config, g.eos_token_ids)
+        vc = model_config.hf_config.vision_config
+        facts = ModelFacts(
+            g.eos_token_ids,
+            SamplingParams(temperature=g.temperature if g.do_sample else 0.0, top_p=g.top_p, top_k=g.top_k),
+            VisionCost.of_tower(vc.depth, vc.hidden_size, vc.intermediate_size, model_config.spatial_merge_size),
+        )
+        engine = cls(config, runner, inputs, facts)
+        if config.is_cuda and config.warm_up:
+            engine.warm_up_report = {**(runner.warm_up_report or {}), **engine.warm_up(inputs.warm_up_prompts())}
+        return engine
 
-    def warm_up(self) -> dict:
-        """The real step loop, once, on throw-away requests: one per config.warm_up_image_sizes (a blank image of
-        that size, a JPEG, and some filler text, WARM_UP_OUTPUT_TOKENS out), the first alone and the rest a step later. So a
-        prefill step with visual rows, a mixed step (a decode beside new prompts, their images encoded in it) and
-        decode-only steps each run before the first real request, with whatever they compile or plan on first use
-        (the runner's own warm-up covers the step sizes). Afterwards the engine is as new: no requests, no
-        outputs, counters at zero. Needs a model with a vision tower for the images; text-only otherwise."""
-        from PIL import Image
-
+    def warm_up(self, prompts: Seq[PromptInput]) -> dict:
+        """The real step loop, once, on throw-away requests of `prompts` (ModelInputs.warm_up_prompts), each
+        WARM_UP_OUTPUT_TOKENS out: the first alone and the rest a step later. So a prefill step with visual rows, a
+        mixed step (a decode beside new prompts, their images encoded in it) and decode-only steps each run before
+        the first real request, with whatever they compile or plan on first use (the runner's own warm-up covers
+        the step sizes). Afterwards the engine is as new: no requests, no outputs, counters at zero."""
         t0 = time.perf_counter()
         trace, self._step_trace = self._step_trace, None  # throw-away steps stay out of the step trace
-        mc, sizes = self.model_config, self.config.warm_up_image_sizes if self.runner.vision is not None else ()
-        text = [1000 + i for i in range(WARM_UP_TEXT_TOKENS)]
-        prompts = []
-        for width, height in sizes:
-            buf = io.BytesIO()
-            # JPEG, as the catalogue's images are: with image_decode "nvjpeg" the warm-up also starts nvJPEG (its
-            # first decode took 0.69 s of a lone query's 0.71 s preparation, run81)
-            Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="JPEG", quality=90)
-            visual = image_geometry(buf.getvalue(), self.config.min_pixels, self.config.max_pixels).num_tokens
-            ids = [mc.vision_start_token_id] + [mc.image_token_id] * visual + [VISION_END_ID] + text
-            if len(ids) + WARM_UP_OUTPUT_TOKENS <= self.config.max_model_len:  # else no request of it would fit either
-                prompts.append(PromptInput(ids, [buf.getvalue()]))
-        prompts = prompts or [PromptInput(text)]
         sampling = SamplingParams(temperature=0.0, max_tokens=WARM_UP_OUTPUT_TOKENS)
         self.add_request("warm-up-0", prompts[0], sampling)
         steps, finished = 0, []
@@ -150,11 +153,11 @@ class LLMEngine:
     @property
     def generation_defaults(self) -> SamplingParams:
         """temperature / top_p / top_k from generation_config.json (greedy when do_sample is false)."""
-        return self._generation_defaults
+        return self.model_facts.generation_defaults
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        return self._eos_token_ids
+        return self.model_facts.eos_token_ids
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -279,27 +282,85 @@ class LLMEngine:
             steps=self._steps,
         )
 
-    # ---- the loop ------------------------------------------------------------------------------
-
-    def _step_seconds(self, started: float, ended: float) -> float:
-        """What the step that ran from started to ended took, for the scheduler's StepClock: its wall time."""
-        return ended - started
+    # ---- the loop: schedule, execute, update (vLLM v1's EngineCore.step) ------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batch and returns outputs of requests that got tokens or finished. With
-        config.overlap_decode_steps the batch may have been scheduled and launched by the call before, and the next
-        one is scheduled and launched before this one's tokens are read back (it is the next call's step)."""
+        """Runs one batch and returns outputs of requests that got tokens or finished: schedules it, has the executor
+        run it, updates the requests with what it sampled. With config.overlap_decode_steps the batch may have been
+        scheduled and launched by the call before, and the next one is scheduled and launched before this one's
+        tokens are read back (it is the next call's step)."""
         outputs, self._pending = self._pending, []
+        queued = len(outputs)  # admission errors and aborts: they never entered a step
         started = time.monotonic()
-        out, launched = self._launched or (self.scheduler.schedule(), None)
-        self._launched = None
+        self.timer.began(started)
+        out, launched = self._schedule()
         scheduled = time.monotonic()
-        if self._overlap and not out.is_empty:
-            changed, wait = self._run_overlapped(out, launched)
-        else:
-            changed, wait = self._run(out)
-        executed = time.monotonic()
-        changed = list(out.rejected) + changed
+        executed = self._execute(out, launched)
+        changed = self._update(out, executed)
+        updated = time.monotonic()
+        outputs += self._hand_out(changed)
+        self._observe(out, changed, StepPhases(scheduled - started, updated - scheduled, executed.waited_s,
+                                               time.monotonic() - updated), started, updated)
+        self.timer.ended(started, self.scheduler.has_unfinished(), outputs[queued:])
+        return outputs
+
+    def _schedule(self) -> tuple[SchedulerOutput, LaunchedStep | None]:
+        """This step's batch: the one the call before scheduled and launched behind its own (overlap), or a new one."""
+        launched = self._launched
+        self._launched = None
+        return launched or (self.scheduler.schedule(), None)
+
+    def _execute(self, out: SchedulerOutput, launched: LaunchedStep | None) -> _Executed:
+        """Has the executor run out, one step at a time or (overlap) launched behind the step before."""
+        if out.is_empty:
+            self.executor.idle()
+            return _Executed()
+        if self._overlap:
+            return self._execute_overlapped(out, launched)
+        try:
+            sampled = self.executor.execute(out)
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
+            return _Executed(error=exc)
+        return _Executed(sampled, waited_s=self.executor.last_wait_s)
+
+    def _execute_overlapped(self, out: SchedulerOutput, launched: LaunchedStep | None) -> _Executed:
+        """config.overlap_decode_steps: launches out (unless the call before did), applies it, schedules and launches
+        the step after it behind it on the device (its input tokens read there from out's samples), then waits for
+        out's tokens."""
+        if launched is None:
+            try:
+                launched = self.executor.launch(out)
+            except Exception as exc:  # noqa: BLE001 - as a failed step
+                return _Executed(error=exc)
+        self.scheduler.apply(out)
+        ahead = self._launch_next(launched) if self._looks_ahead(out) else []
+        try:
+            sampled = launched.wait()
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
+            return _Executed(error=exc, waited_s=launched.waited_s, applied=True, ahead=ahead)
+        return _Executed(sampled, waited_s=launched.waited_s, applied=True, ahead=ahead)
+
+    def _update(self, out: SchedulerOutput, executed: _Executed) -> list[Sequence]:
+        """Puts the step's samples in place (or fails its sequences); returns every sequence the step changed: those
+        scheduling rejected, those the step behind it could not take, those that got a token or finished. A failure
+        of out fails the step launched behind it too."""
+        changed = list(out.rejected) + executed.ahead
+        if out.is_empty:
+            return changed
+        exc = executed.error
+        if exc is not None:
+            changed += self._failed(out, exc)
+            if self._launched is not None:  # it reads its input tokens from out's samples
+                changed += self.scheduler.fail(self._launched[0], f"the step before failed: {type(exc).__name__}: {exc}")
+                self._launched = None
+            return changed
+        if executed.applied:
+            return changed + self.scheduler.resolve(out, executed.sampled)
+        return changed + self.scheduler.update(out, executed.sampled)
+
+    def _hand_out(self, changed: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the changed sequences this step streams; the executor drops what it held for finished ones."""
+        outputs = []
         for seq in changed:
             if seq.is_finished:
                 self.executor.release(seq.request_id)
@@ -307,51 +368,21 @@ class LLMEngine:
                     log.warning("request %s failed: %s", seq.request_id, seq.error)
             if self._hands_out(seq):
                 outputs.append(self._output(seq))
-        self.last_step_phases = StepPhases(scheduled - started, executed - scheduled, wait, time.monotonic() - executed)
-        if not out.is_empty:
-            self.scheduler.observe_step(self._step_seconds(started, executed), out)
-        if self._step_trace is not None:
-            if not out.is_empty:
-                self._step_trace.record(started, executed, step_work(out, self._vision_depth),
-                                        len(self.scheduler.waiting), len(self.scheduler.running),
-                                        self.last_step_phases)
-            self._step_trace.progress(out, changed, started, executed)  # also a rejection in an otherwise empty step
-        self._steps += 1
         return outputs
 
-    def _run(self, out: SchedulerOutput) -> tuple[list[Sequence], float]:
-        """One step at a time: runs out and applies its tokens; (sequences changed, seconds waited for the device)."""
-        if out.is_empty:
-            self.executor.idle()
-            return [], 0.0
-        try:
-            sampled = self.executor.execute(out)
-        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
-            return self._failed(out, exc), 0.0
-        return self.scheduler.update(out, sampled), self.executor.last_wait_s
-
-    def _run_overlapped(self, out: SchedulerOutput, launched: LaunchedStep | None) -> tuple[list[Sequence], float]:
-        """config.overlap_decode_steps: launches out (unless the call before did), applies it, schedules and launches
-        the step after it behind it on the device (its input tokens read there from out's samples), then waits for
-        out's tokens and puts them in place. A failure of out fails the step behind it too."""
-        changed = []
-        if launched is None:
-            try:
-                launched = self.executor.launch(out)
-            except Exception as exc:  # noqa: BLE001 - as a failed step
-                return self._failed(out, exc), 0.0
-        self.scheduler.apply(out)
-        if self._looks_ahead(out):
-            changed += self._launch_next(launched)
-        try:
-            sampled = launched.wait()
-        except Exception as exc:  # noqa: BLE001 - one failed batch must not take the engine down
-            failed = self._failed(out, exc)
-            if self._launched is not None:
-                failed += self.scheduler.fail(self._launched[0], f"the step before failed: {type(exc).__name__}: {exc}")
-                self._launched = None
-            return changed + failed, launched.waited_s
-        return changed + self.scheduler.resolve(out, sampled), launched.waited_s
+    def _observe(self, out: SchedulerOutput, changed: list[Sequence], phases: StepPhases, started: float,
+                 updated: float) -> None:
+        """Where the step's time went (last_step_phases: its execute phase runs until its tokens are in place), what
+        the scheduler's StepClock learns from it, the step trace's lines."""
+        self.last_step_phases = phases
+        if not out.is_empty:
+            self.scheduler.observe_step(self.timer.seconds(started, updated), out)
+        if self._step_trace is not None:
+            if not out.is_empty:
+                self._step_trace.record(started, updated, step_work(out, self.model_facts.vision.depth),
+                                        len(self.scheduler.waiting), len(self.scheduler.running), phases)
+            self._step_trace.progress(out, changed, started, updated)  # also a rejection in an otherwise empty step
+        self._steps += 1
 
     def _looks_ahead(self, out: SchedulerOutput) -> bool:
         """Whether the step after out is scheduled while out runs: not when a grammar-constrained sequence samples in
@@ -375,7 +406,7 @@ class LLMEngine:
         return self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _hands_out(self, seq: Sequence) -> bool:
-        """Whether this step streams seq's output (see _assemble's stream_interval)."""
+        """Whether this step streams seq's output (see __init__'s stream_interval)."""
         if self._stream_interval is None:
             return True
         unsent = seq.num_generated_tokens - seq.num_streamed_tokens

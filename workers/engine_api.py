@@ -2,10 +2,14 @@
 
 * EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
   threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
-  LLMEngine (workers/engine.py) implements it, and SimulatedEngine (workers/sim/engine.py) is an LLMEngine.
-* Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without waiting). ModelRunner (workers/executor/model_runner.py: the
-  model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
-  lasts what the step model says of that batch, its images included) implement it.
+  LLMEngine (workers/engine.py) implements it, whatever its executor (LLMEngine.from_config: the checkpoint's model;
+  workers.sim.engine.simulated: the step model's).
+* Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without
+  waiting). ModelRunner (workers/executor/model_runner.py: the model on one device or a tensor-parallel group) and
+  SimulatedExecutor (workers/sim/engine.py: no model; each step lasts what the step model says of that batch, its
+  images included) implement it. ModelFacts: what the engine knows of the model behind it.
+* StepTimer: the clock LLMEngine's steps are timed on. WallTimer (workers/engine.py) for a model on a device,
+  SimulatedTimer (workers/sim/engine.py) for the step model's.
 * RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
   ModelInputs (workers/inputs/request_inputs.py) for a checkpoint's model, SimulatedInputs (workers/sim/engine.py) for
   a simulated one.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
+from workers.core.encoder_cache import VisionCost
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig
@@ -46,6 +51,17 @@ class PreparedRequest:
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
     latency_bound_s: float = 0.0  # the caller's bound from `submitted` (0: none): the sequence's deadline
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What LLMEngine knows of the model behind its executor: the token ids that end a sequence, the sampling of
+    requests that ask for the model's defaults (generation_config.json's), and how the scheduler costs its vision
+    tower."""
+
+    eos_token_ids: frozenset[int]
+    generation_defaults: SamplingParams
+    vision: VisionCost = VisionCost()
 
 
 @runtime_checkable
@@ -139,6 +155,24 @@ class StepLauncher(Protocol):
         """Queues out (any step: prompt chunks, decodes, images, KV imports). after: the step still running whose
         samples some of out's input tokens are (workers.core.sequence.PENDING_TOKEN in token_ids: each such
         sequence is among after.request_ids); None: every input token is on the host."""
+        ...
+
+
+@runtime_checkable
+class StepTimer(Protocol):
+    """The clock an LLMEngine's steps are timed on, for the scheduler's StepClock (workers/core/slack.py)."""
+
+    def began(self, started: float) -> None:
+        """A step begins at `started` (time.monotonic())."""
+        ...
+
+    def seconds(self, started: float, ended: float) -> float:
+        """How long the step that ran from `started` until its tokens were in place (`ended`) took."""
+        ...
+
+    def ended(self, started: float, busy: bool, outputs: list[RequestOutput]) -> None:
+        """The step that began at `started` is over; busy: requests remain; outputs: those of the sequences it ran
+        (not the admission errors and aborts it handed out)."""
         ...
 
 

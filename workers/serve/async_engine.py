@@ -1,4 +1,4 @@
-"""AsyncEngine: runs an engine core's step loop (LLMEngine, SimulatedEngine: workers/engine_api.EngineCore) in a
+"""AsyncEngine: runs an engine core's step loop (LLMEngine on any executor: workers/engine_api.EngineCore) in a
 background thread and streams outputs to asyncio callers (it is a workers/engine_api.ServingEngine).
 
 Every engine call happens on that thread; results cross back with loop.call_soon_threadsafe.

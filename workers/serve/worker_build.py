@@ -40,5 +40,5 @@ def serve_llm_engine(config: EngineConfig) -> ServedEngine:
     from workers.serve.async_engine import AsyncEngine
     from workers.engine import LLMEngine
 
-    engine = LLMEngine(config)
+    engine = LLMEngine.from_config(config)
     return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
