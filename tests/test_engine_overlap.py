@@ -16,6 +16,7 @@ from image_fixtures import png
 from workers.config import EngineConfig
 from workers.core.sequence import PENDING_TOKEN
 from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
 from workers.executor.model_runner import LaunchedTokens
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
@@ -181,13 +182,13 @@ def test_a_prefill_only_request_and_its_kv_imported_elsewhere_overlap_too(tiny_m
     prompt, greedy = IMAGES["one"].prompt, SamplingParams(temperature=0.0, max_tokens=8)
     whole = run(engine(tiny_moe_checkpoint, False), {"whole": Request(prompt, 8)})["whole"][0]
     prefill, decode = engine(tiny_moe_checkpoint, True), engine(tiny_moe_checkpoint, True)
-    prefill.add_request("p", prompt, greedy, prefill_only=True)
+    prefill.add_request("p", prompt, greedy, RequestOptions(prefill_only=True))
     prefill.add_request("beside", text(1, 20), greedy)  # keeps steps launching behind p's
     first, reason = drain(prefill)["p"]
     assert len(first) == 1 and reason in (FinishReason.LENGTH, FinishReason.STOP)
     export = prefill.export_kv("p")  # held until released: the step behind its last one did not touch its blocks
     assert prefill.release("p") and prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-    decode.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=7), kv_import=export)
+    decode.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=7), RequestOptions(kv_import=export))
     decode.add_request("beside", text(2, 9), greedy)
     rest, _ = drain(decode)["p"]
     assert first + rest == whole

@@ -13,6 +13,7 @@ from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
 from workers.sim.engine import simulated
 from workers.sim.step_model import Calibration, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
@@ -107,12 +108,12 @@ def test_a_prompt_longer_than_the_kv_pool_fails_with_a_reason():
 
 def test_prefill_only_hands_its_kv_to_a_decode_engine():
     p, d = engine(), engine()
-    p.add_request("x", PROMPT, SamplingParams(max_tokens=150), prefill_only=True)
+    p.add_request("x", PROMPT, SamplingParams(max_tokens=150), RequestOptions(prefill_only=True))
     (first,) = [o for outs in run_all(p).values() for o in outs]
     kv = p.export_kv("x")
     assert kv.num_tokens == len(PROMPT.token_ids) and kv.first_token_id == first.new_token_ids[0]
     assert p.release("x") and p.block_manager.num_free_blocks == p.block_manager.num_blocks
-    d.add_request("x", PROMPT, SamplingParams(max_tokens=150), kv_import=kv)
+    d.add_request("x", PROMPT, SamplingParams(max_tokens=150), RequestOptions(kv_import=kv))
     tokens = [t for o in run_all(d)["x"] for t in o.new_token_ids]
     assert len(tokens) == 5
     # five batch-1 decode steps; no prefill charged on the decode side
@@ -179,7 +180,8 @@ def test_the_async_engine_hands_a_requests_latency_bound_to_the_engine():
     wrapped = AsyncEngine(e)
 
     async def go():
-        return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=5), latency_bound_s=12.0)]
+        return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=5),
+                                                    RequestOptions(latency_bound_s=12.0))]
 
     try:
         asyncio.run(go())

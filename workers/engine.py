@@ -32,6 +32,7 @@ from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.sequence import Sequence
 from workers.core.step_trace import StepTrace
 from workers.core.step_work import StepPhases, step_work
+from workers.request_options import NO_OPTIONS, RequestOptions
 from workers.weights import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
@@ -161,25 +162,17 @@ class LLMEngine:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling: SamplingParams,
-        *,
-        resume_token_ids: Seq[int] = (),
-        prefill_only: bool = False,
-        kv_import: KvExport | None = None,
-    ) -> PreparedRequest:
+    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                        options: RequestOptions = NO_OPTIONS) -> PreparedRequest:
         """Validates the request and does its CPU preprocessing; touches no engine state."""
         started = time.monotonic()
         try:
-            seq = self.inputs.make_sequence(request_id, prompt, sampling, resume_token_ids, prefill_only, kv_import)
+            seq = self.inputs.make_sequence(request_id, prompt, sampling, options)
         except PromptError as exc:
             return PreparedRequest(request_id, None, str(exc), len(prompt.token_ids), prepare_started=started,
-                                   prepare_ended=time.monotonic())
+                                   prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
         return PreparedRequest(request_id, seq, num_prompt_tokens=len(prompt.token_ids), prepare_started=started,
-                               prepare_ended=time.monotonic())
+                               prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
@@ -204,29 +197,11 @@ class LLMEngine:
             self._step_trace.admitted(seq, prepared.submitted, prepared.prepare_started, prepared.prepare_ended,
                                       time.monotonic())
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling: SamplingParams,
-        *,
-        resume_token_ids: Seq[int] = (),
-        prefill_only: bool = False,
-        kv_import: KvExport | None = None,
-    ) -> None:
-        """Queues a request. A request that cannot be served finishes with ERROR on the next step().
-
-        resume_token_ids: tokens generated elsewhere; they extend the context and are not streamed.
-        prefill_only: compute the context, sample one token, finish (LENGTH, or STOP on EOS) and keep the KV
-            blocks until export_kv() + release().
-        kv_import: another engine's export for this same prompt (+ resume tokens); its KV is copied in and
-            decoding continues after its first token, which is context here (not streamed again)."""
-        self.add_prepared(
-            self.prepare_request(
-                request_id, prompt, sampling, resume_token_ids=resume_token_ids, prefill_only=prefill_only,
-                kv_import=kv_import,
-            )
-        )
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                    options: RequestOptions = NO_OPTIONS) -> None:
+        """Queues a request (its options: workers/request_options.py). A request that cannot be served finishes with
+        ERROR on the next step()."""
+        self.add_prepared(self.prepare_request(request_id, prompt, sampling, options))
 
     # ---- control -------------------------------------------------------------------------------
 

@@ -21,12 +21,13 @@ tests/test_engine_interfaces.py checks every implementation against these, metho
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
 from workers.core.encoder_cache import VisionCost
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig
@@ -50,7 +51,7 @@ class PreparedRequest:
     submitted: float | None = None
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
-    latency_bound_s: float = 0.0  # the caller's bound from `submitted` (0: none): the sequence's deadline
+    latency_bound_s: float = 0.0  # the request's bound from `submitted` (RequestOptions; 0: none): its deadline
 
 
 @dataclass(frozen=True)
@@ -77,15 +78,13 @@ class EngineCore(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                        resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                        kv_import: KvExport | None = None) -> PreparedRequest: ...
+    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                        options: RequestOptions = NO_OPTIONS) -> PreparedRequest: ...
 
     def add_prepared(self, prepared: PreparedRequest) -> None: ...
 
-    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                    resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                    kv_import: KvExport | None = None) -> None: ...
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                    options: RequestOptions = NO_OPTIONS) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -180,8 +179,8 @@ class StepTimer(Protocol):
 class RequestInputs(Protocol):
     """Makes a request's Sequence; raises workers.inputs.mm_inputs.PromptError naming what cannot be served."""
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence: ...
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence: ...
 
 
 @runtime_checkable
@@ -192,9 +191,8 @@ class ServingEngine(Protocol):
     @property
     def generation_defaults(self) -> SamplingParams: ...
 
-    def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                 resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                 kv_import: KvExport | None = None, latency_bound_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                 options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

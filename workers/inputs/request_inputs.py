@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import io
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -20,6 +19,7 @@ from workers.config import EngineConfig
 from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError, layout_imported_prompt, prepare_prompt
 from workers.core.sequence import Sequence
+from workers.request_options import RequestOptions
 from workers.weights import ModelConfig
 
 WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
@@ -38,10 +38,10 @@ class ModelInputs:
             importlib.import_module("torchvision.io")  # fails at start, not at the first image, without torchvision
             self.decode_device = torch.device(config.device)
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence:
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence:
         cfg, mc = self.config, self.model_config
-        resume = list(resume)
+        resume, kv_import = list(options.resume_token_ids), options.kv_import
         context = len(prompt.token_ids) + len(resume) + (kv_import is not None)
         if len(prompt.token_ids) > cfg.max_model_len or context > cfg.max_model_len:
             raise PromptError(f"context of {context} tokens exceeds max_model_len {cfg.max_model_len}")
@@ -81,7 +81,7 @@ class ModelInputs:
             num_prompt_tokens=len(prompt.token_ids),
             sampling=sampling,
             arrival=-1,
-            prefill_only=prefill_only,
+            prefill_only=options.prefill_only,
             mm=prepared.mm,
             mrope_position_delta=prepared.mrope_position_delta,
             kv_import=kv_import,

@@ -27,6 +27,7 @@ from contract.types import FinishReason, PromptInput, RequestOutput, SamplingPar
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
 from workers.kv_cache import ImageLayout, KvExport
+from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.registration import load_report, report_to_router
@@ -95,10 +96,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
             kv_import.image_layout = image_layout(request.kv_handle)
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
-        outputs = s.engine.generate(
-            rid, prompt, sampling, resume_token_ids=list(request.resume_token_ids),
-            prefill_only=request.prefill_only, kv_import=kv_import, latency_bound_s=request.latency_bound_s,
-        )
+        options = RequestOptions(resume_token_ids=list(request.resume_token_ids), prefill_only=request.prefill_only,
+                                 kv_import=kv_import, latency_bound_s=request.latency_bound_s)
+        outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
         try:
             async for chunk in s.coalesce(rid, outputs, request.stream_interval):

@@ -22,6 +22,7 @@ from workers.core.encoder_cache import VisionCost
 from workers.engine import LLMEngine
 from workers.engine_api import ModelFacts
 from workers.kv_cache import KvExport
+from workers.request_options import RequestOptions
 from workers.inputs.mm_inputs import PromptError
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
@@ -188,10 +189,10 @@ class SimulatedInputs:
         self.executor = executor
         self.timer = timer
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence:
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence:
         self.timer.entered(request_id)
-        token_ids = list(prompt.token_ids) + list(resume)
+        token_ids, kv_import = list(prompt.token_ids) + list(options.resume_token_ids), options.kv_import
         if len(token_ids) + (kv_import is not None) > self.config.max_model_len:
             raise PromptError(f"context of {len(token_ids)} tokens exceeds max_model_len {self.config.max_model_len}")
         if kv_import is not None:
@@ -202,7 +203,7 @@ class SimulatedInputs:
                 time.sleep(ex.kv_transfer_s(kv_import.num_tokens) * ex.sim.time_scale)
             token_ids.append(kv_import.first_token_id)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
-                        sampling=sampling, arrival=-1, prefill_only=prefill_only, kv_import=kv_import,
+                        sampling=sampling, arrival=-1, prefill_only=options.prefill_only, kv_import=kv_import,
                         image_spans=[(start, n, b"") for start, n in token_runs(prompt.token_ids)])
 
 

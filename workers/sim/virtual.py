@@ -14,6 +14,7 @@ from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
 from workers.sim.engine import SimulatedExecutor, simulated
 from workers.sim.step_model import StepModel
 from workers.stats import percentile
@@ -123,7 +124,7 @@ class VirtualCluster:
             if kind == "arrive":
                 target = self._pick(first_role)
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, prefill_only=self.disaggregated)
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(prefill_only=self.disaggregated))
                 owners[rid] = target
             else:  # a prefilled request's KV reaches a decode worker
                 source = owners[rid]
@@ -131,7 +132,7 @@ class VirtualCluster:
                 source.engine.release(rid)
                 target = self._pick("decode")
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, kv_import=kv)
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(kv_import=kv))
                 owners[rid] = target
 
     def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
