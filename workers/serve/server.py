@@ -144,7 +144,8 @@ class WorkerServer:
         connected (build_worker connects it), to this worker's one peer (prefill -> decode); a prefill worker then
         sends every held KV over it at once, a decode worker takes KV announced over it from it."""
         if not is_loopback(settings.listen) and not settings.token:
-            raise ValueError(f"listen={settings.listen!r} is not a loopback address: a token (shared secret) is required")
+            raise ValueError(f"listen={settings.listen!r} is not a loopback address: a token (shared secret) is "
+                             "required")
         self.engine = async_engine
         self.settings = settings
         self.generation_defaults = generation_defaults or async_engine.generation_defaults
