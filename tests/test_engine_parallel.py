@@ -91,7 +91,7 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
 def test_a_parallel_layout_that_cannot_split_the_kv_heads_fails_naming_the_key(tiny_moe_checkpoint):
     from workers.model.text import Qwen3VLTextForEngine
     from workers.parallel import TensorParallel
-    from workers.weights import CheckpointError, load_model_config
+    from workers.model_config import CheckpointError, load_model_config
 
     cfg = load_model_config(tiny_moe_checkpoint).text
     with pytest.raises(CheckpointError, match="num_key_value_heads"):

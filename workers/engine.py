@@ -33,7 +33,7 @@ from workers.core.sequence import Sequence
 from workers.core.step_trace import StepTrace
 from workers.core.step_work import StepPhases, step_work
 from workers.request_options import NO_OPTIONS, RequestOptions
-from workers.weights import load_generation_config, load_model_config
+from workers.model_config import load_generation_config, load_model_config
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError, layout_imported_prompt, prepare_prompt
 from workers.core.sequence import Sequence
 from workers.request_options import RequestOptions
-from workers.weights import ModelConfig
+from workers.model_config import ModelConfig
 
 WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
 WARM_UP_OUTPUT_TOKENS = 3  # a warm-up request's: a prefill step, a mixed step and decode steps
