@@ -39,16 +39,16 @@ from harness.ray_workers import (
     simulated_factory_for_pool,
 )
 from harness.system_config import (
-    KvLinkSection,
     PoolSection,
     SystemConfig,
     engine_config,
     router_config,
     simulation_config,
+    worker_settings,
 )
 from router.client import RouterClient, wait_for_workers
 from router.shards import ShardedRouterClient, connect_router
-from workers.config import EngineConfig, KvLinkConfig
+from workers.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -210,14 +210,6 @@ def parallel_engine_factory(engine: EngineConfig, pool: PoolSection) -> Callable
     return engine_factory_for(EngineConfig.model_validate({**engine.model_dump(), **layout}))
 
 
-def kv_link_template(section: KvLinkSection, engine: EngineConfig) -> KvLinkConfig | None:
-    """The pair's link on the engine's (rank 0's) device; the fleet fills in the prefill node's host and the role."""
-    if not section.enabled:
-        return None
-    device = "cuda:0" if engine.device == "cuda" else engine.device
-    return KvLinkConfig(host="", port=section.port, role="prefill", device=device, timeout_s=section.timeout_s)
-
-
 class Cluster:
     """Context manager: router process + Ray worker fleet, registered, healthy and warm inside the block."""
 
@@ -276,18 +268,8 @@ class Cluster:
             addresses = [f"{address},{self._embedded.address}"]
             logger.info("LoadGen's tests route in their own process; workers register at %s too",
                         self._embedded.address)
-        template = WorkerSpec(
-            worker_id="",
-            role="aggregated",
-            router_address=address,
-            router_token=self.router_token,
-            engine_factory=engine_factory_for(engine),
-            model_name=str(self._checkpoint),
-            kv_block_size=engine.block_size,
-            max_model_len=engine.max_model_len,
-            heartbeat_interval_s=router_config(self._config, address).health.heartbeat_interval_s,
-            kv_link=kv_link_template(self._config.workers.kv_link, engine),
-        )
+        template = WorkerSpec(worker_settings(self._config, self._checkpoint, address, self.router_token),
+                              engine_factory_for(engine))
         if simulated is None:
             self._fleet = WorkerFleet(self._config.workers.pools, template, router_addresses=addresses,
                                       factory_for_pool=functools.partial(parallel_engine_factory, engine))

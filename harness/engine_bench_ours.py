@@ -141,13 +141,13 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         fp8_compute=args.fp8_compute if args.device.startswith("cuda") else "fp8",
     )
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg)
+    engine = LLMEngine.from_config(cfg)
     sync()
     log.info("engine built in %.1f s", time.perf_counter() - t0)
-    result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.runner.num_kv_blocks,
-                    "block_size": cfg.block_size, "kv_pool_tokens": engine.runner.num_kv_blocks * cfg.block_size,
-                    "weights": engine.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.runner.graphs is not None,
-                    "mixed_step_graphs": engine.runner.step_graphs is not None,
+    result: dict = {"engine_build_s": round(time.perf_counter() - t0, 2), "kv_blocks": engine.executor.num_kv_blocks,
+                    "block_size": cfg.block_size, "kv_pool_tokens": engine.executor.num_kv_blocks * cfg.block_size,
+                    "weights": engine.executor.model_config.weight_format.label, "fp8_compute": cfg.fp8_compute, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graphs": engine.executor.graphs is not None,
+                    "mixed_step_graphs": engine.executor.step_graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report,
                     "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs"),
                     "overlap_decode_steps": cfg.overlap_decode_steps, "layer_fusions": args.layer_fusions != "off"}
@@ -193,7 +193,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
 
     result: dict = {}
     # vision tower, one batch of same-size images
-    vision = engine.runner.vision
+    vision = engine.executor.vision
     g = w.vision_grid
     patches = torch.randn(w.vision_images * g * g, 1536)
     grid = torch.tensor([[1, g, g]] * w.vision_images)
@@ -209,7 +209,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     result["vision_patches_per_image"] = g * g
 
     if args.device.startswith("cuda"):
-        result["moe_layer_us"] = moe_layer_times(engine.runner.model)
+        result["moe_layer_us"] = moe_layer_times(engine.executor.model)
 
     # prefill throughput: text prompts, max_num_batched_tokens chunks, one sampled token each
     for _ in range(w.prefill_requests):
@@ -238,7 +238,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
             times.append(time.perf_counter() - s)
             phases.append(engine.last_step_phases.ms())
         if extra:
-            label = (f"{engine.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}, layer "
+            label = (f"{engine.executor.model_config.weight_format.label}, MoE tables {args.moe_configs or 'committed'}, layer "
                      f"fusions {args.layer_fusions}, overlap {engine.config.overlap_decode_steps}: decode batch {batch}")
             result["decode_profile"] = {
                 str(batch): profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label)[1],

@@ -21,6 +21,7 @@ from harness.catalogue_workload import build_workload, longest_request
 from harness.engine_bench_ours import run_catalogue
 from harness.engine_bench_setup import Workload
 from workers.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_LINE = REPO / "scripts" / "bench_multi_gpu.py"  # each part runs as this command line with --part
@@ -81,11 +82,12 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-def prepare_all(engine, requests, prefix: str, **kw) -> tuple[list, float]:
+def prepare_all(engine, requests, prefix: str, options: RequestOptions = NO_OPTIONS) -> tuple[list, float]:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(engine.config.preprocess_threads) as pool:  # as the worker
         prepared = list(pool.map(
-            lambda item: engine.prepare_request(f"{prefix}{item[0]}", item[1].prompt, greedy(item[1].output_tokens), **kw),
+            lambda item: engine.prepare_request(f"{prefix}{item[0]}", item[1].prompt, greedy(item[1].output_tokens),
+                                                options),
             enumerate(requests)))
     return prepared, time.perf_counter() - t0
 
@@ -96,7 +98,7 @@ def catalogue(engine, requests) -> dict:
 
 
 def drive_poisson(engine, requests, arrivals: list[float], stop_s: float, tag: str, on_finished,
-                  **prepare_kw) -> int:
+                  options: RequestOptions = NO_OPTIONS) -> int:
     """Adds request `tag`-n at arrivals[n] (preprocessing starts at arrival, on a pool of the engine's
     preprocess_threads, as in the AsyncEngine) and steps the engine; on_finished(rid, its arrival on
     time.monotonic()) as each one finishes.
@@ -114,7 +116,7 @@ def drive_poisson(engine, requests, arrivals: list[float], stop_s: float, tag: s
                 request = requests[nxt % len(requests)]
                 arrived[rid] = t0 + arrivals[nxt]
                 preparing.append(pool.submit(engine.prepare_request, rid, request.prompt,
-                                             greedy(request.output_tokens), **prepare_kw))
+                                             greedy(request.output_tokens), options))
                 nxt += 1
             while preparing and preparing[0].done():
                 engine.add_prepared(preparing.popleft().result())
@@ -187,10 +189,10 @@ def part_instance(args, checkpoint: Path, w: Workload, tp: int, ep: bool) -> dic
 
     t0 = time.perf_counter()
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests, tensor_parallel_size=tp, expert_parallel=ep,
-                                     enforce_eager=args.eager))
-    result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.runner.num_kv_blocks,
-              "cuda_graphs": engine.runner.graphs is not None}
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests, tensor_parallel_size=tp, expert_parallel=ep,
+                                                 enforce_eager=args.eager))
+    result = {"engine_build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.executor.num_kv_blocks,
+              "cuda_graphs": engine.executor.graphs is not None}
     try:
         warm_up(engine)
         result["catalogue"] = catalogue(engine, requests)
@@ -208,7 +210,7 @@ def part_dp_instance(args, checkpoint: Path, w: Workload) -> dict:
     from workers.engine import LLMEngine
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     warm_up(engine)
     requests = requests[args.shard :: 2]
     barrier = Path(args.barrier)  # both instances start the timed run together
@@ -252,8 +254,8 @@ def part_l235(args, checkpoint_root: Path, w: Workload) -> dict:
     from workers.engine import LLMEngine
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint_root, "cuda:0", w, requests, tensor_parallel_size=2,
-                                     expert_parallel=args.ep, enforce_eager=args.eager))
+    engine = LLMEngine.from_config(engine_config(checkpoint_root, "cuda:0", w, requests, tensor_parallel_size=2,
+                                                 expert_parallel=args.ep, enforce_eager=args.eager))
     try:
         warm_up(engine)
         out = {"layers": args.layers, "expert_parallel": args.ep,

@@ -15,7 +15,10 @@ from harness.multi_gpu_instances import (
     SMOKE, catalogue_requests, drive_poisson, engine_config, greedy, prepare_all, sync_all, warm_up,
 )
 from workers.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
+from workers.request_options import RequestOptions
 from workers.stats import percentile
+
+PREFILL_ONLY = RequestOptions(prefill_only=True)  # the prefill side's requests: each hands its KV to the decode side
 
 
 def _prefill_catalogue(engine, requests, hand_off) -> tuple[list[float], float, float]:
@@ -23,7 +26,7 @@ def _prefill_catalogue(engine, requests, hand_off) -> tuple[list[float], float, 
     finishes; (hand-off seconds per request, preparation s, seconds inside engine steps)."""
     handoffs: list[float] = []
     added: dict[str, float] = {}  # when each request was added, for its prefill time
-    prepared, prepare_s = prepare_all(engine, requests, "c", prefill_only=True)
+    prepared, prepare_s = prepare_all(engine, requests, "c", PREFILL_ONLY)
     for p in prepared:
         engine.add_prepared(p)
         added[p.request_id] = time.perf_counter()
@@ -47,7 +50,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
     from workers.serve.kv_transfer import KvLink
 
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
 
@@ -64,7 +67,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
         return took, 2 * kv.num_layers * kv.keys[0].numel() * kv.keys[0].element_size()
 
     def prefill_alone(rid: str) -> float:
-        (prepared,), _ = prepare_all(engine, requests[:1], rid, prefill_only=True)
+        (prepared,), _ = prepare_all(engine, requests[:1], rid, PREFILL_ONLY)
         sync_all()
         t0 = time.perf_counter()
         engine.add_prepared(prepared)
@@ -102,7 +105,7 @@ def _pd_prefill(args, checkpoint: Path, w: Workload, port: int, pipe) -> None:
         start = time.monotonic()
         drive_poisson(engine, requests, arrivals, cap_s + P99_LIMITS_S[0], tag,
                       lambda rid, arrived: hand_off(rid, int(rid.split("-")[1]) % len(requests), False, arrived=arrived),
-                      prefill_only=True)
+                      PREFILL_ONLY)
         pipe.send(("level", len(arrivals), start + cap_s + P99_LIMITS_S[0]))
         return pipe.recv()
 
@@ -116,7 +119,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
     from workers.config import KvLinkConfig
     from workers.serve.kv_transfer import KvLink
     requests = catalogue_requests(args, w)
-    engine = LLMEngine(engine_config(checkpoint, "cuda:0", w, requests))
+    engine = LLMEngine.from_config(engine_config(checkpoint, "cuda:0", w, requests))
     link = KvLink(KvLinkConfig("127.0.0.1", port, "decode", "cpu" if SMOKE else "cuda:0"))
     warm_up(engine)
     generated = 0
@@ -145,7 +148,7 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
                 if "arrived" in extra:
                     arrived[rid] = extra["arrived"]
                 request = requests[index]
-                engine.add_request(rid, request.prompt, greedy(request.output_tokens - 1), kv_import=kv)
+                engine.add_request(rid, request.prompt, greedy(request.output_tokens - 1), RequestOptions(kv_import=kv))
             if engine.has_unfinished():
                 step()
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.sim.engine import image_sizes, simulated
 from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import early_stopping_met, percentile, poisson_arrivals
@@ -238,8 +238,9 @@ def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[floa
     """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
     (VirtualCluster serves one request shape); each request's finishing time. `encoded`: image sizes (patches) the
     measured engine had encoded before (their cuDNN plans built)."""
-    engine = SimulatedEngine(engine_config, REPLAY_SIM, model, realtime=False)
-    engine.encoded_sizes.update(encoded)
+    engine = simulated(engine_config, REPLAY_SIM, model, realtime=False)
+    executor = engine.executor
+    executor.encoded_sizes.update(encoded)
     order = sorted(range(len(requests)), key=joins.__getitem__)
     finish, clock, nxt = [math.nan] * len(requests), 0.0, 0
     while nxt < len(order) or engine.has_unfinished():
@@ -250,9 +251,9 @@ def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[floa
             engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens))
             nxt += 1
         outputs = engine.step()
-        if engine.last_step_s == 0.0 and not outputs:
+        if executor.last_step_s == 0.0 and not outputs:
             raise RuntimeError(f"replay of {len(requests)} requests stalled: the KV pool cannot hold the next one")
-        clock += engine.last_step_s
+        clock += executor.last_step_s
         for out in outputs:
             if out.finished:
                 finish[int(out.request_id)] = clock
@@ -269,7 +270,7 @@ def _overlapped_wall_s(model: StepModel, requests: list[CatalogueRequest], prepr
 
 def _image_sizes(requests: list[CatalogueRequest]) -> set[int]:
     """Every image size (patches) of `requests`: what an engine that served them has cuDNN plans for."""
-    return set().union(*(SimulatedEngine.image_sizes(r.prompt.token_ids) for r in requests))
+    return set().union(*(image_sizes(r.prompt.token_ids) for r in requests))
 
 
 def _run21_sizes_before_catalogues() -> set[int]:

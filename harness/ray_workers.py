@@ -26,7 +26,6 @@ from harness.interrupts import deferred
 from harness.ray_log import RayLogFile
 from harness.ray_network import LOCAL_MODE_ENV, make_temp_dir, remove_temp_dir
 from harness.system_config import PoolSection, RaySection
-from workers.config import KvLinkConfig
 from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
 logger = logging.getLogger(__name__)
@@ -36,21 +35,12 @@ PLACEMENT_TIMEOUT_S = 1800.0  # a large cluster may take long to free GPUs
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """What one actor needs to serve: its identity, where the router is, how to build its engine."""
+    """What one actor needs to serve a worker: the worker's settings (harness.system_config.worker_settings; in the
+    fleet's template its id, role, router and KV link's host and role are placeholders the fleet fills in per worker)
+    and how to build its engine."""
 
-    worker_id: str
-    role: str  # aggregated | prefill | decode
-    router_address: str  # comma-separated: the worker registers with each of those routers
-    router_token: str | None
+    settings: WorkerSettings
     engine_factory: Callable[[], ServedEngine]
-    model_name: str = ""
-    kv_block_size: int = 16
-    max_model_len: int = 0
-    heartbeat_interval_s: float = 1.0
-    listen_host: str = "127.0.0.1"
-    # The GPU-to-GPU KV link of a prefill/decode pair; in the fleet's template its host and role are placeholders
-    # (the fleet sets the prefill worker's node and each worker's role).
-    kv_link: KvLinkConfig | None = None
 
 
 def build_engine(engine_config) -> ServedEngine:
@@ -75,14 +65,11 @@ class ModelWorker:
         for one in (spec, *colocated):
             served = one.engine_factory()
             self._engines.append(served.async_engine)
-            server = build_worker(served, WorkerSettings(
-                one.worker_id, one.role, one.router_address, f"{one.listen_host}:0", one.router_token,
-                one.model_name, one.kv_block_size, one.max_model_len, one.heartbeat_interval_s, one.kv_link,
-            ))
+            server = build_worker(served, one.settings)
             asyncio.run_coroutine_threadsafe(server.start(), self._loop).result()
-            self._servers[one.worker_id] = server
-            logger.info("worker %s (%s) serving on %s", one.worker_id, one.role, server.address)
-        self._server = self._servers[spec.worker_id]
+            self._servers[one.settings.worker_id] = server
+            logger.info("worker %s (%s) serving on %s", one.settings.worker_id, one.settings.role, server.address)
+        self._server = self._servers[spec.settings.worker_id]
 
     def address(self) -> str:
         return self._server.address
@@ -213,8 +200,8 @@ class WorkerFleet:
                  factory_for_pool: Callable[[PoolSection], Callable[[], ServedEngine]] | None = None,
                  workers_per_actor: int = 1, use_gpus: bool = True, cpus_per_actor: float | None = None,
                  router_addresses: Sequence[str] = ()) -> None:
-        """`template` gives every worker's spec; its worker_id and role are replaced per worker, and its engine
-        factory by `factory_for_pool(pool)` when given. `workers_per_actor` > 1 and `use_gpus=False` are for
+        """`template` gives every worker's spec; its settings' worker_id, role and router are replaced per worker, and
+        its engine factory by `factory_for_pool(pool)` when given. `workers_per_actor` > 1 and `use_gpus=False` are for
         simulated workers (many per process, no GPUs); `cpus_per_actor` then replaces the pools' cpus_per_worker.
         `router_addresses` (sharded routers): the n-th worker registers with router n mod len(router_addresses).
         A template with a kv_link joins the prefill and the decode worker (one of each): the prefill worker listens
@@ -225,7 +212,7 @@ class WorkerFleet:
         self._workers_per_actor = workers_per_actor
         self._use_gpus = use_gpus
         self._cpus_per_actor = cpus_per_actor
-        self._router_turn = itertools.cycle(tuple(router_addresses) or (template.router_address,))
+        self._router_turn = itertools.cycle(tuple(router_addresses) or (template.settings.router_address,))
         self.instances: list[_Instance] = []
 
     @property
@@ -248,19 +235,21 @@ class WorkerFleet:
                 planned.append((self.instances[-1], pool, ids, cpus, gpus))
         for instance in self.instances:
             ray.get(instance.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        link = self._template.kv_link
+        link = self._template.settings.kv_link
         if link is not None:
             prefill = next(instance for instance, pool, *_ in planned if pool.role == "prefill")
             link = dataclasses.replace(link, host=_node_address(prefill.group))
         actor_class = ray.remote(ModelWorker)
         for instance, pool, ids, cpus, gpus in planned:
-            template = self._template
+            factory = self._template.engine_factory
             if self._factory_for_pool is not None:
-                template = dataclasses.replace(template, engine_factory=self._factory_for_pool(pool))
+                factory = self._factory_for_pool(pool)
+            settings = self._template.settings
             if link is not None:
-                template = dataclasses.replace(
-                    template, kv_link=dataclasses.replace(link, role=pool.role) if pool.role != "aggregated" else None)
-            specs = [dataclasses.replace(template, worker_id=wid, role=pool.role, router_address=next(self._router_turn))
+                settings = dataclasses.replace(
+                    settings, kv_link=dataclasses.replace(link, role=pool.role) if pool.role != "aggregated" else None)
+            specs = [WorkerSpec(dataclasses.replace(settings, worker_id=wid, role=pool.role,
+                                                    router_address=next(self._router_turn)), factory)
                      for wid in ids]
             instance.actor = actor_class.options(
                 name=f"q3vl-{ids[0]}",
@@ -321,9 +310,9 @@ def engine_factory_for(engine_config) -> Callable[[], ServedEngine]:
 def build_simulated_engine(engine_config, simulation, hardware: str, tp: int) -> ServedEngine:
     """A model-free engine timed by the step model of `hardware` (workers.sim), in the same AsyncEngine loop."""
     from workers.serve.async_engine import AsyncEngine
-    from workers.sim.engine import SimulatedEngine, build_step_model
+    from workers.sim.engine import build_step_model, simulated
 
-    engine = SimulatedEngine(engine_config, simulation, build_step_model(hardware, simulation, tp))
+    engine = simulated(engine_config, simulation, build_step_model(hardware, simulation, tp))
     return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
 
 

@@ -18,7 +18,8 @@ async def serve_simulated_workers(router: str, count: int, hardware: str, simula
     """`count` simulated WorkerServers in this process, registered with `router`; prints "ready" when serving."""
     from harness.ray_workers import build_simulated_engine
     from workers.config import EngineConfig
-    from workers.serve.server import WorkerServer
+    from workers.serve.server import build_worker
+    from workers.serve.worker_build import WorkerSettings
     from workers.sim.config import SimulationConfig
 
     engine = EngineConfig(checkpoint=Path(f"simulated:{hardware}"), max_num_seqs=1024)
@@ -26,8 +27,7 @@ async def serve_simulated_workers(router: str, count: int, hardware: str, simula
     servers = []
     for i in range(count):
         served = build_simulated_engine(engine, sim, hardware, 1)
-        servers.append(WorkerServer(served.async_engine, f"sim{i}", "aggregated", router,
-                                    generation_defaults=served.generation_defaults))
+        servers.append(build_worker(served, WorkerSettings(f"sim{i}", router_address=router)))
         await servers[-1].start()
     print("ready", flush=True)
     stop = asyncio.Event()

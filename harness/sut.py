@@ -6,21 +6,23 @@ router.mode embedded the router started in this process, which streams straight 
 
 When the router is unreachable (it died and is being restarted) or its call ends CANCELLED (which this SUT never
 asks for while it still wants the answer: its own cancellations come as asyncio.CancelledError at teardown), a
-query not yet answered is sent again, resuming after the tokens it already received, for up to `reconnect_s`
-without progress. (Product-path Offline runs on the H200 saw a few calls end CANCELLED among 1,500 in flight:
-run42, run53, run64; the side that cancels is not yet known.)"""
+query not yet answered is sent again, resuming after the tokens it already received (contract.resend, as the router
+replays a request on another worker), for up to `reconnect_s` without progress. (Product-path Offline runs on the
+H200 saw a few calls end CANCELLED among 1,500 in flight: run42, run53, run64; the side that cancels is not yet
+known.)"""
 
 from __future__ import annotations
 
 import array
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +31,7 @@ import grpc.aio
 import mlperf_loadgen as lg
 
 from contract import event_loop
+from contract.resend import Resume, resend_with_resume
 from contract.types import PromptInput
 from contract.wire import pb
 from harness.embedded_routing import EmbeddedRouting, RouterPath, start_embedded_router
@@ -53,6 +56,17 @@ RESENDABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 class SampleFailed(Exception):
     """A query that gets an empty response: its prompt could not be built or its request failed."""
+
+
+@dataclass
+class _Attempts:
+    """One query's calls to the router: how many were sent again, when it last made progress (tokens or its first
+    call) and when it must have its answer."""
+
+    progress_at: float
+    deadline: float
+    number: int = 0
+    received_before: int = 0  # tokens it had when its latest call was sent
 
 
 @dataclass(frozen=True)
@@ -187,62 +201,65 @@ class RouterSUT:
             self.progress.completed(time.monotonic() - issued_at, ok=error is None)
 
     async def _generate(self, query_id: int, index: int, prompt: PromptInput) -> list[int]:
-        """The query's tokens; while the router's call ends RESENDABLE, re-sends it with the tokens received so far."""
-        tokens: list[int] = []
-        attempt = 0
-        progress_at = time.monotonic()
-        deadline = progress_at + self._settings.timeout_s
-        while True:
-            before = len(tokens)
-            try:
-                return await self._stream(self._request(query_id, index, prompt, tokens, attempt), query_id, tokens)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RESENDABLE:
-                    raise
-                if len(tokens) > before:
-                    progress_at = time.monotonic()
-                retry_at = time.monotonic() + self._settings.reconnect_interval_s
-                if retry_at - progress_at > self._settings.reconnect_s or retry_at >= deadline:
-                    raise
-                attempt += 1
-                self.resent += 1
-                logger.warning("query %d (sample %d): router call %s (%s); sending it again (attempt %d, "
-                               "%d tokens kept)", query_id, index, exc.code().name, exc.details(), attempt + 1,
-                               len(tokens))
-                await asyncio.sleep(self._settings.reconnect_interval_s)
+        """The query's tokens; while the router's call ends RESENDABLE, re-sends it with the tokens received so far
+        (contract.resend)."""
+        resume, now = Resume(self._settings.max_tokens), time.monotonic()
+        attempts = _Attempts(progress_at=now, deadline=now + self._settings.timeout_s)
+        send = functools.partial(self._attempt, query_id, index, prompt, resume, attempts)
+        resend = functools.partial(self._resend, query_id, index, resume, attempts)
+        async for _ in resend_with_resume(send, resume, resend):
+            pass
+        return resume.received
 
-    def _request(self, query_id: int, index: int, prompt: PromptInput, tokens: list[int], attempt: int
+    async def _resend(self, query_id: int, index: int, resume: Resume, attempts: _Attempts, exc: Exception) -> bool:
+        """Whether to send the query again after its call ended with `exc`: a RESENDABLE ending, while it has made
+        progress within reconnect_s and its deadline is ahead; then after reconnect_interval_s."""
+        if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() not in RESENDABLE:
+            return False
+        if len(resume.received) > attempts.received_before:
+            attempts.progress_at = time.monotonic()
+        retry_at = time.monotonic() + self._settings.reconnect_interval_s
+        if retry_at - attempts.progress_at > self._settings.reconnect_s or retry_at >= attempts.deadline:
+            return False
+        attempts.number += 1
+        attempts.received_before = len(resume.received)
+        self.resent += 1
+        logger.warning("query %d (sample %d): router call %s (%s); sending it again (attempt %d, %d tokens kept)",
+                       query_id, index, exc.code().name, exc.details(), attempts.number + 1, len(resume.received))
+        await asyncio.sleep(self._settings.reconnect_interval_s)
+        return True
+
+    def _request(self, query_id: int, index: int, prompt: PromptInput, attempt: int, patch: pb.GenerateRequest
                  ) -> pb.GenerateRequest:
-        return pb.GenerateRequest(
+        request = pb.GenerateRequest(
             request_id=f"q{query_id}-s{index}" + (f"-r{attempt}" if attempt else ""),
             prompt_token_ids=prompt.token_ids,
             images=prompt.images,
-            resume_token_ids=tokens,
-            sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens - len(tokens)),
+            sampling=pb.SamplingParams(use_model_defaults=True, max_tokens=self._settings.max_tokens),
             deadline_s=self._settings.timeout_s,
             stream_interval=self._settings.stream_interval,
             latency_bound_s=self._settings.latency_bound_s,
         )
+        request.MergeFrom(patch)  # the tokens received so far, and the rest of max_tokens
+        return request
 
-    async def _stream(self, request: pb.GenerateRequest, query_id: int, tokens: list[int]) -> list[int]:
-        """Streams one attempt, appending to `tokens`; returns them once a finish reason has arrived and the router
-        has ended the call.
+    async def _attempt(self, query_id: int, index: int, prompt: PromptInput, resume: Resume, attempts: _Attempts,
+                       patch: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+        """One call to the router, streamed until a finish reason has arrived and the router has ended the call.
 
         The call is read to its end, not left at the final chunk: the router frees the call's admission slot when
         its side of the call ends, so a query sent on the SUT slot this one frees is never refused for it."""
-        if request.sampling.max_tokens <= 0:
-            return tokens  # every token arrived before the router went away, only the final chunk did not
         finished = False
         try:
-            async for chunk in self._client.generate(request):
+            async for chunk in self._client.generate(self._request(query_id, index, prompt, attempts.number, patch)):
                 if finished:
                     raise SampleFailed("router sent a chunk after the final one")
-                if chunk.token_ids and not tokens and self._settings.report_first_token:
+                if chunk.token_ids and not resume.received and self._settings.report_first_token:
                     self._first_token(query_id, chunk.token_ids[0])
-                tokens.extend(chunk.token_ids)
                 if chunk.finish_reason in (pb.ERROR, pb.ABORT):
                     raise SampleFailed(f"{pb.FinishReason.Name(chunk.finish_reason)}: {chunk.error or 'no detail'}")
                 finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                yield chunk
         except grpc.aio.AioRpcError as exc:
             if not finished:
                 raise
@@ -250,7 +267,6 @@ class RouterSUT:
             logger.warning("query %d: router call ended %s after its final chunk", query_id, exc.code().name)
         if not finished:
             raise SampleFailed("router stream ended without a finish reason")
-        return tokens
 
     def _first_token(self, query_id: int, token_id: int) -> None:
         data = array.array("B", self._decode([token_id]).encode("utf-8"))

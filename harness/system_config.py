@@ -520,6 +520,26 @@ def engine_config(config: SystemConfig, checkpoint: Path):
     )
 
 
+def worker_settings(config: SystemConfig, checkpoint: Path, router_address: str, token: str | None):
+    """The workers' WorkerSettings, built once: what they register as (the checkpoint, the engine's KV blocks and
+    context), the router they register with and its heartbeat, the `workers.kv_link` pair's link on the engine's
+    (rank 0's) device. Its worker id, its role and its link's host and role are placeholders: the fleet sets each
+    worker's id and role, and the prefill node's host."""
+    from workers.config import KvLinkConfig
+    from workers.serve.worker_build import WorkerSettings
+
+    engine, section = engine_config(config, checkpoint), config.workers.kv_link
+    link = None
+    if section.enabled:
+        device = "cuda:0" if engine.device == "cuda" else engine.device
+        link = KvLinkConfig(host="", port=section.port, role="prefill", device=device, timeout_s=section.timeout_s)
+    return WorkerSettings(
+        worker_id="", router_address=router_address, token=token, model_name=str(checkpoint),
+        kv_block_size=engine.block_size, max_model_len=engine.max_model_len,
+        heartbeat_interval_s=router_config(config, router_address).health.heartbeat_interval_s, kv_link=link,
+    )
+
+
 def image_pixel_limits(config: SystemConfig) -> tuple[int, int]:
     """(min_pixels, max_pixels) the workers resize images to; prompts must size images the same way."""
     engine = engine_config(config, Path("checkpoint"))  # the limits do not depend on the checkpoint

@@ -7,6 +7,7 @@ of GenerateChunk per request, whatever happened upstream: no gap, no duplicate, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
+from contract.resend import Resume, resend_with_resume
 from contract.transport import call_metadata
 from contract.wire import pb
 from router.admission import Admission, Rejected
@@ -49,6 +51,18 @@ class _WorkerFailed(Exception):
     def __init__(self, stage: str, reason: str):
         super().__init__(reason)
         self.stage = stage
+
+
+class _Aborted(Exception):
+    """The caller aborted the request while it was between workers: it ends with finish_reason ABORT."""
+
+
+@dataclass
+class _Migration:
+    """One request's migrations so far, and whether a remote prefill may still serve it."""
+
+    retries: int = 0
+    remote_prefill_ok: bool = True
 
 
 @dataclass
@@ -203,52 +217,71 @@ class Dispatcher:
     async def _serve(
         self, request: pb.GenerateRequest, active: _Active, deadline: float | None, arrival: float
     ) -> AsyncIterator[pb.GenerateChunk]:
-        max_tokens = request.sampling.max_tokens
-        already = len(request.resume_token_ids)
-        remote_prefill_ok = True
-        retries = 0
-        last_chunk_at = None
-        while True:
-            emitted = active.emitted
-            if active.aborted:
-                yield self._final(request, active, pb.ABORT)
-                return
-            if len(emitted) >= max_tokens:
-                yield self._final(request, active, pb.LENGTH)
-                return
-            try:
-                if remote_prefill_ok and not emitted and not already and self._remote_prefill_pool(request):
-                    attempt = self._disaggregated(request, active, deadline)
-                else:
-                    attempt = self._aggregated(request, active, deadline)
-                async for chunk in attempt:
-                    now = time.monotonic()
-                    if chunk.token_ids:
-                        if last_chunk_at is None:
-                            self.metrics.ttft.observe(now - arrival)
-                        else:
-                            self.metrics.itl.observe((now - last_chunk_at) / len(chunk.token_ids))
-                        last_chunk_at = now
-                        emitted.extend(chunk.token_ids)
-                    if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        chunk.prompt_tokens = len(request.prompt_token_ids)
-                        chunk.completion_tokens = already + len(emitted)
-                    yield chunk
-                return
-            except _WorkerFailed as failure:
-                if active.aborted:
-                    continue  # ends as ABORT at the top of the loop
-                if retries >= self.config.migration.max_retries:
-                    yield self._final(request, active, pb.ERROR, f"{failure.stage} failed after "
-                                      f"{retries} migrations: {failure}")
-                    return
-                retries += 1
-                kind = "ongoing_request" if emitted else "new_request"
-                self.metrics.count(self.metrics.migrations, kind)
-                log.info("request %s: %s failed (%s); migrating (%s)", request.request_id, failure.stage, failure, kind)
-                if failure.stage == "prefill":
-                    remote_prefill_ok = False  # Dynamo's fallback: prefill on the decode worker
-                await self._wait_for_worker(active, deadline)
+        """The request's chunks, migrated to another worker when one fails (contract.resend: resuming after the
+        tokens it emitted), each chunk's latency observed; the final chunk counts the prompt and every token."""
+        if active.aborted:  # while it was queued
+            yield self._final(request, active, pb.ABORT)
+            return
+        migration = _Migration()
+        attempts = resend_with_resume(
+            functools.partial(self._attempt, request, active, deadline, migration),
+            Resume(request.sampling.max_tokens, active.emitted),
+            functools.partial(self._migrate, request, active, deadline, migration),
+        )
+        ended, last_chunk_at = False, None
+        try:
+            async for chunk in attempts:
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if last_chunk_at is None:
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe((now - last_chunk_at) / len(chunk.token_ids))
+                    last_chunk_at = now
+                ended = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if ended:
+                    chunk.prompt_tokens = len(request.prompt_token_ids)
+                    chunk.completion_tokens = len(request.resume_token_ids) + len(active.emitted)
+                yield chunk
+        except _Aborted:
+            yield self._final(request, active, pb.ABORT)
+            return
+        except _WorkerFailed as failure:  # migration.max_retries spent
+            yield self._final(request, active, pb.ERROR, f"{failure.stage} failed after {migration.retries} "
+                              f"migrations: {failure}")
+            return
+        if not ended:  # every token arrived, the call that carried them failed
+            yield self._final(request, active, pb.LENGTH)
+
+    def _attempt(self, request: pb.GenerateRequest, active: _Active, deadline: float | None, migration: _Migration,
+                 patch: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+        """One attempt: disaggregated for a fresh request when a prefill pool can take it (and has not failed it),
+        else aggregated, resuming after the tokens emitted (patch)."""
+        if (migration.remote_prefill_ok and not active.emitted and not request.resume_token_ids
+                and self._remote_prefill_pool(request)):
+            return self._disaggregated(request, active, deadline)
+        return self._aggregated(request, active, deadline, patch)
+
+    async def _migrate(self, request: pb.GenerateRequest, active: _Active, deadline: float | None,
+                       migration: _Migration, exc: Exception) -> bool:
+        """Whether to replay the request after an attempt failed with `exc`: a worker's failure, within
+        migration.max_retries, once a serving worker is healthy; raises _Aborted when the caller aborted it."""
+        if not isinstance(exc, _WorkerFailed):
+            return False
+        if active.aborted:
+            raise _Aborted
+        if migration.retries >= self.config.migration.max_retries:
+            return False
+        migration.retries += 1
+        kind = "ongoing_request" if active.emitted else "new_request"
+        self.metrics.count(self.metrics.migrations, kind)
+        log.info("request %s: %s failed (%s); migrating (%s)", request.request_id, exc.stage, exc, kind)
+        if exc.stage == "prefill":
+            migration.remote_prefill_ok = False  # Dynamo's fallback: prefill on the decode worker
+        await self._wait_for_worker(active, deadline)
+        if active.aborted:
+            raise _Aborted
+        return True
 
     async def _wait_for_worker(self, active: _Active, deadline: float | None) -> None:
         """Until a serving worker is healthy, the caller aborts, migration.wait_for_worker_s passes or the deadline
@@ -316,9 +349,10 @@ class Dispatcher:
         base = active.wire if base is None else base
         return _Upstream(patch.request_id, base + patch.SerializeToString(), timeout)
 
-    async def _aggregated(self, request, active: _Active, deadline) -> AsyncIterator[pb.GenerateChunk]:
-        remaining = request.sampling.max_tokens - len(active.emitted)
-        patch = pb.GenerateRequest(resume_token_ids=active.emitted, sampling=pb.SamplingParams(max_tokens=remaining))
+    async def _aggregated(self, request, active: _Active, deadline, patch: pb.GenerateRequest
+                          ) -> AsyncIterator[pb.GenerateChunk]:
+        """patch: resume after the tokens emitted, ask for the rest (contract.resend.Resume.patch)."""
+        remaining = patch.sampling.max_tokens
         upstream = self._upstream(request, active, deadline, patch)
         context = len(request.prompt_token_ids) + len(request.resume_token_ids) + len(active.emitted)
         entry = self._pick(SERVING_ROLES, self._route_request(request, context), "aggregated")

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 
 from workers.bench.gpu_timing import graph_median_us  # noqa: E402
 from workers.model import fp8, fp8_gemm, fused_moe, grouped_fp8_moe  # noqa: E402
-from workers.model.fp8 import BlockShape  # noqa: E402
+from workers.checkpoint_quant import BlockShape  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 8192, 16384)
 DENSE = {"qkv_2048x5120": (5120, 2048), "o_4096x2048": (2048, 4096)}  # name: (N, K)

@@ -50,9 +50,10 @@ def free_port() -> int:
 async def serve_grpc_workers(router: str, count: int) -> None:
     """Instant-engine WorkerServers registered with `router`; the first's address goes to stdout."""
     from workers.serve.server import WorkerServer
+    from workers.serve.worker_build import WorkerSettings
     from workers.sim.instant_engine import InstantEngine
 
-    servers = [WorkerServer(InstantEngine(), f"instant{i}", "aggregated", router) for i in range(count)]
+    servers = [WorkerServer(InstantEngine(), WorkerSettings(f"instant{i}", router_address=router)) for i in range(count)]
     for server in servers:
         await server.start()
     print(servers[0].address, flush=True)

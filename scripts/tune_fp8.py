@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 
 from workers.bench.gpu_timing import graph_median_us  # noqa: E402
 from workers.model import fp8, fp8_gemm, fused_moe  # noqa: E402
-from workers.model.fp8 import BlockShape  # noqa: E402
+from workers.checkpoint_quant import BlockShape  # noqa: E402
 from workers.model.fused_moe import TileConfig  # noqa: E402
 
 DENSE = {"qkv_2048x5120": (5120, 2048), "o_4096x2048": (2048, 4096)}

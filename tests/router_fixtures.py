@@ -17,6 +17,7 @@ from router.config import parse_router_config
 from router.embedded import EmbeddedRouter
 from router.server import RouterServer
 from workers.serve.server import WorkerServer
+from workers.serve.worker_build import WorkerSettings
 from workers.sim.instant_engine import InstantEngine
 
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.
@@ -70,11 +71,11 @@ class Cluster:
     async def add_worker(
         self, worker_id: str, role: str = "aggregated", engine: InstantEngine | None = None, **worker_kwargs
     ) -> WorkerServer:
-        """worker_kwargs: more WorkerServer settings (max_model_len, kv_block_size, ...)."""
+        """worker_kwargs: more WorkerSettings (max_model_len, kv_block_size, ...)."""
         engine = engine or InstantEngine(step_delay_s=self.step_delay_s)
         routers = ",".join(a for a in (self.router.address, self.also_register_at) if a)
-        worker = WorkerServer(engine, worker_id, role, routers, token=self.token, heartbeat_interval_s=0.1,
-                              **worker_kwargs)
+        worker = WorkerServer(engine, WorkerSettings(worker_id, role, routers, token=self.token,
+                                                     heartbeat_interval_s=0.1, **worker_kwargs))
         await worker.start()
         self.workers.append(worker)
         self.engines.append(engine)

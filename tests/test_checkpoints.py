@@ -211,9 +211,10 @@ def test_building_a_tiny_checkpoint_does_not_change_what_later_calls_expect(tmp_
 ])
 def test_random_fp8_checkpoints_are_in_their_layout_and_load(tmp_path, precision, scale_suffix, method):
     from workers.config import EngineConfig
-    from workers.model.fp8 import FP8_DTYPE, BlockShape
+    from workers.checkpoint_quant import BlockShape
+    from workers.model.fp8 import FP8_DTYPE
     from workers.executor.model_runner import build_text_model
-    from workers.weights import load_model_config
+    from workers.model_config import load_model_config
 
     spec = RandomCheckpointSpec(preset="qwen3-vl-30b-a3b", num_layers=1, num_experts=4, overrides=SHRUNK,
                                 precision=precision, max_shard_bytes=30_000_000)

@@ -10,17 +10,18 @@ from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_moe_checkpoint):
-    async_engine = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128)))
+    async_engine = AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128)))
     yield async_engine
     async_engine.shutdown()
 
 
-async def collect(engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int, **kw):
-    return [out async for out in engine.generate(rid, PromptInput(ids), SamplingParams(max_tokens=max_tokens), **kw)]
+async def collect(engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int, options=NO_OPTIONS):
+    return [out async for out in engine.generate(rid, PromptInput(ids), SamplingParams(max_tokens=max_tokens), options)]
 
 
 def test_concurrent_generates_stream_the_same_tokens_as_one_at_a_time(engine):
@@ -63,7 +64,7 @@ def test_abort_ends_the_stream_with_abort(engine):
 
 def test_prefill_only_kv_is_exported_and_released_through_the_async_api(engine):
     async def main():
-        outs = await collect(engine, "pf", [1, 2, 3, 4, 5], 10, prefill_only=True)
+        outs = await collect(engine, "pf", [1, 2, 3, 4, 5], 10, RequestOptions(prefill_only=True))
         export = await engine.export_kv("pf")
         released = await engine.release("pf")
         with pytest.raises(KeyError):

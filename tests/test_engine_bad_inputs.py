@@ -28,7 +28,7 @@ def with_pads(n: int, image: bytes) -> PromptInput:
 
 @pytest.fixture(scope="module")
 def engine(tiny_dense_checkpoint):
-    return LLMEngine(EngineConfig(
+    return LLMEngine.from_config(EngineConfig(
         checkpoint=tiny_dense_checkpoint, num_kv_blocks=32, block_size=4, max_model_len=MAX_MODEL_LEN,
         min_pixels=4096, max_pixels=65536, max_image_pixels=1_000_000,
     ))

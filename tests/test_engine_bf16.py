@@ -17,7 +17,7 @@ from workers.engine import LLMEngine
 def test_engine_matches_transformers_in_bfloat16_on_cpu(request, arch):
     checkpoint = request.getfixturevalue(f"tiny_{arch}_checkpoint")
     cases = bf16_cases(TransformersReference(checkpoint, "cpu"))
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig(
         checkpoint=checkpoint, device="cpu", dtype="bfloat16", num_kv_blocks=256, block_size=16, max_model_len=1024,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_num_seqs=8,
     ))

@@ -86,7 +86,7 @@ def make_engine(checkpoint, **overrides) -> LLMEngine:
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
     )
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+    return LLMEngine.from_config(EngineConfig(**settings))
 
 
 def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, PromptInput]]], max_tokens=NEW_TOKENS):
@@ -177,8 +177,8 @@ def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_match
     encoded = record_encodes(engine)
     # MoE (top-2): one step per pair of untuned tile configs (pairs <= 64, <= 4,096, above) up to the 4,096 tokens
     # of 256 blocks; dense: none. On CUDA the engine runs both warm-ups itself (EngineConfig.warm_up).
-    assert engine.runner.warm_up()["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
-    report = engine.warm_up()
+    assert engine.executor.warm_up()["text_step_tokens"] == ([32, 33, 2049] if arch == "moe" else [])
+    report = engine.warm_up(engine.inputs.warm_up_prompts())
     # the first request alone (prefill), the other two beside its decode (a mixed step), then decodes: its third
     # token, theirs; their two images in one tower call in the mixed step
     assert (report["requests"], report["steps"]) == (3, 4)

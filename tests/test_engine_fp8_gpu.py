@@ -40,9 +40,9 @@ def test_engine_fp8_matches_transformers_on_the_same_weights(fp8_checkpoints, en
     cases = bf16_cases(TransformersReference(reference_checkpoint, "cuda",
                                              around=lambda model: fp8_activation_rounding(
                                                  model, names, 128, expert_w8a16_tokens=SMALL_BATCH_TOKENS)))
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig(
         checkpoint=checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=256, block_size=16, max_model_len=1024,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_num_seqs=8, enforce_eager=enforce_eager,
     ))
-    assert any(isinstance(m, Fp8Linear) for m in engine.runner.model.modules())
+    assert any(isinstance(m, Fp8Linear) for m in engine.executor.model.modules())
     run_engine_and_compare(engine, cases)

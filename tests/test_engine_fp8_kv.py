@@ -39,16 +39,16 @@ def run(checkpoint, max_tokens=12, **overrides) -> tuple[LLMEngine, dict[str, li
     """Greedy tokens and every sampled step's logits (as the sampler received them) of each prompt."""
     settings = dict(checkpoint=checkpoint, num_kv_blocks=64, block_size=16, max_model_len=512, min_pixels=4096,
                     max_pixels=65536)
-    engine = LLMEngine(EngineConfig(**{**settings, **overrides}))
+    engine = LLMEngine.from_config(EngineConfig(**{**settings, **overrides}))
     logits: dict[str, list[torch.Tensor]] = {}
-    sample = engine.runner.sampler.sample
+    sample = engine.executor.sampler.sample
 
     def recording(rows, ids, *args, **kwargs):
         for i, rid in enumerate(ids):
             logits.setdefault(rid, []).append(rows[i].float().cpu().clone())
         return sample(rows, ids, *args, **kwargs)
 
-    engine.runner.sampler.sample = recording
+    engine.executor.sampler.sample = recording
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
@@ -84,7 +84,7 @@ def test_an_fp8_kv_engine_on_cpu_stores_fp8_and_stays_within_the_bound_of_the_au
         fp8 = run(tiny_moe_checkpoint, kv_cache_dtype="fp8")
     assert "KV pool of 1024 tokens (64 blocks of 16) in float8_e4m3fn" in caplog.text  # the startup line
     engine, _, logits = fp8
-    kv = engine.runner.kv
+    kv = engine.executor.kv
     assert kv.tensor.dtype == FP8_DTYPE and kv.scales == [(1.0, 1.0)] * len(kv.layers)
     assert kv.tensor.view(torch.uint8).any()  # the steps wrote FP8 bytes
     # a whole prompt's first chunk attends to its own rows, not the cache: its logits are the auto engine's exactly
@@ -117,7 +117,7 @@ def test_an_fp8_kv_engine_uses_the_checkpoints_kv_scales_and_the_auto_engine_ign
     path, num_layers = checkpoint_with_kv_scales
     engine, _, _ = fp8 = run(path, kv_cache_dtype="fp8")
     expected = [(torch.tensor(0.01 * (i + 1)).item(), torch.tensor(0.02).item()) for i in range(num_layers)]
-    assert engine.runner.kv.scales == expected
+    assert engine.executor.kv.scales == expected
     assert_close_to_auto(auto_run, fp8)
     _, tokens, _ = run(path)  # the text tower loads around the scale tensors, unchanged
     assert tokens == auto_run[1]
@@ -136,7 +136,7 @@ def test_the_released_fp8_weight_layout_with_kv_scales_serves_with_an_fp8_kv_cac
     index["weight_map"].update({n: "kv-scales.safetensors" for n in scales})
     index_path.write_text(json.dumps(index))
     engine, tokens, _ = run(path, max_tokens=4, kv_cache_dtype="fp8")
-    assert engine.runner.kv.scales == [(torch.tensor(0.02).item(),) * 2] * len(layers)
+    assert engine.executor.kv.scales == [(torch.tensor(0.02).item(),) * 2] * len(layers)
     assert all(len(t) == 4 for t in tokens.values())
 
 
@@ -155,6 +155,6 @@ def test_an_fp8_kv_engine_on_cuda_holds_about_twice_the_tokens_and_stays_within_
     auto = (None, *auto_out)
     fp8 = run(tiny_moe_checkpoint, kv_cache_dtype="fp8", **cuda)
     fp8_blocks = fp8[0].load().total_kv_blocks
-    assert fp8[0].runner.kv.tensor.dtype == FP8_DTYPE
+    assert fp8[0].executor.kv.tensor.dtype == FP8_DTYPE
     assert 1.9 <= fp8_blocks / auto_blocks <= 2.1, (auto_blocks, fp8_blocks)
     assert_close_to_auto(auto, fp8)

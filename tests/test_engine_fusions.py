@@ -18,7 +18,8 @@ from workers.model.layers import MRotaryEmbedding, apply_rope, rms_norm_referenc
 from workers.model.text import Qwen3VLTextForEngine
 from workers.executor.model_runner import build_text_model
 from workers.parallel import TensorParallel
-from workers.weights import TEXT_PREFIX, init_random_weights, iter_tensors, load_model_config
+from workers.model_config import load_model_config
+from workers.weights import TEXT_PREFIX, init_random_weights, iter_tensors
 
 EPS = 1e-6
 

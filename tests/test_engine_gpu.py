@@ -29,11 +29,11 @@ def cases(checkpoint):
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_engine_matches_transformers_in_bfloat16_on_cuda(checkpoint, cases, enforce_eager):
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig(
         checkpoint=checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=256, block_size=16, max_model_len=1024,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_num_seqs=8, enforce_eager=enforce_eager,
     ))
-    assert (engine.runner.graphs is not None) is not enforce_eager
+    assert (engine.executor.graphs is not None) is not enforce_eager
     run_engine_and_compare(engine, cases)
 
 

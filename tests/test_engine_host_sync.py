@@ -32,16 +32,16 @@ def image_prompt(seed: int) -> PromptInput:
 def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpoint, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig(
         checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
         max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
     ))
-    assert engine.runner.graphs is not None
+    assert engine.executor.graphs is not None
     engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
     while engine.has_unfinished():
         engine.step()
 
-    runner = engine.runner
+    runner = engine.executor
     execute, wait = runner.execute, HostCopy.wait
     steps, ahead = [], []
 
@@ -85,7 +85,7 @@ def test_overlapped_steps_queue_the_next_step_without_waiting_for_the_running_on
     tokens waits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig(
         checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
         max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
         overlap_decode_steps=True,
@@ -93,7 +93,7 @@ def test_overlapped_steps_queue_the_next_step_without_waiting_for_the_running_on
     engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
     while engine.has_unfinished():
         engine.step()
-    runner = engine.runner
+    runner = engine.executor
     launch, wait = runner.launch, HostCopy.wait
     behind = []
 

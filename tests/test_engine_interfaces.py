@@ -11,11 +11,13 @@ import inspect
 import pytest
 
 from workers.serve.async_engine import AsyncEngine
-from workers.engine import LLMEngine
-from workers.engine_api import StepLauncher, EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine
+from workers.engine import LLMEngine, WallTimer
+from workers.engine_api import (
+    EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine, StepLauncher, StepTimer,
+)
 from workers.executor.model_runner import LaunchedTokens, ModelRunner
 from workers.inputs.request_inputs import ModelInputs
-from workers.sim.engine import SimulatedEngine, SimulatedExecutor, SimulatedInputs, SimulatedStep
+from workers.sim.engine import SimulatedExecutor, SimulatedInputs, SimulatedStep, SimulatedTimer, simulated
 from workers.sim.instant_engine import InstantEngine
 
 
@@ -29,10 +31,10 @@ def parameters(function) -> list[tuple[str, object, object]]:
 
 
 @pytest.mark.parametrize(("implementation", "protocol"), [
-    (LLMEngine, EngineCore), (SimulatedEngine, EngineCore), (AsyncEngine, ServingEngine), (InstantEngine, ServingEngine),
+    (LLMEngine, EngineCore), (AsyncEngine, ServingEngine), (InstantEngine, ServingEngine),
     (ModelRunner, Executor), (SimulatedExecutor, Executor), (ModelInputs, RequestInputs), (SimulatedInputs, RequestInputs),
     (ModelRunner, StepLauncher), (LaunchedTokens, LaunchedStep), (SimulatedExecutor, StepLauncher),
-    (SimulatedStep, LaunchedStep),
+    (SimulatedStep, LaunchedStep), (WallTimer, StepTimer), (SimulatedTimer, StepTimer),
 ])
 def test_each_engine_has_every_method_of_its_interface_with_the_same_signature(implementation, protocol):
     for name, declared in members(protocol).items():
@@ -55,15 +57,18 @@ def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
     from workers.sim.config import SimulationConfig
     from workers.sim.step_model import StepModel
 
-    core = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=16, max_model_len=256))
-    sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated")), SimulationConfig(model="qwen3-vl-30b-a3b"),
-                          StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
+    core = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=16, max_model_len=256))
+    sim = simulated(EngineConfig(checkpoint=Path("simulated")), SimulationConfig(model="qwen3-vl-30b-a3b"),
+                    StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
     assert isinstance(core, EngineCore) and isinstance(sim, EngineCore)
     assert isinstance(core.executor, Executor) and isinstance(sim.executor, Executor)
     assert isinstance(core.executor, StepLauncher) and isinstance(sim.executor, StepLauncher)
     assert isinstance(core.inputs, RequestInputs) and isinstance(sim.inputs, RequestInputs)
-    # one engine: the simulated one is an LLMEngine (its step loop, scheduler and request lifecycle) on another executor
-    assert isinstance(sim, LLMEngine) and type(sim.scheduler) is type(core.scheduler)
+    assert isinstance(core.timer, StepTimer) and isinstance(sim.timer, StepTimer)
+    # one engine: the simulated one is an LLMEngine (its step loop, scheduler and request lifecycle, one constructor)
+    # on another executor and clock
+    assert type(sim) is type(core) is LLMEngine and type(sim.scheduler) is type(core.scheduler)
+    assert isinstance(sim.executor, SimulatedExecutor) and isinstance(sim.timer, SimulatedTimer)
     served = AsyncEngine(sim)
     try:
         assert isinstance(served, ServingEngine) and isinstance(InstantEngine(), ServingEngine)

@@ -15,6 +15,7 @@ from scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
+from workers.request_options import RequestOptions
 
 IMAGE_PAD = 151655
 GREEDY = SamplingParams(max_tokens=10)
@@ -31,8 +32,8 @@ def image_prompt() -> PromptInput:
 @pytest.fixture(scope="module")
 def engines(tiny_moe_checkpoint):
     def make(**kw):
-        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4,
-                                      max_model_len=256, min_pixels=4096, max_pixels=65536, **kw))
+        return LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4,
+                                                  max_model_len=256, min_pixels=4096, max_pixels=65536, **kw))
     return make(), make(), make(dtype="bfloat16")
 
 
@@ -51,7 +52,7 @@ def tokens(outs) -> list[int]:
 def test_prefill_only_samples_one_token_and_holds_kv_until_released(engines):
     prefill, _, _ = engines
     free = prefill.block_manager.num_free_blocks
-    prefill.add_request("p", image_prompt(), GREEDY, prefill_only=True)
+    prefill.add_request("p", image_prompt(), GREEDY, RequestOptions(prefill_only=True))
     (last,) = drain(prefill)["p"]
     assert last.finished and last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert len(last.new_token_ids) == 1
@@ -70,7 +71,7 @@ def whole_then_prefill_split(prefill, decode):
     run's tokens, prefill's first token, its KV export; the prefill request released)."""
     decode.add_request("whole", image_prompt(), GREEDY)
     expected = tokens(drain(decode)["whole"])
-    prefill.add_request("split", image_prompt(), GREEDY, prefill_only=True)
+    prefill.add_request("split", image_prompt(), GREEDY, RequestOptions(prefill_only=True))
     first = tokens(drain(prefill)["split"])
     export = prefill.export_kv("split")
     prefill.release("split")
@@ -89,7 +90,7 @@ def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(en
         layers=[export.layer_bytes(i) for i in range(export.num_layers)],
     )
     # Its image is in the imported KV: the decode engine, which encoded it for the whole run, never encodes it.
-    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
+    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), RequestOptions(kv_import=received))
     rest = drain(decode)["split"]
     assert {rid for _, rid, _ in encodes} == {"whole"}
     assert first + tokens(rest) == expected
@@ -98,22 +99,22 @@ def test_kv_exported_by_one_engine_continues_on_another_with_identical_tokens(en
 
 def test_kv_import_into_an_engine_of_another_dtype_is_converted(engines):
     prefill, _, decode_bf16 = engines
-    prefill.add_request("x", image_prompt(), GREEDY, prefill_only=True)
+    prefill.add_request("x", image_prompt(), GREEDY, RequestOptions(prefill_only=True))
     drain(prefill)
     export = prefill.export_kv("x")
     prefill.release("x")
-    decode_bf16.add_request("x", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
+    decode_bf16.add_request("x", image_prompt(), SamplingParams(max_tokens=3), RequestOptions(kv_import=export))
     (*_, last) = drain(decode_bf16)["x"]
     assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3
 
 
 def test_kv_import_for_a_different_prompt_is_rejected(engines):
     prefill, decode, _ = engines
-    prefill.add_request("y", PromptInput([1, 2, 3, 4, 5]), GREEDY, prefill_only=True)
+    prefill.add_request("y", PromptInput([1, 2, 3, 4, 5]), GREEDY, RequestOptions(prefill_only=True))
     drain(prefill)
     export = prefill.export_kv("y")
     prefill.release("y")
-    decode.add_request("y", PromptInput([1, 2, 3]), GREEDY, kv_import=export)
+    decode.add_request("y", PromptInput([1, 2, 3]), GREEDY, RequestOptions(kv_import=export))
     (out,) = drain(decode)["y"]
     assert out.finish_reason is FinishReason.ERROR and "covers 5 tokens" in out.error
 
@@ -123,7 +124,7 @@ def test_resumed_request_continues_after_its_resume_tokens_without_streaming_the
     prompt = PromptInput([151644, 872, 198, 1, 2, 3, 151645, 198])
     decode.add_request("full", prompt, GREEDY)
     expected = tokens(drain(decode)["full"])
-    decode.add_request("resumed", prompt, SamplingParams(max_tokens=6), resume_token_ids=expected[:4])
+    decode.add_request("resumed", prompt, SamplingParams(max_tokens=6), RequestOptions(resume_token_ids=expected[:4]))
     outs = drain(decode)["resumed"]
     assert tokens(outs) == expected[4:]
     assert outs[-1].num_generated_tokens == 6
@@ -134,40 +135,40 @@ def test_fp8_kv_crosses_the_wire_into_another_fp8_engine_bit_exact_with_its_scal
     from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 
     def make():
-        return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
-                                      min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+        return LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                                  min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
     prefill, decode = make(), make()
-    scales = [(0.5, 0.25)] * len(prefill.runner.kv.layers)  # not the default: the scales must travel too
+    scales = [(0.5, 0.25)] * len(prefill.executor.kv.layers)  # not the default: the scales must travel too
     for engine in (prefill, decode):  # a fresh pool with these scales, as a checkpoint's k/v_scale would give
-        layers, block_size, heads, head_dim = engine.runner._kv_shape
-        engine.runner.kv = KvCache(layers, engine.runner.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
-                                   engine.runner.device, scales)
+        layers, block_size, heads, head_dim = engine.executor._kv_shape
+        engine.executor.kv = KvCache(layers, engine.executor.num_kv_blocks + 1, block_size, heads, head_dim, FP8_DTYPE,
+                                   engine.executor.device, scales)
     expected, first, export = whole_then_prefill_split(prefill, decode)
     assert export.dtype_name == "float8_e4m3fn" and export.scales == scales
     received = kv_from_chunks(kv_to_chunks(export), export.first_token_id)  # the proto messages PullKv streams
     assert received.scales == scales
-    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), kv_import=received)
+    decode.add_request("split", image_prompt(), SamplingParams(max_tokens=GREEDY.max_tokens - 1), RequestOptions(kv_import=received))
     outs = {}
     while "split" not in outs or not outs["split"][-1].finished:
         for out in decode.step():
             outs.setdefault(out.request_id, []).append(out)
         seq = decode.scheduler.find("split")
         if seq is not None and "imported" not in outs:  # after the step that copied the KV in
-            outs["imported"] = decode.runner.kv.gather(seq.block_table, export.num_tokens).clone()
+            outs["imported"] = decode.executor.kv.gather(seq.block_table, export.num_tokens).clone()
     assert torch.equal(outs["imported"].view(torch.uint8), export.stacked().view(torch.uint8))
     assert first + tokens(outs["split"]) == expected
 
 
 def test_an_fp8_engine_imports_bfloat16_kv_by_quantizing_it(engines, tiny_moe_checkpoint):
     _, _, prefill_bf16 = engines
-    prefill_bf16.add_request("q", image_prompt(), GREEDY, prefill_only=True)
+    prefill_bf16.add_request("q", image_prompt(), GREEDY, RequestOptions(prefill_only=True))
     drain(prefill_bf16)
     export = prefill_bf16.export_kv("q")
     prefill_bf16.release("q")
     assert export.scales is None
-    decode = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
-                                    min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
-    decode.add_request("q", image_prompt(), SamplingParams(max_tokens=3), kv_import=export)
+    decode = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, block_size=4, max_model_len=256,
+                                                min_pixels=4096, max_pixels=65536, kv_cache_dtype="fp8"))
+    decode.add_request("q", image_prompt(), SamplingParams(max_tokens=3), RequestOptions(kv_import=export))
     (*_, last) = drain(decode)["q"]
     assert last.finished and last.finish_reason is not FinishReason.ERROR and last.num_generated_tokens == 3
 
@@ -189,7 +190,7 @@ def test_kv_import_sent_without_its_images_continues_with_identical_tokens_and_d
     encodes = record_encodes(decode)
     expected, first, export = whole_then_prefill_split(prefill, decode)
     decode.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=GREEDY.max_tokens - 1),
-                       kv_import=export)
+                       RequestOptions(kv_import=export))
     rest = drain(decode)["bare"]
     assert first + tokens(rest) == expected
     assert {rid for _, rid, _ in encodes} == {"whole"}
@@ -201,7 +202,7 @@ def test_kv_import_without_images_whose_pad_run_disagrees_with_the_layout_is_rej
     ids = list(image_prompt().token_ids)
     ids.remove(IMAGE_PAD)  # 5 <|image_pad|> where the layout says 2 x 3
     ids.insert(0, 198)  # the same length, so only the layout check can tell
-    decode.add_request("short", PromptInput(ids), GREEDY, kv_import=export)
+    decode.add_request("short", PromptInput(ids), GREEDY, RequestOptions(kv_import=export))
     (out,) = drain(decode)["short"]
     assert out.finish_reason is FinishReason.ERROR and "5 <|image_pad|> tokens" in out.error
 
@@ -211,7 +212,7 @@ def test_kv_import_without_images_whose_layout_gives_another_mrope_delta_is_reje
     _, _, export = whole_then_prefill_split(prefill, decode)
     (image,) = export.image_layout
     export.image_layout = (type(image)(1, 6, image.digest),)  # 6 tokens still, but one row: MRoPE delta 0, not -3
-    decode.add_request("flat", without_images(image_prompt()), GREEDY, kv_import=export)
+    decode.add_request("flat", without_images(image_prompt()), GREEDY, RequestOptions(kv_import=export))
     (out,) = drain(decode)["flat"]
     assert out.finish_reason is FinishReason.ERROR and "MRoPE delta" in out.error
 
@@ -220,11 +221,11 @@ def test_a_kv_import_without_its_images_that_is_preempted_finishes_preempted_wit
         tiny_moe_checkpoint, engines):
     prefill, decode, _ = engines
     _, first, export = whole_then_prefill_split(prefill, decode)
-    small = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=8, block_size=4, max_model_len=256,
-                                   min_pixels=4096, max_pixels=65536))
+    small = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=8, block_size=4, max_model_len=256,
+                                               min_pixels=4096, max_pixels=65536))
     small.add_request("older", PromptInput([151644, 872, 198, 1, 2, 3, 151645, 198]), SamplingParams(max_tokens=20))
     small.step()  # the older request runs first: when blocks run out, the imported one is the youngest
-    small.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=20), kv_import=export)
+    small.add_request("bare", without_images(image_prompt()), SamplingParams(max_tokens=20), RequestOptions(kv_import=export))
     outs = drain(small)
     assert outs["bare"][-1].finish_reason is FinishReason.PREEMPTED
     assert "images" in outs["bare"][-1].error

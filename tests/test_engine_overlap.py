@@ -16,6 +16,7 @@ from image_fixtures import png
 from workers.config import EngineConfig
 from workers.core.sequence import PENDING_TOKEN
 from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
 from workers.executor.model_runner import LaunchedTokens
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
@@ -61,7 +62,7 @@ SCENARIOS = {
 
 
 def engine(checkpoint, overlap: bool, **limits) -> LLMEngine:
-    return LLMEngine(EngineConfig(checkpoint=checkpoint, overlap_decode_steps=overlap, **{**LIMITS, **limits}))
+    return LLMEngine.from_config(EngineConfig(checkpoint=checkpoint, overlap_decode_steps=overlap, **{**LIMITS, **limits}))
 
 
 def run(eng: LLMEngine, requests: dict[str, Request], stops: dict[str, int] | None = None,
@@ -93,14 +94,14 @@ def run(eng: LLMEngine, requests: dict[str, Request], stops: dict[str, int] | No
 
 def launches(eng: LLMEngine) -> list[tuple[bool, int, int]]:
     """Spies on the runner: per launched step, (queued behind a running step, prompt rows, images encoded)."""
-    calls, launch = [], eng.runner.launch
+    calls, launch = [], eng.executor.launch
 
     def spy(out, after=None):
         prompt = sum(c.num_tokens for c in out.chunks if c.start < c.seq.num_prompt_tokens)
         calls.append((after is not None, prompt, len(out.encode_now) + len(out.encode_ahead)))
         return launch(out, after)
 
-    eng.runner.launch = spy
+    eng.executor.launch = spy
     return calls
 
 
@@ -181,13 +182,13 @@ def test_a_prefill_only_request_and_its_kv_imported_elsewhere_overlap_too(tiny_m
     prompt, greedy = IMAGES["one"].prompt, SamplingParams(temperature=0.0, max_tokens=8)
     whole = run(engine(tiny_moe_checkpoint, False), {"whole": Request(prompt, 8)})["whole"][0]
     prefill, decode = engine(tiny_moe_checkpoint, True), engine(tiny_moe_checkpoint, True)
-    prefill.add_request("p", prompt, greedy, prefill_only=True)
+    prefill.add_request("p", prompt, greedy, RequestOptions(prefill_only=True))
     prefill.add_request("beside", text(1, 20), greedy)  # keeps steps launching behind p's
     first, reason = drain(prefill)["p"]
     assert len(first) == 1 and reason in (FinishReason.LENGTH, FinishReason.STOP)
     export = prefill.export_kv("p")  # held until released: the step behind its last one did not touch its blocks
     assert prefill.release("p") and prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-    decode.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=7), kv_import=export)
+    decode.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=7), RequestOptions(kv_import=export))
     decode.add_request("beside", text(2, 9), greedy)
     rest, _ = drain(decode)["p"]
     assert first + rest == whole
@@ -196,7 +197,7 @@ def test_a_prefill_only_request_and_its_kv_imported_elsewhere_overlap_too(tiny_m
 def test_a_step_that_fails_to_launch_behind_a_running_one_fails_its_requests_and_the_rest_go_on(tiny_moe_checkpoint):
     requests, limits = SCENARIOS["chunked text prompts"]
     eng = engine(tiny_moe_checkpoint, True, **limits)
-    launch, failed = eng.runner.launch, []
+    launch, failed = eng.executor.launch, []
 
     def fail_once_behind(out, after=None):
         if after is not None and not failed and any(c.seq.request_id == "t2" for c in out.chunks):
@@ -204,7 +205,7 @@ def test_a_step_that_fails_to_launch_behind_a_running_one_fails_its_requests_and
             raise RuntimeError("injected")
         return launch(out, after)
 
-    eng.runner.launch = fail_once_behind
+    eng.executor.launch = fail_once_behind
     got = run(eng, requests)
     assert "t2" in failed
     assert {rid for rid, (_, reason) in got.items() if reason is FinishReason.ERROR} == set(failed)
@@ -214,7 +215,7 @@ def test_a_step_that_fails_to_launch_behind_a_running_one_fails_its_requests_and
 def test_a_step_whose_tokens_cannot_be_read_fails_with_the_step_queued_behind_it(tiny_moe_checkpoint, monkeypatch):
     requests, limits = SCENARIOS["chunked text prompts"]
     eng = engine(tiny_moe_checkpoint, True, **limits)
-    steps, launch, waits, read = [], eng.runner.launch, [], LaunchedTokens.wait
+    steps, launch, waits, read = [], eng.executor.launch, [], LaunchedTokens.wait
 
     def recorded(out, after=None):
         steps.append({c.seq.request_id for c in out.chunks})
@@ -226,7 +227,7 @@ def test_a_step_whose_tokens_cannot_be_read_fails_with_the_step_queued_behind_it
             raise RuntimeError("injected")
         return read(self)
 
-    eng.runner.launch = recorded
+    eng.executor.launch = recorded
     monkeypatch.setattr(LaunchedTokens, "wait", wait)
     got = run(eng, requests)
     # the fifth step's wait failed: its requests, and those of the sixth, launched behind it, end with the error
@@ -238,15 +239,15 @@ def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_
     from pathlib import Path
 
     from workers.sim.config import SimulationConfig
-    from workers.sim.engine import SimulatedEngine, SimulatedExecutor
+    from workers.sim.engine import SimulatedExecutor, simulated
     from workers.sim.step_model import StepModel
 
     # as a multi-GPU instance's executor: it cannot launch a step behind a running one
     monkeypatch.setattr(SimulatedExecutor, "can_overlap", property(lambda self: False))
     with caplog.at_level("INFO"):
-        sim = SimulatedEngine(EngineConfig(checkpoint=Path("simulated"), overlap_decode_steps=True, **LIMITS),
-                              SimulationConfig(model="qwen3-vl-30b-a3b"), StepModel.build("h200", "qwen3-vl-30b-a3b"),
-                              realtime=False)
+        sim = simulated(EngineConfig(checkpoint=Path("simulated"), overlap_decode_steps=True, **LIMITS),
+                        SimulationConfig(model="qwen3-vl-30b-a3b"), StepModel.build("h200", "qwen3-vl-30b-a3b"),
+                        realtime=False)
     assert "cannot queue steps ahead" in caplog.text and not sim._overlap
     sim.add_request("x", text(0, 5), SamplingParams(temperature=0.0, max_tokens=5))
     while sim.has_unfinished():

@@ -17,6 +17,7 @@ from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
+from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink
 from workers.executor.rank_group import RankStartupError
 
@@ -40,7 +41,7 @@ PROMPTS = {
 
 def make(checkpoint, **kw) -> LLMEngine:
     settings = dict(num_kv_blocks=64, block_size=4, max_model_len=256, min_pixels=4096, max_pixels=65536) | kw
-    return LLMEngine(EngineConfig(checkpoint=checkpoint, **settings))
+    return LLMEngine.from_config(EngineConfig(checkpoint=checkpoint, **settings))
 
 
 def generate(engine: LLMEngine) -> dict[str, list[int]]:
@@ -54,7 +55,7 @@ def generate(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 def exported_kv(engine: LLMEngine) -> KvExport:
-    engine.add_request("held", PROMPTS["image"], GREEDY, prefill_only=True)
+    engine.add_request("held", PROMPTS["image"], GREEDY, RequestOptions(prefill_only=True))
     while engine.has_unfinished():
         engine.step()
     kv = engine.export_kv("held")
@@ -78,7 +79,7 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
         assert parallel_kv.num_kv_heads == kv.num_kv_heads
         torch.testing.assert_close(parallel_kv.stacked(), kv.stacked(), rtol=1e-4, atol=1e-5)
         # an imported KV is split over the ranks' caches and decodes on as one engine would
-        engine.add_request("imported", PROMPTS["image"], GREEDY, kv_import=kv)
+        engine.add_request("imported", PROMPTS["image"], GREEDY, RequestOptions(kv_import=kv))
         out = []
         while engine.has_unfinished():
             out += [t for o in engine.step() for t in o.new_token_ids]
@@ -90,7 +91,7 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
 def test_a_parallel_layout_that_cannot_split_the_kv_heads_fails_naming_the_key(tiny_moe_checkpoint):
     from workers.model.text import Qwen3VLTextForEngine
     from workers.parallel import TensorParallel
-    from workers.weights import CheckpointError, load_model_config
+    from workers.model_config import CheckpointError, load_model_config
 
     cfg = load_model_config(tiny_moe_checkpoint).text
     with pytest.raises(CheckpointError, match="num_key_value_heads"):
@@ -118,7 +119,7 @@ def test_kv_link_moves_an_export_to_the_decode_side_which_continues_it_exactly(t
         receiver.close()
     assert torch.equal(moved.stacked(), kv.stacked()) and moved.mrope_position_delta == kv.mrope_position_delta
     engine = make(tiny_moe_checkpoint)
-    engine.add_request("moved", PROMPTS["image"], GREEDY, kv_import=moved)
+    engine.add_request("moved", PROMPTS["image"], GREEDY, RequestOptions(kv_import=moved))
     out = []
     while engine.has_unfinished():
         out += [t for o in engine.step() for t in o.new_token_ids]
@@ -165,7 +166,7 @@ def test_two_cpu_ranks_with_an_fp8_cache_gather_and_import_fp8_kv_as_one_rank_do
         assert parallel_kv.dtype_name == "float8_e4m3fn" and parallel_kv.scales == kv.scales
         # float32 K/V rounded to e4m3 on either side of a tie can land one step apart: compare dequantized
         torch.testing.assert_close(parallel_kv.stacked().float(), kv.stacked().float(), rtol=0.07, atol=2**-9)
-        engine.add_request("imported", PROMPTS["image"], GREEDY, kv_import=kv)  # FP8 rows broadcast as bytes
+        engine.add_request("imported", PROMPTS["image"], GREEDY, RequestOptions(kv_import=kv))  # FP8 rows broadcast as bytes
         while engine.has_unfinished():
             for out in engine.step():
                 assert out.finish_reason is not FinishReason.ERROR

@@ -48,7 +48,7 @@ def test_a_grammar_masks_only_its_own_row_and_advances_with_the_sampled_token():
 
 @pytest.fixture(scope="module")
 def engine(tiny_moe_checkpoint):
-    return LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128))
+    return LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128))
 
 
 def generate(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, build_vision_module, frame_runs
 from workers.tiny_checkpoint import released_config, transformers_config
-from workers.weights import load_model_config
+from workers.model_config import load_model_config
 
 # Several sizes in one batch: a run of two equal images, odd aspect ratios, and a video-like grid of two frames.
 GRIDS = [[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4], [1, 6, 2], [1, 8, 8]]
@@ -133,9 +133,10 @@ def test_a_patch_count_that_disagrees_with_the_grid_is_refused(tiny_vision):
 
 
 def test_encoder_loads_the_checkpoints_vision_weights(tiny_moe_checkpoint):
-    from workers.weights import VISION_PREFIX, iter_tensors
+    from workers.weights import VISION_PREFIX, iter_tensors, vision_module
 
-    encoder = VisionEncoder(load_model_config(tiny_moe_checkpoint), tiny_moe_checkpoint, torch.device("cpu"), torch.float32)
+    cpu, config = torch.device("cpu"), load_model_config(tiny_moe_checkpoint)
+    encoder = VisionEncoder(config, vision_module(config, tiny_moe_checkpoint, cpu, torch.float32), cpu, torch.float32)
     state = dict(iter_tensors(tiny_moe_checkpoint, VISION_PREFIX))
     assert torch.equal(encoder.model.blocks[0].attn.qkv.weight, state["blocks.0.attn.qkv.weight"])
     assert encoder.model.rotary_pos_emb.inv_freq.dtype == torch.float32

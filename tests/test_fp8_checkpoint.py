@@ -19,12 +19,13 @@ from image_fixtures import png
 from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
 from contract.types import PromptInput
 from workers.config import EngineConfig
-from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks, quantize_weight_blocks
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE, dequantize_weight_blocks, quantize_weight_blocks
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
 from workers.executor.model_runner import build_text_model
 from workers.parallel import TensorParallel
-from workers.weights import CheckpointError, load_model_config
+from workers.model_config import CheckpointError, load_model_config
 
 BLOCK = (16, 16)
 

@@ -20,7 +20,7 @@ from workers.model.fp8 import FP8_DTYPE
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
 from workers.executor.model_runner import build_text_model
-from workers.weights import load_model_config
+from workers.model_config import load_model_config
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import fp8, fp8_gemm, fused_moe
-from workers.model.fp8 import FP8_DTYPE, BlockShape
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and fp8_gemm.triton is not None
 interpreter = pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")

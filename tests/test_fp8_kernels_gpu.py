@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import fp8, fp8_gemm, fused_moe, grouped_fp8_moe
-from workers.model.fp8 import BlockShape
+from workers.checkpoint_quant import BlockShape
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

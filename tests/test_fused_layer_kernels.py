@@ -157,7 +157,7 @@ def kernels_on_cpu(monkeypatch):
 @interpreter
 @pytest.mark.parametrize("block", [(128, 128), (1, 1 << 30)], ids=["128x128-blocks", "per-channel"])
 def test_an_fp8_projection_reads_the_rows_its_norm_quantised_in_the_same_launch(kernels_on_cpu, monkeypatch, block):
-    from workers.model.fp8 import BlockShape
+    from workers.checkpoint_quant import BlockShape
     from workers.model.layers import RMSNorm
     from workers.model.norm_quant import Fp8Rows
 
@@ -181,7 +181,7 @@ def test_an_fp8_projection_reads_the_rows_its_norm_quantised_in_the_same_launch(
 def test_an_fp8_moe_block_reads_its_norms_fp8_rows_and_the_alignment_its_routers_launch_made(
         kernels_on_cpu, monkeypatch, expert_parallel):
     from workers.model import fp8, fused_moe
-    from workers.model.fp8 import BlockShape
+    from workers.checkpoint_quant import BlockShape
     from workers.model.layers import RMSNorm
     from workers.model.moe import SparseMoeBlock
     from workers.parallel import TensorParallel
@@ -215,9 +215,10 @@ def test_an_fp8_moe_block_reads_its_norms_fp8_rows_and_the_alignment_its_routers
 
 def one_layer_model(block: tuple[int, int] | None, device: str = "cuda"):
     """A one-layer text tower at Qwen3-VL-30B-A3B's shapes, random weights (FP8 in `block`s, or bf16)."""
-    from workers.model.fp8 import BlockShape
+    from workers.checkpoint_quant import BlockShape
     from workers.model.text import Qwen3VLTextForEngine
-    from workers.weights import TextConfig, init_random_fp8_weights, init_random_weights
+    from workers.model_config import TextConfig
+    from workers.weights import init_random_fp8_weights, init_random_weights
 
     cfg = TextConfig(vocab_size=4096, hidden_size=2048, intermediate_size=6144, num_hidden_layers=1,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=EPS, rope_theta=5e6,

@@ -21,6 +21,7 @@ from harness.system_config import PoolSection, RaySection
 from router.client import RouterClient
 from router.config import RouterConfig
 from workers.sim.instant_engine import InstantEngine
+from workers.serve.worker_build import WorkerSettings
 from router.server import RouterServer
 from contract.wire import pb
 from harness.process_tree import descendants
@@ -58,10 +59,7 @@ def fleet(router):
         engine = InstantEngine(step_delay_s=0.001)
         return ServedEngine(engine, engine.generation_defaults)
 
-    template = WorkerSpec(
-        worker_id="", role="aggregated", router_address=address, router_token=None,
-        engine_factory=instant_engine, heartbeat_interval_s=0.2,
-    )
+    template = WorkerSpec(WorkerSettings("", router_address=address, heartbeat_interval_s=0.2), instant_engine)
     pools = [PoolSection(role="prefill", count=1, cpus_per_worker=0.5),
              PoolSection(role="decode", count=1, cpus_per_worker=0.5)]
     fleet = WorkerFleet(pools, template)

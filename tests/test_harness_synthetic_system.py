@@ -22,7 +22,7 @@ from harness.system_config import (
     parse_system_config,
 )
 from workers.tiny_checkpoint import GENERATION_CONFIG, released_config
-from workers.weights import load_generation_config, load_model_config
+from workers.model_config import load_generation_config, load_model_config
 
 SYSTEM = "h200x1-synthetic"
 

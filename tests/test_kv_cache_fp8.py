@@ -17,7 +17,8 @@ from harness.system_config import CONFIG_DIR, ConfigError, engine_config, parse_
 from workers.config import EngineConfig
 from workers.kv_cache import FP8_DTYPE, KvCache, KvExport, cache_dtype, from_cache, quantize_fp8
 from workers.model.attention import gather_kv, write_kv
-from workers.weights import CheckpointError, load_kv_scales
+from workers.model_config import CheckpointError
+from workers.weights import load_kv_scales
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 0.37, 3.0])

@@ -21,9 +21,10 @@ from workers.config import EngineConfig
 from workers.executor.model_runner import build_text_model
 from workers.quantized_checkpoint import channel_quantization_config, quantize_checkpoint
 from workers.model import fp8, nvfp4
-from workers.model.fp8 import FP8_DTYPE, BlockShape
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE
 from workers.model.layers import Fp8Linear
-from workers.weights import CheckpointError, load_model_config
+from workers.model_config import CheckpointError, load_model_config
 
 E2M1 = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0}
 

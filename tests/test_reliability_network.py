@@ -39,6 +39,7 @@ from harness.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.serve.server import WorkerServer
+from workers.serve.worker_build import WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tests" / "harness"
@@ -83,7 +84,8 @@ class Workers:
 
     def __init__(self, address: str, step_delay_s: float = 0.002):
         self.engines = [InstantEngine(step_delay_s=step_delay_s) for _ in range(2)]
-        self.servers = [WorkerServer(e, f"w{i}", "aggregated", address, token=TOKEN, heartbeat_interval_s=0.2)
+        self.servers = [WorkerServer(e, WorkerSettings(f"w{i}", router_address=address, token=TOKEN,
+                                                       heartbeat_interval_s=0.2))
                         for i, e in enumerate(self.engines)]
         self.client = RouterClient(address, token=TOKEN)
 

@@ -434,7 +434,7 @@ def test_json_schema_response_from_the_tiny_checkpoint_parses_and_validates(tiny
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_dense_checkpoint, num_kv_blocks=64, max_model_len=512)))
+    engine = AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=tiny_dense_checkpoint, num_kv_blocks=64, max_model_len=512)))
     response_format = {"type": "json_schema", "json_schema": {"name": "product", "schema": SCHEMA, "strict": True}}
 
     async def body():

@@ -16,6 +16,7 @@ from contract.types import FinishReason, RequestOutput
 from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
+from workers.request_options import NO_OPTIONS
 from workers.sim.instant_engine import InstantEngine, next_token
 from tests.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
 
@@ -382,10 +383,10 @@ class PreemptingEngine(InstantEngine):
     """An instant engine that, like a decode worker short of KV blocks, drops a KV-imported request after its first
     tokens and cannot compute it again (it has none of the prompt's images): it ends it PREEMPTED."""
 
-    async def generate(self, request_id, prompt, sampling, *, kv_import=None, **kwargs):
-        outputs = super().generate(request_id, prompt, sampling, kv_import=kv_import, **kwargs)
+    async def generate(self, request_id, prompt, sampling, options=NO_OPTIONS):
+        outputs = super().generate(request_id, prompt, sampling, options)
         async for out in outputs:
-            if kv_import is not None and out.num_generated_tokens == 2:
+            if options.kv_import is not None and out.num_generated_tokens == 2:
                 await outputs.aclose()
                 yield RequestOutput(request_id, out.new_token_ids, True, FinishReason.PREEMPTED, "preempted",
                                     out.num_prompt_tokens, out.num_generated_tokens)

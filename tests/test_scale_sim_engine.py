@@ -1,7 +1,9 @@
-"""SimulatedEngine: the real scheduler's semantics (budget, max_num_seqs, KV blocks), token counts, KV hand-off."""
+"""The simulated engine (workers.sim.engine.simulated): the real scheduler's semantics (budget, max_num_seqs, KV
+blocks), token counts, KV hand-off."""
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,9 @@ from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
 from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
+from workers.sim.engine import simulated
 from workers.sim.step_model import Calibration, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
 from workers.stats import poisson_arrivals
@@ -19,14 +23,14 @@ PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)
 RUN9 = Path(__file__).resolve().parent.parent / "benchmarks" / "2026-11-30-run9-30b-a3b.json"
 
 
-def engine(**kw) -> SimulatedEngine:
+def engine(realtime: bool = False, **kw) -> LLMEngine:
     config = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=kw.pop("max_num_seqs", 8),
                           max_num_batched_tokens=kw.pop("budget", 256), num_kv_blocks=kw.pop("blocks", 256))
     sim = SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=kw.pop("output_tokens", 5), **kw)
-    return SimulatedEngine(config, sim, StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
+    return simulated(config, sim, StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=realtime)
 
 
-def run_all(e: SimulatedEngine) -> dict[str, list]:
+def run_all(e: LLMEngine) -> dict[str, list]:
     outputs: dict[str, list] = {}
     while e.has_unfinished():
         for out in e.step():
@@ -58,10 +62,10 @@ def test_step_time_charges_prefill_vision_and_decode():
     e = engine(budget=512)
     e.add_request("a", PROMPT, SamplingParams(max_tokens=150))
     e.step()  # the whole 200-token prompt with its 64-token image
-    prefill = e.last_step_s
+    prefill = e.executor.last_step_s
     e.step()
-    decode = e.last_step_s
-    m = e.step_model
+    decode = e.executor.last_step_s
+    m = e.executor.step_model
     c = m.calibration
     assert prefill * 1e3 == pytest.approx(  # the engine's first image of 256 patches: cuDNN builds its plan
         c.base_ms(201, m.model.expert_share) + c.visual_token_extra_ms * 64 + m.vision_ms(256) + c.vision_plan_ms,
@@ -69,28 +73,29 @@ def test_step_time_charges_prefill_vision_and_decode():
     assert 0 < decode < prefill
 
 
-def prefill_alone_s(e: SimulatedEngine, rid: str, prompt: PromptInput) -> float:
+def prefill_alone_s(e: LLMEngine, rid: str, prompt: PromptInput) -> float:
     """The step that prefills `prompt` on an otherwise idle engine; the request is then run to its end."""
     e.add_request(rid, prompt, SamplingParams(max_tokens=150))
     e.step()
-    step_s = e.last_step_s
+    step_s = e.executor.last_step_s
     run_all(e)
     return step_s
 
 
 def test_only_the_first_image_of_a_size_pays_the_cudnn_plan():
     e = engine(budget=512)
-    plan_s = e.step_model.calibration.vision_plan_ms / 1e3
+    plan_s = e.executor.step_model.calibration.vision_plan_ms / 1e3
     first, second = prefill_alone_s(e, "a", PROMPT), prefill_alone_s(e, "b", PROMPT)
     assert plan_s > 0 and first - second == pytest.approx(plan_s)
     other = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 100)  # a new size: 400 patches
     assert prefill_alone_s(e, "c", other) - prefill_alone_s(e, "d", other) == pytest.approx(plan_s)
-    assert e.encoded_sizes == {256, 400}
+    assert e.executor.encoded_sizes == {256, 400}
 
 
 def test_a_calibration_without_a_tower_bench_charges_no_plan():
     e = engine(budget=512)
-    e.step_model = dataclasses.replace(e.step_model, calibration=Calibration.from_bench(RUN9))  # session-2 code
+    session2 = Calibration.from_bench(RUN9)  # session-2 code
+    e.executor.step_model = dataclasses.replace(e.executor.step_model, calibration=session2)
     assert prefill_alone_s(e, "a", PROMPT) == pytest.approx(prefill_alone_s(e, "b", PROMPT))
 
 
@@ -103,32 +108,35 @@ def test_a_prompt_longer_than_the_kv_pool_fails_with_a_reason():
 
 def test_prefill_only_hands_its_kv_to_a_decode_engine():
     p, d = engine(), engine()
-    p.add_request("x", PROMPT, SamplingParams(max_tokens=150), prefill_only=True)
+    p.add_request("x", PROMPT, SamplingParams(max_tokens=150), RequestOptions(prefill_only=True))
     (first,) = [o for outs in run_all(p).values() for o in outs]
     kv = p.export_kv("x")
     assert kv.num_tokens == len(PROMPT.token_ids) and kv.first_token_id == first.new_token_ids[0]
     assert p.release("x") and p.block_manager.num_free_blocks == p.block_manager.num_blocks
-    d.add_request("x", PROMPT, SamplingParams(max_tokens=150), kv_import=kv)
+    d.add_request("x", PROMPT, SamplingParams(max_tokens=150), RequestOptions(kv_import=kv))
     tokens = [t for o in run_all(d)["x"] for t in o.new_token_ids]
     assert len(tokens) == 5
-    assert d.busy_s < 5 * 0.013 < 5 * p.busy_s  # five batch-1 decode steps; no prefill charged on the decode side
+    # five batch-1 decode steps; no prefill charged on the decode side
+    assert d.executor.busy_s < 5 * 0.013 < 5 * p.executor.busy_s
 
 
 def test_async_engine_serves_the_simulated_engine_in_real_time():
     from workers.serve.async_engine import AsyncEngine
 
-    e = engine(time_scale=0.01)
-    e.realtime = True
+    e = engine(realtime=True)
     wrapped = AsyncEngine(e)
 
     async def go():
         return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=150))]
 
+    started = time.monotonic()
     try:
         outs = asyncio.run(go())
     finally:
         wrapped.shutdown()
     assert outs[-1].finished and outs[-1].num_generated_tokens == 5
+    # its steps lasted what the step model says of them (slept out: time_scale 1), not the microseconds they compute
+    assert time.monotonic() - started >= e.executor.busy_s > 0.05
 
 
 def test_least_loaded_beats_round_robin_at_the_tail_or_ties():
@@ -160,8 +168,7 @@ def test_a_requests_latency_bound_becomes_its_deadline_on_the_engines_clock():
 def test_the_async_engine_hands_a_requests_latency_bound_to_the_engine():
     from workers.serve.async_engine import AsyncEngine
 
-    e = engine(time_scale=0.01)
-    e.realtime = True
+    e = engine(realtime=True, time_scale=0.01)
     deadlines, add = {}, e.add_prepared
 
     def recording_add(prepared):
@@ -173,7 +180,8 @@ def test_the_async_engine_hands_a_requests_latency_bound_to_the_engine():
     wrapped = AsyncEngine(e)
 
     async def go():
-        return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=5), latency_bound_s=12.0)]
+        return [o async for o in wrapped.generate("a", PROMPT, SamplingParams(max_tokens=5),
+                                                    RequestOptions(latency_bound_s=12.0))]
 
     try:
         asyncio.run(go())

@@ -14,7 +14,7 @@ from scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.sim.engine import simulated
 from workers.sim.step_model import StepModel
 from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 from contract.types import FinishReason, PromptInput, SamplingParams
@@ -75,8 +75,8 @@ def run(engine) -> tuple[list, list]:
 @pytest.mark.parametrize("encode_ahead", [True, False])
 def test_the_simulated_engine_schedules_and_encodes_as_the_real_engine_does(tiny_moe_checkpoint, encode_ahead, overlap):
     settings = dict(encode_ahead=encode_ahead, overlap_decode_steps=overlap, **LIMITS)
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, **settings))
-    sim = SimulatedEngine(
+    real = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, **settings))
+    sim = simulated(
         EngineConfig(checkpoint=Path("simulated"), **settings),
         SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000),
         StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False, vision=real.scheduler.limits.vision,

@@ -9,7 +9,8 @@ from pathlib import Path
 from harness.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.engine import LLMEngine
+from workers.sim.engine import simulated
 from workers.sim.latency import kept_up
 from workers.sim.step_model import StepModel
 from workers.sim.trace import TracedRequest, read_traces
@@ -66,14 +67,14 @@ def test_latency_split_adds_a_requests_prefill_and_decode_segments():
     assert split["engine_overrun_mean_s"] == (0.5 + 1.0) / 2 / 10
 
 
-def _engine(tmp_path: Path | None = None, **kw) -> SimulatedEngine:
+def _engine(tmp_path: Path | None = None, **kw) -> LLMEngine:
     config = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64)
     sim = SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=6, time_scale=1e-3,
                            trace_dir=str(tmp_path) if tmp_path else None, **kw)
-    return SimulatedEngine(config, sim, StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=tmp_path is not None)
+    return simulated(config, sim, StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=tmp_path is not None)
 
 
-def _tokens_per_output(e: SimulatedEngine) -> dict[str, list[list[int]]]:
+def _tokens_per_output(e: LLMEngine) -> dict[str, list[list[int]]]:
     outputs: dict[str, list[list[int]]] = {}
     while e.has_unfinished():
         for out in e.step():

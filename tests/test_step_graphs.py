@@ -31,7 +31,7 @@ def reference(checkpoint):
 
 def piecewise(engine, capture: bool = False) -> MixedStepGraphs:
     """The engine's runner takes every step through the piecewise forward (on the CPU, without graphs)."""
-    runner = engine.runner
+    runner = engine.executor
     runner.step_graphs = MixedStepGraphs(
         runner.model, runner.kv, step_graph_sizes(engine.config.max_num_batched_tokens),
         num_deepstack(runner.model_config), scratch_block=runner.num_kv_blocks, capture=capture,
@@ -60,11 +60,11 @@ def test_mixed_steps_with_images_through_the_pieces_match_transformers_and_never
     }
     engine = make_engine(checkpoint)
     piecewise(engine)
-    plain = engine.runner.model.forward
-    engine.runner.model.forward = lambda *a, **k: pytest.fail("a step ran the plain forward")
+    plain = engine.executor.model.forward
+    engine.executor.model.forward = lambda *a, **k: pytest.fail("a step ran the plain forward")
     arrivals = {0: [(rid, cases[rid][0]) for rid in ("two-images", "one-image", "text")], 3: [("late", cases["late"][0])]}
     got = run_to_completion(engine, arrivals)
-    engine.runner.model.forward = plain
+    engine.executor.model.forward = plain
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 
 
@@ -83,7 +83,7 @@ def test_a_prompt_prefilled_in_chunks_through_the_pieces_matches_transformers(ch
 def test_each_steps_hidden_states_equal_the_plain_forwards_and_padding_writes_only_the_scratch_block(checkpoint, reference):
     engine = make_engine(checkpoint)
     graphs = piecewise(engine)
-    runner = engine.runner
+    runner = engine.executor
     checked = []
     run = graphs.run
 
@@ -122,7 +122,7 @@ def test_on_cuda_the_captured_graphs_give_the_eager_engines_tokens(checkpoint):
     for graphs in (True, False):
         engine = make_engine(checkpoint, device="cuda", num_kv_blocks=None, gpu_memory_utilization=0.3,
                              max_num_batched_tokens=1024, mixed_step_graphs=graphs)
-        assert (engine.runner.step_graphs is not None) == graphs
+        assert (engine.executor.step_graphs is not None) == graphs
         results[graphs] = run_to_completion(engine, {0: [("image", prompts["image"])], 2: [("text", prompts["text"])]},
                                             max_tokens=16)
         engine.close()
@@ -162,9 +162,9 @@ def test_on_cuda_the_30b_shapes_graphed_steps_equal_its_eager_forward_within_bf1
     gc.collect()  # the previous case's engine and its KV pool (half the GPU)
     torch.cuda.empty_cache()
     write_config("30b-a3b", 4, tmp_path, PRECISIONS[weights][0])
-    engine = LLMEngine(EngineConfig(checkpoint=tmp_path, load_format="random", device="cuda", max_num_batched_tokens=4096,
-                                    max_model_len=8192, gpu_memory_utilization=0.5, warm_up=False))
-    runner, graphs = engine.runner, engine.runner.step_graphs
+    engine = LLMEngine.from_config(EngineConfig(checkpoint=tmp_path, load_format="random", device="cuda", max_num_batched_tokens=4096,
+                                                max_model_len=8192, gpu_memory_utilization=0.5, warm_up=False))
+    runner, graphs = engine.executor, engine.executor.step_graphs
     assert graphs is not None and graphs.capture
     errors = []
     run = graphs.run
@@ -185,5 +185,5 @@ def test_on_cuda_the_30b_shapes_graphed_steps_equal_its_eager_forward_within_bf1
     while engine.has_unfinished():
         engine.step()
     engine.close()
-    del engine, runner, graphs
+    del engine, graphs  # (runner stays referenced by compare, which graphs.run held)
     assert len(errors) >= 5 and max(errors) < (5e-2 if weights == "fp8" else 2e-2), errors

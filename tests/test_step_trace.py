@@ -18,7 +18,7 @@ from contract.types import SamplingParams
 from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.sim.engine import simulated
 from workers.sim.step_fit import fit_steps
 from workers.sim.step_model import StepCorrection, StepModel
 
@@ -29,8 +29,8 @@ def traced_work(directory: Path) -> list[dict]:
 
 def test_the_real_engine_traces_each_step_with_the_work_the_simulated_engine_charges(tiny_moe_checkpoint, tmp_path):
     one_at_a_time = dict(overlap_decode_steps=False, **LIMITS)  # run() counts the scheduler's calls as steps
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **one_at_a_time))
-    sim = SimulatedEngine(
+    real = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **one_at_a_time))
+    sim = simulated(
         EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **one_at_a_time),
         SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000),
         StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False, vision=real.scheduler.limits.vision,
@@ -118,7 +118,7 @@ def test_a_malformed_trace_line_is_named_by_file_and_line(tmp_path):
 
 
 def test_every_request_gets_one_line_with_its_times_in_order(tiny_moe_checkpoint, tmp_path):
-    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    engine = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
     run(engine)
     engine.close()
     lines = {line["request"]: line for line in read_requests(tmp_path)}
@@ -142,8 +142,8 @@ def test_a_served_request_records_its_wait_for_a_preparation_thread_and_an_abort
     from contract.types import PromptInput, SamplingParams
     from workers.serve.async_engine import AsyncEngine
 
-    served = AsyncEngine(LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128,
-                                                step_trace_dir=str(tmp_path))))
+    served = AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, num_kv_blocks=64, max_model_len=128,
+                                                            step_trace_dir=str(tmp_path))))
 
     async def main():
         done = [o async for o in served.generate("whole", PromptInput([1, 2, 3]), SamplingParams(max_tokens=3))]
@@ -164,7 +164,7 @@ def test_a_served_request_records_its_wait_for_a_preparation_thread_and_an_abort
 def test_request_phases_split_each_request_at_its_trace_points(tiny_moe_checkpoint, tmp_path):
     from workers.core.step_trace import PHASES, request_phases
 
-    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    engine = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
     run(engine)
     engine.close()
     lines = read_requests(tmp_path)
@@ -210,7 +210,7 @@ def test_a_search_takes_the_product_paths_own_fit_unless_told_none_and_the_repla
 
 def test_each_step_splits_its_wall_time_into_the_host_s_part_and_the_wait_for_the_device(tiny_moe_checkpoint, tmp_path):
     # the simulated engine in real time sleeps each step's modelled device time inside execute: its wait
-    sim = SimulatedEngine(
+    sim = simulated(
         EngineConfig(checkpoint=Path("simulated"), step_trace_dir=str(tmp_path / "sim"), **LIMITS),
         SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=1000, time_scale=20.0),
         StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=True,
@@ -226,7 +226,7 @@ def test_each_step_splits_its_wall_time_into_the_host_s_part_and_the_wait_for_th
         assert phases.host == pytest.approx(phases.schedule + phases.execute - phases.wait + phases.update)
     sim.close()
     # the real engine on the CPU waits for nothing: every step is host time, and its trace lines say so
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    real = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
     run(real)
     real.close()
     lines = [line for line in _trace_lines(tmp_path / "real") if "request" not in line]
@@ -253,7 +253,7 @@ def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tm
     assert [step_kind(line) for line in ({"num_seqs": 3, "prefill_tokens": 0}, {"num_seqs": 2, "prefill_tokens": 40},
             {"num_seqs": 1, "prefill_tokens": 0, "vision_patches": [64]}, {"num_seqs": 0, "vision_patches": [4096]})] \
         == ["decode", "prompt", "prompt", "tower"]
-    real = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
+    real = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path / "real"), **LIMITS))
     run(real)
     real.close()
     lines = read_step_lines(tmp_path / "real")
@@ -273,7 +273,7 @@ def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tm
 def test_each_request_line_places_its_tower_passes_and_prompt_chunks(tiny_moe_checkpoint, tmp_path):
     from workers.core.step_trace import TIMELINE, request_timeline
 
-    engine = LLMEngine(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
+    engine = LLMEngine.from_config(EngineConfig(checkpoint=tiny_moe_checkpoint, step_trace_dir=str(tmp_path), **LIMITS))
     run(engine)
     engine.close()
     lines = {line["request"]: line for line in read_requests(tmp_path)}

@@ -193,8 +193,8 @@ def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkp
     from test_engine_equivalence import make_engine
 
     engine = make_engine(tiny_moe_checkpoint, vision_attention="triton_fp8")
-    assert engine.runner.vision.tower.attention == "triton_fp8"
-    assert make_engine(tiny_moe_checkpoint).runner.vision.tower.attention == "auto"  # the default
+    assert engine.executor.vision.tower.attention == "triton_fp8"
+    assert make_engine(tiny_moe_checkpoint).executor.vision.tower.attention == "auto"  # the default
 
 
 def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):

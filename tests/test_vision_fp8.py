@@ -14,15 +14,17 @@ from test_engine_vision import GRIDS, pixels_for
 from contract.types import PromptInput
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.vision import VisionEncoder
-from workers.weights import load_model_config
+from workers.model_config import load_model_config
+from workers.weights import vision_module
 
 
 @pytest.fixture(scope="module")
 def encoders(tiny_moe_checkpoint):
     config = load_model_config(tiny_moe_checkpoint)
     cpu = torch.device("cpu")
-    return (VisionEncoder(config, tiny_moe_checkpoint, cpu, torch.float32),
-            VisionEncoder(config, tiny_moe_checkpoint, cpu, torch.float32, fp8_linears=True))
+    return (VisionEncoder(config, vision_module(config, tiny_moe_checkpoint, cpu, torch.float32), cpu, torch.float32),
+            VisionEncoder(config, vision_module(config, tiny_moe_checkpoint, cpu, torch.float32), cpu, torch.float32,
+                          fp8_linears=True))
 
 
 def test_fp8_linears_hold_e4m3_weights_with_one_scale_per_output_row(encoders):

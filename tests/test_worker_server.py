@@ -17,6 +17,7 @@ from tests.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.server import WorkerServer
+from workers.serve.worker_build import WorkerSettings
 
 
 class Worker:
@@ -24,7 +25,7 @@ class Worker:
 
     def __init__(self, engine: InstantEngine | None = None, role: str = "aggregated"):
         self.engine = engine or InstantEngine()
-        self.server = WorkerServer(self.engine, "wt", role)
+        self.server = WorkerServer(self.engine, WorkerSettings("wt", role))
 
     async def __aenter__(self):
         await self.server.start()
@@ -86,8 +87,8 @@ class HeldEngine(InstantEngine):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def generate(self, request_id, prompt, sampling, **kwargs):
-        outputs = aiter(super().generate(request_id, prompt, sampling, **kwargs))
+    async def generate(self, request_id, prompt, sampling, *options):
+        outputs = aiter(super().generate(request_id, prompt, sampling, *options))
         yield await anext(outputs)
         await self.release.wait()
         rest = [out async for out in outputs]
@@ -203,6 +204,6 @@ def test_worker_registers_again_when_the_router_forgets_it():
 
 def test_non_loopback_listen_requires_a_token():
     with pytest.raises(ValueError, match="token"):
-        WorkerServer(InstantEngine(), "w", "decode", listen="0.0.0.0:0")
+        WorkerServer(InstantEngine(), WorkerSettings("w", "decode", listen="0.0.0.0:0"))
     with pytest.raises(ValueError, match="role"):
-        WorkerServer(InstantEngine(), "w", "encoder")
+        WorkerServer(InstantEngine(), WorkerSettings("w", "encoder"))

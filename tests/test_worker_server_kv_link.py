@@ -23,6 +23,7 @@ from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.serve.kv_transfer import KvLink
 from workers.serve.server import WorkerServer
+from workers.serve.worker_build import WorkerSettings
 
 
 def image_bytes() -> bytes:
@@ -58,8 +59,8 @@ class LinkedPair:
         self.checkpoint = checkpoint
 
     def engine(self) -> AsyncEngine:
-        return AsyncEngine(LLMEngine(EngineConfig(checkpoint=self.checkpoint, num_kv_blocks=64, block_size=4,
-                                                  max_model_len=256, min_pixels=4096, max_pixels=65536)))
+        return AsyncEngine(LLMEngine.from_config(EngineConfig(checkpoint=self.checkpoint, num_kv_blocks=64, block_size=4,
+                                                              max_model_len=256, min_pixels=4096, max_pixels=65536)))
 
     async def __aenter__(self):
         port = free_port()
@@ -67,7 +68,7 @@ class LinkedPair:
             links = list(pool.map(lambda role: KvLink(KvLinkConfig("127.0.0.1", port, role, "cpu", timeout_s=60)),
                                   ("prefill", "decode")))
         self.engines = [self.engine(), self.engine()]
-        self.servers = [WorkerServer(e, f"w-{role}", role, kv_link=link)
+        self.servers = [WorkerServer(e, WorkerSettings(f"w-{role}", role), kv_link=link)
                         for e, role, link in zip(self.engines, ("prefill", "decode"), links)]
         for server in self.servers:
             await server.start()
@@ -128,4 +129,4 @@ def test_a_link_whose_role_differs_from_the_worker_role_is_refused():
         config = KvLinkConfig("127.0.0.1", 1, "decode", "cpu")
 
     with pytest.raises(ValueError, match="kv_link role"):
-        WorkerServer(InstantEngine(), "w", "prefill", kv_link=Link())
+        WorkerServer(InstantEngine(), WorkerSettings("w", "prefill"), kv_link=Link())

@@ -26,10 +26,20 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from workers.model.fp8 import BlockShape
-
 # A block as wide as any weight: per-channel scales are one K group.
 WHOLE_ROW = 1 << 30
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Rows (output features) x columns (input features) covered by one weight scale."""
+
+    n: int
+    k: int
+
+    def grid(self, rows: int, cols: int) -> tuple[int, int]:
+        """The scale tensor's last two dims for a [rows, cols] weight (ragged edge blocks count)."""
+        return -(-rows // self.n), -(-cols // self.k)
 
 
 class QuantizationConfigError(ValueError):

@@ -2,10 +2,14 @@
 
 * EngineCore: the synchronous core, driven from one thread: requests in (prepare_request may run on other
   threads, add_prepared queues the result), step() runs one batch and returns what every request produced.
-  LLMEngine (workers/engine.py) implements it, and SimulatedEngine (workers/sim/engine.py) is an LLMEngine.
-* Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without waiting). ModelRunner (workers/executor/model_runner.py: the
-  model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
-  lasts what the step model says of that batch, its images included) implement it.
+  LLMEngine (workers/engine.py) implements it, whatever its executor (LLMEngine.from_config: the checkpoint's model;
+  workers.sim.engine.simulated: the step model's).
+* Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without
+  waiting). ModelRunner (workers/executor/model_runner.py: the model on one device or a tensor-parallel group) and
+  SimulatedExecutor (workers/sim/engine.py: no model; each step lasts what the step model says of that batch, its
+  images included) implement it. ModelFacts: what the engine knows of the model behind it.
+* StepTimer: the clock LLMEngine's steps are timed on. WallTimer (workers/engine.py) for a model on a device,
+  SimulatedTimer (workers/sim/engine.py) for the step model's.
 * RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
   ModelInputs (workers/inputs/request_inputs.py) for a checkpoint's model, SimulatedInputs (workers/sim/engine.py) for
   a simulated one.
@@ -17,11 +21,13 @@ tests/test_engine_interfaces.py checks every implementation against these, metho
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
+from workers.core.encoder_cache import VisionCost
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 if TYPE_CHECKING:
     from workers.config import EngineConfig
@@ -45,7 +51,18 @@ class PreparedRequest:
     submitted: float | None = None
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
-    latency_bound_s: float = 0.0  # the caller's bound from `submitted` (0: none): the sequence's deadline
+    latency_bound_s: float = 0.0  # the request's bound from `submitted` (RequestOptions; 0: none): its deadline
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What LLMEngine knows of the model behind its executor: the token ids that end a sequence, the sampling of
+    requests that ask for the model's defaults (generation_config.json's), and how the scheduler costs its vision
+    tower."""
+
+    eos_token_ids: frozenset[int]
+    generation_defaults: SamplingParams
+    vision: VisionCost = VisionCost()
 
 
 @runtime_checkable
@@ -61,15 +78,13 @@ class EngineCore(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                        resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                        kv_import: KvExport | None = None) -> PreparedRequest: ...
+    def prepare_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                        options: RequestOptions = NO_OPTIONS) -> PreparedRequest: ...
 
     def add_prepared(self, prepared: PreparedRequest) -> None: ...
 
-    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                    resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                    kv_import: KvExport | None = None) -> None: ...
+    def add_request(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                    options: RequestOptions = NO_OPTIONS) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -143,11 +158,29 @@ class StepLauncher(Protocol):
 
 
 @runtime_checkable
+class StepTimer(Protocol):
+    """The clock an LLMEngine's steps are timed on, for the scheduler's StepClock (workers/core/slack.py)."""
+
+    def began(self, started: float) -> None:
+        """A step begins at `started` (time.monotonic())."""
+        ...
+
+    def seconds(self, started: float, ended: float) -> float:
+        """How long the step that ran from `started` until its tokens were in place (`ended`) took."""
+        ...
+
+    def ended(self, started: float, busy: bool, outputs: list[RequestOutput]) -> None:
+        """The step that began at `started` is over; busy: requests remain; outputs: those of the sequences it ran
+        (not the admission errors and aborts it handed out)."""
+        ...
+
+
+@runtime_checkable
 class RequestInputs(Protocol):
     """Makes a request's Sequence; raises workers.inputs.mm_inputs.PromptError naming what cannot be served."""
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence: ...
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence: ...
 
 
 @runtime_checkable
@@ -158,9 +191,8 @@ class ServingEngine(Protocol):
     @property
     def generation_defaults(self) -> SamplingParams: ...
 
-    def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, *,
-                 resume_token_ids: Seq[int] = (), prefill_only: bool = False,
-                 kv_import: KvExport | None = None, latency_bound_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                 options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

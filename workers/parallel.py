@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.weights import CheckpointError, TextConfig
+from workers.model_config import CheckpointError, TextConfig
 
 
 @dataclass

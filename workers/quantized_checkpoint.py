@@ -28,8 +28,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workers.model import nvfp4
-from workers.model.fp8 import BlockShape, quantize_weight_blocks
-from workers.weights import TEXT_PREFIX, CheckpointError, checkpoint_files
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import quantize_weight_blocks
+from workers.model_config import CheckpointError
+from workers.weights import TEXT_PREFIX, checkpoint_files
 
 RELEASED_BLOCK = (128, 128)
 _SIDE_FILES = ("generation_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")

@@ -82,7 +82,7 @@ def fp8_shapes(config: Mapping[str, Any], shapes: TensorShapes) -> TensorShapes:
     linear a weight_scale_inv [ceil(N/128), ceil(K/128)] (the released block layout) or a weight_scale [N, 1] (the
     FP8-dynamic layout, quant_method compressed-tensors)."""
     from workers.quantized_checkpoint import is_quantised_linear
-    from workers.model.fp8 import BlockShape
+    from workers.checkpoint_quant import BlockShape
 
     q = config["quantization_config"]
     blocks = q["quant_method"] == "fp8"

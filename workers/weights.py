@@ -1,4 +1,5 @@
-"""Reads a Qwen3-VL checkpoint directory: config.json, generation_config.json, (sharded) safetensors.
+"""Reads a Qwen3-VL checkpoint's tensors, (sharded) safetensors, into the engine's modules (its configs:
+workers/model_config.py).
 
 Text-tower weights load by name into the engine's modules; MoE experts are accepted in the official
 layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-memory layout.
@@ -6,7 +7,6 @@ layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) and in transformers' in-me
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,149 +16,24 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from workers.checkpoint_quant import QuantizationConfigError, WeightFormat, weight_format
+from workers.checkpoint_quant import BlockShape, WeightFormat, weight_format
 from workers.model import fp8, nvfp4
-from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape, dequantize_weight_blocks
+from workers.model.fp8 import FP8_DTYPE, FP8_MAX, dequantize_weight_blocks
 from workers.model.layers import rows_scale
+from workers.model.vision import build_vision_module
+from workers.model_config import CheckpointError, ModelConfig, read_json
 
 
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
 LM_HEAD = "lm_head.weight"
-ARCHITECTURES = {"qwen3_vl": "dense", "qwen3_vl_moe": "moe"}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing a file, a key, or holds a tensor of the wrong shape."""
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    mrope_section: list[int]
-    attention_bias: bool
-    max_position_embeddings: int
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer_idx not in self.mlp_only_layers
-            and (layer_idx + 1) % self.decoder_sparse_step == 0
-        )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str  # "dense" | "moe"
-    text: TextConfig
-    hf_config: object  # transformers' Qwen3VLConfig / Qwen3VLMoeConfig (the vision tower is built from it)
-    tie_word_embeddings: bool
-    image_token_id: int
-    vision_start_token_id: int
-    spatial_merge_size: int
-    weight_format: WeightFormat = WeightFormat()  # config.json's quantization_config (checkpoint_quant.py)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    eos_token_ids: frozenset[int]
-    do_sample: bool
-    temperature: float
-    top_p: float
-    top_k: int
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{path} not found") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-
-
-def load_model_config(checkpoint: Path) -> ModelConfig:
-    from transformers import AutoConfig
-
-    raw = _read_json(checkpoint / "config.json")
-    model_type = raw.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise CheckpointError(f"{checkpoint / 'config.json'}: model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
-    try:
-        fmt = weight_format(raw, str(checkpoint / "config.json"))
-    except QuantizationConfigError as exc:
-        raise CheckpointError(str(exc)) from exc
-    hf = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
-    t = hf.text_config
-    rope = t.rope_parameters or {}
-    if rope.get("rope_type", "default") != "default":
-        raise CheckpointError(f"text_config.rope_parameters.rope_type {rope['rope_type']!r} is not supported")
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    text = TextConfig(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=head_dim,
-        rms_norm_eps=t.rms_norm_eps,
-        rope_theta=float(rope["rope_theta"]),
-        mrope_section=list(rope.get("mrope_section", [24, 20, 20])),
-        attention_bias=bool(t.attention_bias),
-        max_position_embeddings=t.max_position_embeddings,
-        num_experts=getattr(t, "num_experts", 0) if model_type == "qwen3_vl_moe" else 0,
-        num_experts_per_tok=getattr(t, "num_experts_per_tok", 0),
-        moe_intermediate_size=getattr(t, "moe_intermediate_size", 0),
-        decoder_sparse_step=getattr(t, "decoder_sparse_step", 1) or 1,
-        mlp_only_layers=tuple(getattr(t, "mlp_only_layers", None) or ()),
-    )
-    return ModelConfig(
-        arch=ARCHITECTURES[model_type],
-        text=text,
-        hf_config=hf,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        image_token_id=hf.image_token_id,
-        vision_start_token_id=hf.vision_start_token_id,
-        spatial_merge_size=hf.vision_config.spatial_merge_size,
-        weight_format=fmt,
-    )
-
-
-def load_generation_config(checkpoint: Path) -> GenerationConfig:
-    path = checkpoint / "generation_config.json"
-    raw = _read_json(path) if path.exists() else {}
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        raise CheckpointError(f"{path}: eos_token_id is missing")
-    eos_ids = frozenset([eos] if isinstance(eos, int) else eos)
-    return GenerationConfig(
-        eos_token_ids=eos_ids,
-        do_sample=bool(raw.get("do_sample", False)),
-        temperature=float(raw.get("temperature", 1.0)),
-        top_p=float(raw.get("top_p", 1.0)),
-        top_k=int(raw.get("top_k", 0) or 0),
-    )
 
 
 def checkpoint_files(checkpoint: Path) -> list[Path]:
     """model.safetensors, or the shards named by model.safetensors.index.json."""
     index = checkpoint / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         files = [checkpoint / s for s in shards]
     else:
         files = [checkpoint / "model.safetensors"]
@@ -314,7 +189,7 @@ def iter_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None = None
     """(name without prefix, tensor) for every tensor whose name starts with prefix. An FP8 tensor comes
     dequantized (to dtype, default float32) and its scale tensor is not listed."""
     index = CheckpointIndex(checkpoint)
-    fmt = weight_format(_read_json(checkpoint / "config.json"), str(checkpoint / "config.json"))
+    fmt = weight_format(read_json(checkpoint / "config.json"), str(checkpoint / "config.json"))
     names = index.names(prefix)
     scales = side_tensors(index, names, fmt)
     for name in names:
@@ -324,6 +199,24 @@ def iter_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None = None
         if isinstance(tensor, QuantTensor):
             tensor = tensor.dequantized(dtype or torch.float32)
         yield name[len(prefix) :], tensor
+
+
+def vision_module(model_config: ModelConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype,
+                  seed: int = 0) -> torch.nn.Module:
+    """transformers' vision module for the model on `device` in `dtype` (workers.model.vision.VisionEncoder runs it),
+    holding the checkpoint's model.visual.* tensors (an FP8 one dequantized), or random weights (checkpoint None:
+    load_format 'random')."""
+    module = build_vision_module(model_config.arch, model_config.hf_config.vision_config, device, dtype)
+    if checkpoint is None:
+        init_random_weights(module, seed)
+        return module
+    result = module.load_state_dict(dict(iter_tensors(checkpoint, VISION_PREFIX)), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{checkpoint}: vision weights do not match the vision config "
+            f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})"
+        )
+    return module
 
 
 def _expert_tensor(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:

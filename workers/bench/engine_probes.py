@@ -33,7 +33,7 @@ class GpuTimeSplit:
         self.steps: list[tuple[str, object, object]] = []
         self.vision: list[tuple[object, object]] = []
         self.images_per_encode: list[int] = []  # the vision tower's batch sizes (images per call)
-        runner = engine.runner
+        runner = engine.executor
         launch, encode = runner.launch, runner.vision.encode
 
         def timed_launch(out, after=None):  # execute() launches too: every step's kernels lie between the events

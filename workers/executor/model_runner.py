@@ -35,8 +35,9 @@ from workers.sampler import Sampler
 from workers.core.encoder_cache import ImageKey
 from workers.core.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
 from workers.core.sequence import PENDING_TOKEN, Sequence
+from workers.model_config import ModelConfig
 from workers.weights import (
-    ModelConfig, init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision,
+    init_random_fp8_weights, init_random_weights, load_kv_scales, load_text_weights, text_precision, vision_module,
 )
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,11 @@ class ModelRunner:
         text = model_config.text
         self.model = build_text_model(config, model_config, self.device, self.dtype, self.tp)
         checkpoint = None if config.load_format == "random" else config.checkpoint
-        self.vision = VisionEncoder(model_config, checkpoint, self.device, self.dtype, config.seed,
-                                    fp8_linears=config.vision_precision == "fp8",
-                                    attention=config.vision_attention) if self.tp.rank == 0 else None
+        self.vision: VisionEncoder | None = None  # rank 0's (the engine's); the other ranks run the text tower alone
+        if self.tp.rank == 0:
+            tower = vision_module(model_config, checkpoint, self.device, self.dtype, config.seed)
+            self.vision = VisionEncoder(model_config, tower, self.device, self.dtype,
+                                        fp8_linears=config.vision_precision == "fp8", attention=config.vision_attention)
         self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads // self.tp.size, text.head_dim)
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._kv_scales = None  # 1.0 each: a random-weight model, or a checkpoint without calibrated scales

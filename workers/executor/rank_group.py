@@ -229,7 +229,7 @@ def receive_step(
 def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe, build_runner: Callable) -> None:
     """Body of rank r >= 1: build this rank's shard of the model, then serve rank 0's messages until told to stop
     (or until rank 0's end of the pipe closes)."""
-    from workers.weights import load_model_config
+    from workers.model_config import load_model_config
 
     logging.basicConfig(level=os.environ.get("Q3VL_RANK_LOG", "WARNING"))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # rank 0's watcher asks for stacks of a slow start-up

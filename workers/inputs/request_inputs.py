@@ -2,21 +2,28 @@
 RequestInputs, workers/engine_api.py): validation against the model's vocabulary and the engine's limits, image
 decoding and MRoPE positions (workers/inputs/mm_inputs.py), an imported KV cache checked against the model and the
 prompt (one sent without its images is laid out from the KV's image layout instead), a JSON schema compiled to a
-grammar. A request that cannot be served raises PromptError naming what is wrong."""
+grammar. A request that cannot be served raises PromptError naming what is wrong. It also makes the warm-up's
+throw-away prompts (LLMEngine.warm_up)."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence as Seq
+import io
 
 import torch
 
+from contract.tokenizer import VISION_END_ID
 from contract.types import PromptInput, SamplingParams
+from contract.vision_geometry import image_geometry
 from workers.config import EngineConfig
 from workers.kv_cache import KvExport
 from workers.inputs.mm_inputs import PromptError, layout_imported_prompt, prepare_prompt
 from workers.core.sequence import Sequence
-from workers.weights import ModelConfig
+from workers.request_options import RequestOptions
+from workers.model_config import ModelConfig
+
+WARM_UP_TEXT_TOKENS = 64  # filler text after each warm-up request's image
+WARM_UP_OUTPUT_TOKENS = 3  # a warm-up request's: a prefill step, a mixed step and decode steps
 
 
 class ModelInputs:
@@ -31,10 +38,10 @@ class ModelInputs:
             importlib.import_module("torchvision.io")  # fails at start, not at the first image, without torchvision
             self.decode_device = torch.device(config.device)
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence:
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence:
         cfg, mc = self.config, self.model_config
-        resume = list(resume)
+        resume, kv_import = list(options.resume_token_ids), options.kv_import
         context = len(prompt.token_ids) + len(resume) + (kv_import is not None)
         if len(prompt.token_ids) > cfg.max_model_len or context > cfg.max_model_len:
             raise PromptError(f"context of {context} tokens exceeds max_model_len {cfg.max_model_len}")
@@ -74,7 +81,7 @@ class ModelInputs:
             num_prompt_tokens=len(prompt.token_ids),
             sampling=sampling,
             arrival=-1,
-            prefill_only=prefill_only,
+            prefill_only=options.prefill_only,
             mm=prepared.mm,
             mrope_position_delta=prepared.mrope_position_delta,
             kv_import=kv_import,
@@ -83,6 +90,24 @@ class ModelInputs:
             image_layout=prepared.image_layout,
             recomputable=not without_images,
         )
+
+    def warm_up_prompts(self) -> list[PromptInput]:
+        """One throw-away prompt per config.warm_up_image_sizes: a blank image of that size, as a JPEG, and some
+        filler text; text alone when no such prompt fits max_model_len."""
+        from PIL import Image
+
+        mc, text = self.model_config, [1000 + i for i in range(WARM_UP_TEXT_TOKENS)]
+        prompts = []
+        for width, height in self.config.warm_up_image_sizes:
+            buf = io.BytesIO()
+            # JPEG, as the catalogue's images are: with image_decode "nvjpeg" the warm-up also starts nvJPEG (its
+            # first decode took 0.69 s of a lone query's 0.71 s preparation, run81)
+            Image.new("RGB", (width, height), (128, 128, 128)).save(buf, format="JPEG", quality=90)
+            visual = image_geometry(buf.getvalue(), self.config.min_pixels, self.config.max_pixels).num_tokens
+            ids = [mc.vision_start_token_id] + [mc.image_token_id] * visual + [VISION_END_ID] + text
+            if len(ids) + WARM_UP_OUTPUT_TOKENS <= self.config.max_model_len:  # else no request of it would fit
+                prompts.append(PromptInput(ids, [buf.getvalue()]))
+        return prompts or [PromptInput(text)]
 
     def _check_import(self, kv: KvExport, num_tokens: int, delta: int) -> None:
         text = self.model_config.text

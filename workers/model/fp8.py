@@ -19,9 +19,9 @@ checked against, and the CPU path. Facts this module relies on, with their publi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from workers.checkpoint_quant import BlockShape
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -31,18 +31,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 ACTIVATION_GROUP = 128
 # vLLM's per_token_group_quant_fp8 floors a group's amax at 1e-10, so an all-zero group gets a finite scale.
 ACTIVATION_AMAX_FLOOR = 1e-10
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """Rows (output features) x columns (input features) covered by one weight scale."""
-
-    n: int
-    k: int
-
-    def grid(self, rows: int, cols: int) -> tuple[int, int]:
-        """The scale tensor's last two dims for a [rows, cols] weight (ragged edge blocks count)."""
-        return -(-rows // self.n), -(-cols // self.k)
 
 
 def _expand(scale: torch.Tensor, block: BlockShape, rows: int, cols: int) -> torch.Tensor:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import fp8
-from workers.model.fp8 import FP8_DTYPE, FP8_MAX, BlockShape
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE, FP8_MAX
 
 try:
     import triton

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from workers.model.fp8 import FP8_DTYPE, BlockShape
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE
 from workers.model.fp8_gemm import quantize_activations
 from workers.model.moe_routing import Alignment, align_pairs
 from workers.model.norm_quant import Fp8Rows

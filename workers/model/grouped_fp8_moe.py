@@ -164,7 +164,8 @@ def available(device: torch.device) -> bool:
 
 
 def _probe_grouped(device: torch.device, gen: torch.Generator) -> None:
-    from workers.model.fp8 import BlockShape, dequantize_weight_blocks
+    from workers.checkpoint_quant import BlockShape
+    from workers.model.fp8 import dequantize_weight_blocks
 
     experts, hidden, inter, tokens, k = 8, 256, 128, 37, 4  # 37 x 4 pairs: uneven groups, some possibly empty
     block = BlockShape(1, 1 << 30)

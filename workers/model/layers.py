@@ -13,7 +13,8 @@ from torch import nn
 
 from workers.model import fused_norm_rope, norm_quant
 from workers.model.fused_norm_rope import rms_norm_reference
-from workers.model.fp8 import FP8_DTYPE, BlockShape, block_fp8_linear_reference
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE, block_fp8_linear_reference
 from workers.model.norm_quant import Fp8Input, Fp8Rows
 
 

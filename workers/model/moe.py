@@ -15,7 +15,8 @@ from torch import nn
 
 from workers.model import fp8_gemm, fused_moe, grouped_fp8_moe, moe_routing, route_align
 from workers.model import fp8
-from workers.model.fp8 import FP8_DTYPE, BlockShape, dequantize_weight_blocks
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import FP8_DTYPE, dequantize_weight_blocks
 from workers.model.moe_routing import Alignment
 from workers.model.norm_quant import Fp8Input, Fp8Rows
 from workers.parallel import TensorParallel

@@ -14,12 +14,12 @@ from torch import nn
 from workers.kv_cache import KvLayer
 from workers.model import fused_norm_rope
 from workers.model.attention import AttentionMetadata, paged_attention, write_kv
-from workers.model.fp8 import BlockShape
+from workers.checkpoint_quant import BlockShape
 from workers.model.layers import DenseMLP, Fp8Linear, MRotaryEmbedding, RMSNorm, apply_rope, compact_rows_scale, fuse_linears, make_linear
 from workers.model.moe import MoeExperts, SparseMoeBlock
 from workers.model.norm_quant import Fp8Input, Fp8Rows
 from workers.parallel import TensorParallel
-from workers.weights import TextConfig
+from workers.model_config import TextConfig
 
 # Which of the text tower's linear modules hold FP8 weights, by module name ("layers.3.self_attn.q_proj",
 # "layers.3.mlp.experts"): the scale block they are built with (one scale per row, BlockShape(1, k): see

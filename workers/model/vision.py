@@ -1,4 +1,5 @@
-"""The Qwen3-VL vision tower: transformers' vision module holds the checkpoint's model.visual.* weights, and our own
+"""The Qwen3-VL vision tower: transformers' vision module holds the checkpoint's model.visual.* weights
+(workers.weights.vision_module loads them), and our own
 forward runs over its parameters (fused residual add + LayerNorm and q/k rotary kernels, one SDPA call per run of
 equal-size frames, the patch-embedding Conv3d as a GEMM, position and rotary tables cached per image grid).
 
@@ -12,17 +13,17 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.model import fp8_gemm
-from workers.model.fp8 import BlockShape, quantize_weight_blocks
+from workers.checkpoint_quant import BlockShape
+from workers.model.fp8 import quantize_weight_blocks
 from workers.model.vision_attention import IMPLEMENTATIONS, AttentionPlan, vision_attention
 from workers.model.vision_kernels import add_layer_norm, rotary_qk
-from workers.weights import VISION_PREFIX, CheckpointError, ModelConfig, init_random_weights, iter_tensors
+from workers.model_config import ModelConfig
 
 TABLE_CACHE_BYTES = 256 << 20  # per-grid position/rotary tables kept on the device (~2.7 MB per 1024-patch grid)
 
@@ -268,25 +269,15 @@ def build_vision_module(arch: str, vision_config, device: torch.device, dtype: t
 
 
 class VisionEncoder:
-    """checkpoint None: random weights (load_format 'random'), built directly on the device."""
+    """module: transformers' vision module (build_vision_module) holding its weights, built directly on `device` in
+    `dtype` (workers.weights.vision_module: the checkpoint's, or random ones)."""
 
     def __init__(
-        self, model_config: ModelConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
+        self, model_config: ModelConfig, module: nn.Module, device: torch.device, dtype: torch.dtype,
         fp8_linears: bool = False, attention: str = "sdpa",
     ):
-        model = build_vision_module(model_config.arch, model_config.hf_config.vision_config, device, dtype)
-        if checkpoint is None:
-            init_random_weights(model, seed)
-        else:
-            state = dict(iter_tensors(checkpoint, VISION_PREFIX))
-            result = model.load_state_dict(state, strict=False)
-            if result.missing_keys or result.unexpected_keys:
-                raise CheckpointError(
-                    f"{checkpoint}: vision weights do not match the vision config "
-                    f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})"
-                )
         # Built in dtype on the device (.to(dtype) would also round the float32 inv_freq); inference only.
-        self.model = model.eval().requires_grad_(False)
+        self.model = module.eval().requires_grad_(False)
         # fc1 + GELU as one cuBLASLt epilogue on CUDA: 3% faster, and as close to float32 as transformers' bf16 module
         # (scripts/bench_vision.py, 2026-11-30 H200: relative error 0.0137 vs its 0.0140, 2.16 vs 2.23 ms per image).
         self.tower = VisionTower(self.model, gelu_epilogue=self.model.config.hidden_act == "gelu_pytorch_tanh",

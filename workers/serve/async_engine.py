@@ -1,4 +1,4 @@
-"""AsyncEngine: runs an engine core's step loop (LLMEngine, SimulatedEngine: workers/engine_api.EngineCore) in a
+"""AsyncEngine: runs an engine core's step loop (LLMEngine on any executor: workers/engine_api.EngineCore) in a
 background thread and streams outputs to asyncio callers (it is a workers/engine_api.ServingEngine).
 
 Every engine call happens on that thread; results cross back with loop.call_soon_threadsafe.
@@ -13,13 +13,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_api import EngineCore
 from workers.kv_cache import KvExport
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +61,15 @@ class AsyncEngine:
 
     # ---- public API ------------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling: SamplingParams,
-        *,
-        resume_token_ids: Sequence[int] = (),
-        prefill_only: bool = False,
-        kv_import: KvExport | None = None,
-        latency_bound_s: float = 0.0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                       options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until one has finished=True. Leaving the loop early (or the
-        caller being cancelled) aborts the request. latency_bound_s: the caller's bound from now (0: none), which
-        the scheduler weighs (Sequence.deadline)."""
+        caller being cancelled) aborts the request. options.latency_bound_s counts from now."""
         loop = asyncio.get_running_loop()
         submitted = time.monotonic()
         prepared = await loop.run_in_executor(
-            self._prepare_pool,
-            functools.partial(
-                self.engine.prepare_request, request_id, prompt, sampling,
-                resume_token_ids=resume_token_ids, prefill_only=prefill_only, kv_import=kv_import,
-            ),
-        )
-        prepared.submitted = submitted  # the wait for a preparation thread, for the step trace
-        prepared.latency_bound_s = latency_bound_s
+            self._prepare_pool, self.engine.prepare_request, request_id, prompt, sampling, options)
+        prepared.submitted = submitted  # the wait for a preparation thread counts against the bound, and is traced
         stream = _Stream(loop)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already being generated")

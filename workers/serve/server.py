@@ -21,12 +21,13 @@ import grpc
 import grpc.aio
 
 from contract import event_loop
-from contract.network import MIB, KeepaliveConfig, is_loopback, split_host_port
+from contract.network import is_loopback, split_host_port
 from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
 from workers.kv_cache import ImageLayout, KvExport
+from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.registration import load_report, report_to_router, router_addresses
@@ -95,10 +96,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
             kv_import.image_layout = image_layout(request.kv_handle)
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
-        outputs = s.engine.generate(
-            rid, prompt, sampling, resume_token_ids=list(request.resume_token_ids),
-            prefill_only=request.prefill_only, kv_import=kv_import, latency_bound_s=request.latency_bound_s,
-        )
+        options = RequestOptions(resume_token_ids=list(request.resume_token_ids), prefill_only=request.prefill_only,
+                                 kv_import=kv_import, latency_bound_s=request.latency_bound_s)
+        outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
         try:
             async for chunk in s.coalesce(rid, outputs, request.stream_interval):
@@ -137,52 +137,26 @@ class WorkerServer:
     """Serves an engine (workers/engine_api.ServingEngine) as WorkerService; registers with `router_address` if
     given (comma-separated addresses: with each of those routers)."""
 
-    def __init__(
-        self,
-        async_engine: ServingEngine,
-        worker_id: str,
-        role: int | str = pb.AGGREGATED,
-        router_address: str | None = None,
-        listen: str = "127.0.0.1:0",
-        token: str | None = None,
-        *,
-        advertise_host: str | None = None,
-        model_name: str = "",
-        kv_block_size: int = 16,
-        max_model_len: int = 0,
-        max_message_bytes: int = 64 * MIB,
-        heartbeat_interval_s: float = 1.0,
-        kv_hold_s: float = 60.0,
-        generation_defaults: SamplingParams | None = None,
-        kv_link: KvLink | None = None,
-        keepalive: KeepaliveConfig = KeepaliveConfig(),
-    ):
-        """keepalive: of this worker's channels (to the router, to prefill peers). kv_link: a connected link to this worker's one peer (prefill -> decode); a prefill worker then sends
-        every held KV over it at once, a decode worker takes KV announced over it from it."""
-        if not is_loopback(listen) and not token:
-            raise ValueError(f"listen={listen!r} is not a loopback address: a token (shared secret) is required")
+    def __init__(self, async_engine: ServingEngine, settings: WorkerSettings, *,
+                 generation_defaults: SamplingParams | None = None, kv_link: KvLink | None = None):
+        """settings: how it serves, registers and hands KV over. generation_defaults: generation_config.json's sampling,
+        for requests with use_model_defaults (MLPerf sends no params; None: the engine's). kv_link: settings.kv_link,
+        connected (build_worker connects it), to this worker's one peer (prefill -> decode); a prefill worker then
+        sends every held KV over it at once, a decode worker takes KV announced over it from it."""
+        if not is_loopback(settings.listen) and not settings.token:
+            raise ValueError(f"listen={settings.listen!r} is not a loopback address: a token (shared secret) is "
+                             "required")
         self.engine = async_engine
-        # generation_config.json's sampling, for requests with use_model_defaults (MLPerf sends no params).
+        self.settings = settings
         self.generation_defaults = generation_defaults or async_engine.generation_defaults
-        self.worker_id = worker_id
-        self.role = role_value(role)
-        self.router_address = router_address
-        self.listen = listen
-        self.token = token
-        self.advertise_host = advertise_host
-        self.model_name = model_name
-        self.kv_block_size = kv_block_size
-        self.max_model_len = max_model_len
-        self.max_message_bytes = max_message_bytes
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.kv_hold_s = kv_hold_s
+        self.worker_id = settings.worker_id
+        self.role = role_value(settings.role)
         self.kv_link = kv_link
-        self.keepalive = keepalive
         if kv_link is not None and pb.WorkerRole.Name(self.role).lower() != kv_link.config.role:
             raise ValueError(f"kv_link role {kv_link.config.role!r} does not match worker role {pb.WorkerRole.Name(self.role).lower()!r}")
         self.port = 0
         self.running: set[str] = set()
-        self._metadata = call_metadata(token)
+        self._metadata = call_metadata(settings.token)
         self._held: dict[str, _HeldKv] = {}
         self._peers: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
@@ -190,17 +164,18 @@ class WorkerServer:
 
     @property
     def address(self) -> str:
-        host, _ = split_host_port(self.listen)
-        if self.advertise_host:
-            host = self.advertise_host
+        host, _ = split_host_port(self.settings.listen)
+        if self.settings.advertise_host:
+            host = self.settings.advertise_host
         elif host in ("0.0.0.0", "::", ""):
             host = socket.gethostbyname(socket.gethostname())
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(interceptors=server_interceptors(self.token), options=server_options(self.max_message_bytes))
+        self._server = grpc.aio.server(interceptors=server_interceptors(self.settings.token),
+                                       options=server_options(self.settings.max_message_bytes))
         pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self), self._server)
-        self.port = add_listener(self._server, self.listen, None)
+        self.port = add_listener(self._server, self.settings.listen, None)
         await self._server.start()
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         log.info("worker %s (%s) serving on %s", self.worker_id, pb.WorkerRole.Name(self.role), self.address)
@@ -304,7 +279,7 @@ class WorkerServer:
         export = await self.engine.export_kv(rid)
         handle.images.extend(_layout_on_wire(export))
         await self._expire_held()
-        self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.kv_hold_s)
+        self._held[rid] = _HeldKv(rid, export, time.monotonic() + self.settings.kv_hold_s)
         return handle
 
     def take_held(self, transfer_id: str) -> _HeldKv | None:
@@ -321,7 +296,8 @@ class WorkerServer:
         channel = self._peers.get(handle.worker_address)
         if channel is None:
             channel = self._peers[handle.worker_address] = open_channel(
-                handle.worker_address, max_message_bytes=self.max_message_bytes, keepalive=self.keepalive
+                handle.worker_address, max_message_bytes=self.settings.max_message_bytes,
+                keepalive=self.settings.keepalive
             )
         stub = pb_grpc.WorkerServiceStub(channel)
         chunks = [c async for c in stub.PullKv(pb.KvPullRequest(transfer_id=handle.transfer_id),
@@ -341,7 +317,7 @@ class WorkerServer:
 
     async def _expire_held(self) -> None:
         if self.kv_link is not None and self.kv_link.rank == 1:
-            self.kv_link.expire(self.kv_hold_s)
+            self.kv_link.expire(self.settings.kv_hold_s)
         now = time.monotonic()
         for rid in [rid for rid, held in self._held.items() if held.expires_at < now]:
             log.warning("worker %s: KV of %s was never pulled; released", self.worker_id, rid)
@@ -352,36 +328,31 @@ class WorkerServer:
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
-            worker_id=self.worker_id, address=self.address, role=self.role, model=self.model_name,
-            kv_block_size=self.kv_block_size, max_model_len=self.max_model_len,
+            worker_id=self.worker_id, address=self.address, role=self.role, model=self.settings.model_name,
+            kv_block_size=self.settings.kv_block_size, max_model_len=self.settings.max_model_len,
             total_kv_blocks=self.engine.load().total_kv_blocks,
         )
 
     async def _report_loop(self) -> None:
         """Register with each router, then heartbeat (workers/serve/registration.py); held KV expires on the first
         one's beat."""
-        if self.router_address is None:
+        s = self.settings
+        if s.router_address is None:
             return
 
         async def nothing() -> None:
             pass
 
         await asyncio.gather(*(
-            report_to_router(address, self.info, self.load_report, self._metadata, self.heartbeat_interval_s,
-                             self.max_message_bytes, self._expire_held if k == 0 else nothing, self.keepalive)
-            for k, address in enumerate(router_addresses(self.router_address))))
+            report_to_router(address, self.info, self.load_report, self._metadata, s.heartbeat_interval_s,
+                             s.max_message_bytes, self._expire_held if k == 0 else nothing, s.keepalive)
+            for k, address in enumerate(router_addresses(s.router_address))))
 
 
 def build_worker(served: ServedEngine, settings: WorkerSettings) -> WorkerServer:
     """The WorkerServer for `served` (not started). With a KV link this waits for the peer to connect."""
     link = None if settings.kv_link is None else KvLink(settings.kv_link)
-    return WorkerServer(
-        served.async_engine, settings.worker_id, settings.role, router_address=settings.router_address,
-        listen=settings.listen, token=settings.token, model_name=settings.model_name,
-        kv_block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
-        heartbeat_interval_s=settings.heartbeat_interval_s, generation_defaults=served.generation_defaults,
-        kv_link=link,
-    )
+    return WorkerServer(served.async_engine, settings, generation_defaults=served.generation_defaults, kv_link=link)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -416,8 +387,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--kv-link joins a prefill and a decode worker; --role aggregated has no peer")
         host, port = split_host_port(args.kv_link)
         link_config = KvLinkConfig(host, port, args.role, args.device)
-    settings = WorkerSettings(args.worker_id, args.role, args.router, args.listen, args.token, str(config.checkpoint),
-                              config.block_size, config.max_model_len, kv_link=link_config)
+    settings = WorkerSettings(worker_id=args.worker_id, role=args.role, router_address=args.router, listen=args.listen,
+                              token=args.token, model_name=str(config.checkpoint), kv_block_size=config.block_size,
+                              max_model_len=config.max_model_len, kv_link=link_config)
 
     async def serve() -> None:
         served = serve_llm_engine(config)

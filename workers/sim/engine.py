@@ -1,6 +1,7 @@
-"""The simulated engine: LLMEngine (its scheduler, block manager and request lifecycle) with no model behind it. Its
-executor makes each step last what the step model says of the batch the real scheduler chose, images included
-(slept in real time, or reported for a virtual clock), and emits deterministic tokens.
+"""The simulated engine (simulated()): LLMEngine (its scheduler, block manager and request lifecycle) with no model
+behind it. Its executor makes each step last what the step model says of the batch the real scheduler chose, images
+included (slept in real time, or reported for a virtual clock), and emits deterministic tokens; its timer times the
+engine's steps on the step model's clock.
 
 Wrapped in workers.serve.async_engine.AsyncEngine it serves WorkerServer like the real engine, so the real router and
 harness can drive many simulated workers on one machine. Outputs end with EOS after `output_tokens` tokens.
@@ -19,7 +20,9 @@ from contract.types import PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
 from workers.core.encoder_cache import VisionCost
 from workers.engine import LLMEngine
+from workers.engine_api import ModelFacts
 from workers.kv_cache import KvExport
+from workers.request_options import RequestOptions
 from workers.inputs.mm_inputs import PromptError
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
@@ -32,6 +35,7 @@ VOCAB = 150_000  # generated ids stay below Qwen's special ids
 # Qwen3-VL's vision tower (the same in the 30B-A3B and the 235B-A22B: depth 27, hidden 1152, MLP 4304, merge 2),
 # costed as the real engine's scheduler costs it.
 QWEN3_VL_VISION = VisionCost.of_tower(27, 1152, 4304, 2)
+GENERATION_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)  # Qwen3-VL's release
 
 
 def next_token(context_len: int, salt: int) -> int:
@@ -60,7 +64,7 @@ class SimulatedExecutor:
     step model, slept when realtime (scaled by sim.time_scale), else only reported in last_step_s for a virtual clock.
     With engine.overlap_decode_steps the engine launches each step behind the one running, as the real engine does,
     so the simulation makes its decisions; the step's length is still charged whole (the host's share a real
-    overlapped step hides is the step model's to calibrate)."""
+    overlapped step hides is the step model's to calibrate). Its steps' lengths are SimulatedTimer's clock."""
 
     def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool,
                  vision: VisionCost):
@@ -73,9 +77,7 @@ class SimulatedExecutor:
         self.last_step_s = 0.0
         self.last_wait_s = 0.0  # the Executor protocol: a realtime step's sleep stands for the device's time
         self.busy_s = 0.0
-        self.overrun_s = 0.0  # wall seconds steps ran past step_model x time_scale (a starved CPU, Python overhead)
-        self.step_started = time.monotonic()  # set by the engine when a step begins: its sleep ends relative to it
-        self._busy_until: float | None = None  # when the previous step ended with work left
+        self.step_started = time.monotonic()  # set by SimulatedTimer when a step begins: its sleep ends relative to it
         self.encoded_sizes: set[int] = set()  # image sizes (patches) encoded so far: the real tower's cuDNN plans
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -103,13 +105,6 @@ class SimulatedExecutor:
         if self.realtime:
             self.last_wait_s = max(self.step_started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0)
             time.sleep(self.last_wait_s)
-
-    def account_overrun(self, started: float, busy: bool) -> None:
-        """Adds the step's wall time beyond its simulated length, and any gap since a previous busy step."""
-        ended = time.monotonic()
-        gap = started - self._busy_until if self._busy_until is not None else 0.0
-        self.overrun_s += gap + max(ended - started - self.last_step_s * self.sim.time_scale, 0.0)
-        self._busy_until = ended if busy else None
 
     def release(self, request_id: str) -> None:
         """Nothing is held per request."""
@@ -146,20 +141,58 @@ class SimulatedExecutor:
         return sampled
 
 
+class SimulatedTimer:
+    """The simulated engine's StepTimer (workers/engine_api.py): a step lasts what the step model says (the executor
+    sleeps it out from the step's beginning when realtime). A realtime step's wall time beyond that is overrun (a
+    starved CPU, Python overhead), which the request trace, if any, records per request."""
+
+    def __init__(self, executor: SimulatedExecutor, trace: RequestTrace | None):
+        self.executor = executor
+        self.trace = trace
+        self.overrun_s = 0.0  # wall seconds steps ran past step_model x time_scale
+        self._busy_until: float | None = None  # when the previous step ended with work left
+
+    def began(self, started: float) -> None:
+        self.executor.step_started = started
+
+    def seconds(self, started: float, ended: float) -> float:
+        """The step model's time for the step (what realtime sleeps, and a virtual clock advances by)."""
+        return self.executor.last_step_s
+
+    def ended(self, started: float, busy: bool, outputs: list[RequestOutput]) -> None:
+        if self.executor.realtime:
+            self._account_overrun(started, busy)
+        if self.trace is not None:
+            for o in outputs:
+                if o.finished:
+                    self.trace.leave(o.request_id, self.overrun_s)
+
+    def entered(self, request_id: str) -> None:
+        """A request was received: its trace line starts."""
+        if self.trace is not None:
+            self.trace.enter(request_id, self.overrun_s)
+
+    def _account_overrun(self, started: float, busy: bool) -> None:
+        """Adds the step's wall time beyond its simulated length, and any gap since a previous busy step."""
+        ended = time.monotonic()
+        gap = started - self._busy_until if self._busy_until is not None else 0.0
+        self.overrun_s += gap + max(ended - started - self.executor.last_step_s * self.executor.sim.time_scale, 0.0)
+        self._busy_until = ended if busy else None
+
+
 class SimulatedInputs:
     """A simulated request's Sequence (workers/engine_api.RequestInputs): its token ids, the image runs of its
     prompt (no pixels), an imported KV's transfer time slept when realtime."""
 
-    def __init__(self, config: EngineConfig, executor: SimulatedExecutor, trace: RequestTrace | None):
+    def __init__(self, config: EngineConfig, executor: SimulatedExecutor, timer: SimulatedTimer):
         self.config = config
         self.executor = executor
-        self.trace = trace
+        self.timer = timer
 
-    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams, resume: Seq[int],
-                      prefill_only: bool, kv_import: KvExport | None) -> Sequence:
-        if self.trace is not None:
-            self.trace.enter(request_id, self.executor.overrun_s)
-        token_ids = list(prompt.token_ids) + list(resume)
+    def make_sequence(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                      options: RequestOptions) -> Sequence:
+        self.timer.entered(request_id)
+        token_ids, kv_import = list(prompt.token_ids) + list(options.resume_token_ids), options.kv_import
         if len(token_ids) + (kv_import is not None) > self.config.max_model_len:
             raise PromptError(f"context of {len(token_ids)} tokens exceeds max_model_len {self.config.max_model_len}")
         if kv_import is not None:
@@ -170,79 +203,26 @@ class SimulatedInputs:
                 time.sleep(ex.kv_transfer_s(kv_import.num_tokens) * ex.sim.time_scale)
             token_ids.append(kv_import.first_token_id)
         return Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(prompt.token_ids),
-                        sampling=sampling, arrival=-1, prefill_only=prefill_only, kv_import=kv_import,
+                        sampling=sampling, arrival=-1, prefill_only=options.prefill_only, kv_import=kv_import,
                         image_spans=[(start, n, b"") for start, n in token_runs(prompt.token_ids)])
 
 
-class SimulatedEngine(LLMEngine):
-    """One simulated engine instance: an LLMEngine whose executor is a SimulatedExecutor. `realtime=False` never
-    sleeps: a driver reads `last_step_s`. Outputs stream every sim.stream_interval tokens."""
+def simulated(config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool = True,
+              vision: VisionCost = QWEN3_VL_VISION) -> LLMEngine:
+    """One simulated engine instance: an LLMEngine on a SimulatedExecutor, timed by a SimulatedTimer. realtime=False
+    never sleeps: a driver reads engine.executor.last_step_s. Outputs stream every sim.stream_interval tokens. Its
+    prompts' images have no content to key a prefix cache on: it caches no prefixes."""
+    executor = SimulatedExecutor(config, sim, step_model, realtime=realtime, vision=vision)
+    trace = RequestTrace(sim.trace_dir, f"{id(executor):x}") if sim.trace_dir and realtime else None
+    timer = SimulatedTimer(executor, trace)
+    return LLMEngine(config.model_copy(update={"enable_prefix_caching": False}), executor,
+                     SimulatedInputs(config, executor, timer), ModelFacts(EOS_TOKEN_IDS, GENERATION_DEFAULTS, vision),
+                     stream_interval=sim.stream_interval, timer=timer)
 
-    def __init__(self, config: EngineConfig, sim: SimulationConfig, step_model: StepModel, *, realtime: bool = True,
-                 vision: VisionCost = QWEN3_VL_VISION):
-        self.sim = sim
-        self.realtime = realtime
-        self._trace = RequestTrace(sim.trace_dir, f"{id(self):x}") if sim.trace_dir and realtime else None
-        executor = SimulatedExecutor(config, sim, step_model, realtime=realtime, vision=vision)
-        self._assemble(
-            config, executor, SimulatedInputs(config, executor, self._trace), vision,
-            eos_token_ids=EOS_TOKEN_IDS,
-            generation_defaults=SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150),
-            stream_interval=sim.stream_interval, prefix_caching=False,
-        )
 
-    def step(self) -> list[RequestOutput]:
-        started = time.monotonic()
-        self.executor.step_started = started
-        queued = {o.request_id for o in self._pending}  # admission errors and aborts: they never entered a step
-        outputs = super().step()
-        if self.realtime:
-            self.executor.account_overrun(started, self.scheduler.has_unfinished())
-        if self._trace is not None:
-            for o in outputs:
-                if o.finished and o.request_id not in queued:
-                    self._trace.leave(o.request_id, self.executor.overrun_s)
-        return outputs
-
-    def _step_seconds(self, started: float, ended: float) -> float:
-        """The step model's time for the step (what realtime sleeps, and a virtual clock advances by)."""
-        return self.executor.last_step_s
-
-    # the executor's clock, as the drivers read it
-    @property
-    def last_step_s(self) -> float:
-        return self.executor.last_step_s
-
-    @property
-    def busy_s(self) -> float:
-        return self.executor.busy_s
-
-    @property
-    def overrun_s(self) -> float:
-        return self.executor.overrun_s
-
-    @property
-    def encoded_sizes(self) -> set[int]:
-        return self.executor.encoded_sizes
-
-    @property
-    def step_model(self) -> StepModel:
-        return self.executor.step_model
-
-    @step_model.setter
-    def step_model(self, model: StepModel) -> None:
-        self.executor.step_model = model
-
-    def kv_transfer_s(self, num_tokens: int) -> float:
-        return self.executor.kv_transfer_s(num_tokens)
-
-    def work(self, out: SchedulerOutput) -> StepWork:
-        return self.executor.work(out)
-
-    @staticmethod
-    def image_sizes(token_ids: Seq[int]) -> set[int]:
-        """The pre-merge patches of each image of a prompt (the sizes encoded_sizes holds)."""
-        return {length * 4 for _, length in token_runs(token_ids)}
+def image_sizes(token_ids: Seq[int]) -> set[int]:
+    """The pre-merge patches of each image of a prompt (the sizes SimulatedExecutor.encoded_sizes holds)."""
+    return {length * 4 for _, length in token_runs(token_ids)}
 
 
 def build_step_model(hardware: str, sim: SimulationConfig, tp: int) -> StepModel:

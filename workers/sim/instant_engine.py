@@ -15,6 +15,7 @@ import torch
 
 from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput, SamplingParams
 from workers.kv_cache import KvExport
+from workers.request_options import NO_OPTIONS, RequestOptions
 
 VOCAB = 150_000
 
@@ -53,27 +54,19 @@ class InstantEngine:
         self._abort: set[str] = set()
         self._held: dict[str, KvExport] = {}
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling: SamplingParams,
-        *,
-        resume_token_ids: Sequence[int] = (),
-        prefill_only: bool = False,
-        kv_import: KvExport | None = None,
-        latency_bound_s: float = 0.0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: PromptInput, sampling: SamplingParams,
+                       options: RequestOptions = NO_OPTIONS) -> AsyncIterator[RequestOutput]:
         self.requests_seen.append(request_id)
         self.images_seen[request_id] = len(prompt.images)
         self.sampling_seen[request_id] = sampling
-        self.latency_bounds_seen[request_id] = latency_bound_s
+        self.latency_bounds_seen[request_id] = options.latency_bound_s
+        kv_import, prefill_only = options.kv_import, options.prefill_only
         if kv_import is not None:  # the prompt comes from the pulled cache, not from the request
             context = [int(t) for t in kv_import.keys[0][:, 0, 0].tolist()] + [kv_import.first_token_id]
         else:
             context = list(prompt.token_ids)
         num_prompt = len(prompt.token_ids)
-        context += list(resume_token_ids)
+        context += list(options.resume_token_ids)
         max_new = 1 if prefill_only else sampling.max_tokens
         self._running[request_id] = len(context)
         self._queued_prompt_tokens += num_prompt

@@ -1,5 +1,6 @@
-"""Virtual-clock simulation of a few SimulatedEngines behind a routing policy: Poisson arrivals in, per-request
-latencies out, no sleeping. The planner and the model's validation use it; the real-time path does not."""
+"""Virtual-clock simulation of a few simulated engines (workers.sim.engine.simulated) behind a routing policy:
+Poisson arrivals in, per-request latencies out, no sleeping. The planner and the model's validation use it; the
+real-time path does not."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
-from workers.sim.engine import SimulatedEngine
+from workers.engine import LLMEngine
+from workers.request_options import RequestOptions
+from workers.sim.engine import SimulatedExecutor, simulated
 from workers.sim.step_model import StepModel
 from workers.stats import percentile
 
@@ -66,8 +69,9 @@ class Result:
 
 
 class _Engine:
-    def __init__(self, engine: SimulatedEngine):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.executor: SimulatedExecutor = engine.executor  # its steps' lengths are the virtual clock's
         self.clock = 0.0
         engine.scheduler.clock = lambda: self.clock  # deadlines and slack on the virtual clock
 
@@ -77,8 +81,8 @@ class VirtualCluster:
 
     def __init__(self, engine_config: EngineConfig, sim: SimulationConfig, models: dict[str, StepModel],
                  counts: dict[str, int], policy: Policy = "least_loaded"):
-        self.pools = {role: [_Engine(SimulatedEngine(engine_config, sim, models[role], realtime=False))
-                             for _ in range(n)] for role, n in counts.items() if n}
+        self.pools = {role: [_Engine(simulated(engine_config, sim, models[role], realtime=False)) for _ in range(n)]
+                      for role, n in counts.items() if n}
         self.policy = policy
         self._rr = {role: itertools.count() for role in self.pools}
         self.disaggregated = "prefill" in self.pools
@@ -110,7 +114,7 @@ class VirtualCluster:
             self._advance(float("inf"), result, issued, events, seq_no, owners)
         engines = [e for pool in self.pools.values() for e in pool]
         result.makespan_s = max(e.clock for e in engines) - (arrivals[0] if arrivals else 0.0)
-        result.busy_s = sum(e.engine.busy_s for e in engines)
+        result.busy_s = sum(e.executor.busy_s for e in engines)
         return result
 
     def _drain_events(self, events, result, issued, seq_no, owners, prompts, sampling, first_role) -> None:
@@ -120,7 +124,7 @@ class VirtualCluster:
             if kind == "arrive":
                 target = self._pick(first_role)
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, prefill_only=self.disaggregated)
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(prefill_only=self.disaggregated))
                 owners[rid] = target
             else:  # a prefilled request's KV reaches a decode worker
                 source = owners[rid]
@@ -128,7 +132,7 @@ class VirtualCluster:
                 source.engine.release(rid)
                 target = self._pick("decode")
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, kv_import=kv)
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(kv_import=kv))
                 owners[rid] = target
 
     def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
@@ -137,16 +141,16 @@ class VirtualCluster:
             for e in engines:
                 while e.engine.has_unfinished() and e.clock < until:
                     outputs = e.engine.step()
-                    if e.engine.last_step_s == 0.0 and not outputs:
+                    if e.executor.last_step_s == 0.0 and not outputs:
                         break  # nothing schedulable (waiting on KV blocks that only a release frees)
-                    e.clock += e.engine.last_step_s
+                    e.clock += e.executor.last_step_s
                     for out in outputs:
                         if role != "decode" and out.num_generated_tokens == 1 and out.new_token_ids:
                             result.first_token_s.append(e.clock - issued[out.request_id])
                         if not out.finished:
                             continue
                         if role == "prefill":
-                            xfer = e.engine.kv_transfer_s(out.num_prompt_tokens)
+                            xfer = e.executor.kv_transfer_s(out.num_prompt_tokens)
                             heapq.heappush(events, (e.clock + xfer, next(seq_no), "kv", out.request_id))
                         else:
                             result.latencies_s.append(e.clock - issued[out.request_id])
