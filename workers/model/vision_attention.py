@@ -95,13 +95,14 @@ def frame_bounds(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 KEY_ALIGN = 16  # keys: a frame's first column in V^T (FP8, keys contiguous) is 16-byte aligned, as descriptors need
 
 
-def aligned_starts(bounds: list[tuple[int, int]], align: int = KEY_ALIGN) -> list[int]:
-    """Each frame's first column in a layout of the keys where every frame starts at a multiple of align."""
+def aligned_starts(bounds: list[tuple[int, int]], align: int = KEY_ALIGN) -> tuple[list[int], int]:
+    """(each frame's first column, the width) of a layout of the keys where every frame starts at a multiple of
+    align."""
     starts, at = [], 0
     for start, end in bounds:
         starts.append(at)
         at += -(-(end - start) // align) * align
-    return starts
+    return starts, at
 
 
 def block_table(runs: list[tuple[int, int]], block_m: int, device: torch.device) -> torch.Tensor:
@@ -109,7 +110,7 @@ def block_table(runs: list[tuple[int, int]], block_m: int, device: torch.device)
     column in the aligned key layout (aligned_starts). Frames are listed largest first, so the longest programs
     start first and the short frames fill the tail of the launch."""
     bounds = frame_bounds(runs)
-    key_starts = dict(zip(bounds, aligned_starts(bounds)))
+    key_starts = dict(zip(bounds, aligned_starts(bounds)[0]))
     rows = []
     for start, end in sorted(bounds, key=lambda b: b[0] - b[1]):
         rows.extend((q, start, end, key_starts[(start, end)]) for q in range(start, end, block_m))
@@ -124,6 +125,8 @@ class AttentionPlan:
         self.runs = runs
         self.patches = sum(length * count for length, count in runs)
         self.largest_frame = max((length for length, _ in runs), default=0)
+        self._bounds = frame_bounds(runs)
+        self._key_starts, self.key_width = aligned_starts(self._bounds)  # the aligned key layout's, in columns
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._key_columns: dict[torch.device, torch.Tensor] = {}
 
@@ -133,16 +136,13 @@ class AttentionPlan:
             self._tables[key] = block_table(self.runs, block_m, device)
         return self._tables[key]
 
-    def key_columns(self, device: torch.device) -> tuple[torch.Tensor, int]:
-        """(int64 [N]: each key's column in the aligned key layout, that layout's width)."""
-        bounds = frame_bounds(self.runs)
-        starts = aligned_starts(bounds)
+    def key_columns(self, device: torch.device) -> torch.Tensor:
+        """int64 [N]: each key's column in the aligned key layout (key_width columns wide), made once a device."""
         if device not in self._key_columns:
-            shifts = torch.tensor([a - s for (s, _), a in zip(bounds, starts)], dtype=torch.int64)
-            lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.int64)
+            shifts = torch.tensor([a - s for (s, _), a in zip(self._bounds, self._key_starts)], dtype=torch.int64)
+            lengths = torch.tensor([e - s for s, e in self._bounds], dtype=torch.int64)
             self._key_columns[device] = (torch.arange(self.patches) + shifts.repeat_interleave(lengths)).to(device)
-        width = starts[-1] + -(-(bounds[-1][1] - bounds[-1][0]) // KEY_ALIGN) * KEY_ALIGN if bounds else 0
-        return self._key_columns[device], width
+        return self._key_columns[device]
 
     def useful_flops(self, num_heads: int, head_dim: int) -> float:
         """4 * heads * head_dim * sum of frame_len^2: QK^T and PV, multiply-adds counted as two."""
@@ -295,8 +295,8 @@ def quantize_for_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out.append(padded)
         scales.append(t_scale)
     v8, v_scale = quantize_per_head(v)
-    columns, width = plan.key_columns(q.device)
-    vt = v8.new_zeros(heads * dim, width)
+    columns = plan.key_columns(q.device)
+    vt = v8.new_zeros(heads * dim, plan.key_width)
     vt.view(torch.uint8).index_copy_(1, columns, v8.permute(1, 2, 0).reshape(heads * dim, seq).view(torch.uint8))
     return out[0], out[1], vt, scales[0] * scales[1], v_scale
 
