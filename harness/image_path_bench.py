@@ -27,7 +27,7 @@ from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, smart_resize
 from harness.query_probe import catalogue_jpeg
 from workers.bench.vision import median_ms as wall_median_ms
 from workers.host_copy import to_device
-from workers.inputs.device_image import decode_resized, resize_bicubic
+from workers.inputs.device_image import decode_on_device, decode_resized, resize_bicubic
 from workers.inputs.image_processing import decode_image, merge_block_patches, normalise_patches, resized_pixels
 
 
@@ -57,10 +57,7 @@ def bench_size(width: int, height: int, reps: int, device: torch.device) -> dict
         return decode_resized(data, rh, rw, device)
 
     def nvjpeg_on_device():
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        chw = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device=device)
-        out = resize_bicubic(chw.permute(1, 2, 0), rh, rw)
+        out = decode_on_device(data, rh, rw, device)
         torch.cuda.synchronize(device)
         return out
 

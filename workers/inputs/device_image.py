@@ -59,17 +59,24 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     return streams[device]
 
 
-def decode_resized(data: bytes, height: int, width: int, device: torch.device) -> torch.Tensor:
-    """A JPEG's RGB pixels decoded by nvJPEG on device, resized there to height x width (resize_bicubic), returned as
-    uint8 [height, width, 3] in page-locked host memory once the copy has run. Raises RuntimeError where nvJPEG does
-    not take the file (the caller decodes it with PIL instead)."""
+def decode_on_device(data: bytes, height: int, width: int, device: torch.device) -> torch.Tensor:
+    """A JPEG's RGB pixels decoded by nvJPEG on device and resized there to height x width (resize_bicubic): uint8
+    [height, width, 3] on device, queued on the current stream. Raises RuntimeError where nvJPEG does not take the
+    file."""
     from torchvision.io import ImageReadMode, decode_jpeg  # GPU image only
 
     encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    chw = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    return resize_bicubic(chw.permute(1, 2, 0), height, width)
+
+
+def decode_resized(data: bytes, height: int, width: int, device: torch.device) -> torch.Tensor:
+    """decode_on_device on this thread's own stream, returned as uint8 [height, width, 3] in page-locked host memory
+    once the copy has run. Raises RuntimeError where nvJPEG does not take the file (the caller decodes it with PIL
+    instead)."""
     stream = _stream(device)
     with torch.cuda.stream(stream):
-        chw = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-        pixels = resize_bicubic(chw.permute(1, 2, 0), height, width)
+        pixels = decode_on_device(data, height, width, device)
         host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(pixels, non_blocking=True)
     stream.synchronize()
