@@ -4,6 +4,7 @@ does not wait for the next step's images, queued behind them)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import numpy as np
@@ -29,40 +30,58 @@ def image_prompt(seed: int) -> PromptInput:
     return PromptInput([151644, 872, 198, 151652] + [IMAGE_PAD] * 6 + [151653, 3838, 374, 151645, 198], [buf.getvalue()])
 
 
-def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpoint, monkeypatch):
+@contextlib.contextmanager
+def sync_debug_mode(mode: str, then: str):
+    """torch's CUDA sync debug mode `mode` inside, `then` after ("error": a synchronising CUDA call raises)."""
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(then)
+
+
+def erring_on_any_sync(monkeypatch, obj, name: str, record) -> None:
+    """obj.name raises on any synchronising CUDA call but HostCopy.wait's (the one wait a step may make); record sees
+    each call's arguments first."""
+    method, wait = getattr(obj, name), HostCopy.wait
+
+    def erring(*args, **kwargs):
+        record(*args, **kwargs)
+        with sync_debug_mode("error", then="default"):
+            return method(*args, **kwargs)
+
+    def wait_allowed_to_sync(copy):
+        with sync_debug_mode("default", then="error"):
+            return wait(copy)
+
+    monkeypatch.setattr(obj, name, erring)
+    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+
+
+def warm_cuda_engine(checkpoint, **settings) -> LLMEngine:
+    """A small CUDA engine on the tiny checkpoint, after one image request has compiled its kernels and cuDNN plans."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     engine = LLMEngine.from_config(EngineConfig(
-        checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
-        max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
+        checkpoint=checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4, max_model_len=256,
+        min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16, **settings,
     ))
-    assert engine.executor.graphs is not None
-    engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
+    engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))
     while engine.has_unfinished():
         engine.step()
+    return engine
 
-    runner = engine.executor
-    execute, wait = runner.execute, HostCopy.wait
+
+def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpoint, monkeypatch):
+    engine = warm_cuda_engine(tiny_moe_checkpoint)
+    assert engine.executor.graphs is not None
     steps, ahead = [], []
 
-    def execute_erring_on_any_sync(out):
+    def record(out):
         steps.append(sorted(c.num_tokens for c in out.chunks))
         ahead.append([e.seq.request_id for e in out.encode_ahead])
-        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises from here on
-        try:
-            return execute(out)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
-    def wait_allowed_to_sync(copy):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return wait(copy)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(runner, "execute", execute_erring_on_any_sync)
-    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+    erring_on_any_sync(monkeypatch, engine.executor, "execute", record)
     engine.add_request("text", PromptInput([151644, 872, 198, 3838, 374, 419, 151645, 198]), SamplingParams(max_tokens=6))
     engine.step()
     engine.add_request("image", image_prompt(1), SamplingParams(max_tokens=6))
@@ -83,37 +102,13 @@ def test_overlapped_steps_queue_the_next_step_without_waiting_for_the_running_on
     """engine.overlap_decode_steps: launching a step behind a running one (prompt chunks, images, decodes) never waits
     for the GPU, so the host's work for it overlaps the running step; only the read-back of the running step's
     tokens waits."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    engine = LLMEngine.from_config(EngineConfig(
-        checkpoint=tiny_moe_checkpoint, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4,
-        max_model_len=256, min_pixels=4096, max_pixels=65536, max_num_seqs=4, max_num_batched_tokens=16,
-        overlap_decode_steps=True,
-    ))
-    engine.add_request("warm-up", image_prompt(0), SamplingParams(max_tokens=4))  # compiles kernels, cuDNN plans
-    while engine.has_unfinished():
-        engine.step()
-    runner = engine.executor
-    launch, wait = runner.launch, HostCopy.wait
+    engine = warm_cuda_engine(tiny_moe_checkpoint, overlap_decode_steps=True)
     behind = []
 
-    def launch_erring_on_any_sync(out, after=None):
+    def record(out, after=None):
         behind.append((after is not None, sorted(c.num_tokens for c in out.chunks)))
-        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises from here on
-        try:
-            return launch(out, after)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
-    def wait_allowed_to_sync(copy):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return wait(copy)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(runner, "launch", launch_erring_on_any_sync)
-    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+    erring_on_any_sync(monkeypatch, engine.executor, "launch", record)
     for rid, prompt in (("text", PromptInput([151644, 872, 198, 3838, 374, 419, 151645, 198])), ("image", image_prompt(1)),
                         ("image-2", image_prompt(2))):
         engine.add_request(rid, prompt, SamplingParams(max_tokens=6))
