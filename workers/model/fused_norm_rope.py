@@ -46,16 +46,24 @@ if triton is not None:
         return (w.to(tl.float32) * normed.to(tl.float32)).to(s.dtype)
 
     @triton.jit
+    def _load_row_sum(x_ptr, r_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro,
+                      HAS_RESIDUAL: tl.constexpr):
+        """Row `row` of x, plus its residual row when HAS_RESIDUAL (the sum rounded to the activation dtype before
+        the norm reads it, and stored to res_out)."""
+        s = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+            tl.store(res_out_ptr + row * stride_ro + offs, s, mask=mask)
+        return s
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
                          stride_x, stride_r, stride_o, stride_ro, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
-        s = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:  # the residual add rounds to the activation dtype before the norm reads it
-            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-            tl.store(res_out_ptr + row * stride_ro + offs, s, mask=mask)
+        s = _load_row_sum(x_ptr, r_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro, HAS_RESIDUAL)
         tl.store(out_ptr + row * stride_o + offs, _norm_row(s, w_ptr, offs, mask, n, eps), mask=mask)
 
     @triton.jit

@@ -32,7 +32,7 @@ except ImportError:  # CPU-only installs
 
 if triton is not None:
     from workers.model.fp8_gemm import quantize_group
-    from workers.model.fused_norm_rope import _norm_row
+    from workers.model.fused_norm_rope import _load_row_sum, _norm_row
 
 MAX_HIDDEN = 16384  # one row per program, held in registers
 # False: the norm and the quantisation launch apart, as before this kernel. Off until the H200 has run this kernel's
@@ -99,11 +99,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
-        s = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:  # the residual add rounds to the activation dtype before the norm reads it
-            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-            tl.store(res_out_ptr + row * stride_ro + offs, s, mask=mask)
+        s = _load_row_sum(x_ptr, r_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro, HAS_RESIDUAL)
         normed = _norm_row(s, w_ptr, offs, mask, n, eps)
         if WRITE_ROWS:
             tl.store(out_ptr + row * stride_o + offs, normed, mask=mask)
