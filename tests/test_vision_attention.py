@@ -21,6 +21,7 @@ SMALL_POINTERS = va.KernelConfig(16, 16, 4, 1, tma=False)
 SMALL_FP8 = va.KernelConfig(16, 32, 4, 1, tma=False)  # FP8's k-step is 32
 SMALL_FP8_DESCRIPTORS = va.KernelConfig(16, 32, 4, 1)
 SMALL_LAZY = va.KernelConfig(16, 16, 4, 1, lazy_rescale=True)
+SMALL_HALF_EXP = va.KernelConfig(16, 16, 4, 1, half_exp=True)
 SMALL_FP8_LAZY = va.KernelConfig(16, 32, 4, 1, lazy_rescale=True)
 # frames of unequal sizes, none a multiple of the tiles: the tail tiles and the frame edges are masked
 RUNS = [(37, 2), (20, 1), (5, 1)]
@@ -104,6 +105,30 @@ def test_triton_kernel_is_attention_within_each_frame(dim, dtype, bound, config)
 
 
 @ON_INTERPRETER
+@pytest.mark.parametrize("dim", [72, 24, 64])
+def test_half_exp_kernel_is_attention_within_fp16_rounding(dim):
+    # exponentials of f16-rounded scores, P and V in fp16, each row's sum of P from V's ones column
+    q, k, v = draw(RUNS, 2, dim, "cpu", torch.float16, seed=dim + 1)
+    want = exact(q, k, v, RUNS)
+    got = va.attention_triton(q, k, v, va.AttentionPlan(RUNS), dim**-0.5, SMALL_HALF_EXP)
+    assert got.shape == (q.shape[0], 2 * dim) and got.dtype == torch.float16
+    assert relative_error(got, want) < 3e-3
+    # without the ones column's row sums the outputs would be off by the rows' sums of P: far beyond rounding
+    assert relative_error(got, va.attention_triton(q, k, v, va.AttentionPlan(RUNS), dim**-0.5, SMALL)) < 3e-3
+
+
+def test_half_exp_values_carry_a_ones_column_for_the_row_sums():
+    v = torch.tensor([[[1.5, -2.0, 70000.0]], [[0.25, 3.0, -1e6]]], dtype=torch.bfloat16)  # [2, 1 head, 3]
+    out = va.values_with_ones(v, 8)
+    assert out.dtype == torch.float16 and out.shape == (2, 1, 8)
+    # values as they were, but clamped inside fp16's range; ones at head_dim; zeros after
+    assert out[:, 0, :3].tolist() == [[1.5, -2.0, 65280.0], [0.25, 3.0, -65280.0]]
+    assert out[:, 0, 3].tolist() == [1.0, 1.0] and not out[:, 0, 4:].any()
+    with pytest.raises(ValueError, match="no column for the row sums"):
+        va.values_with_ones(v, 3)
+
+
+@ON_INTERPRETER
 @pytest.mark.parametrize("config", [SMALL_FP8, SMALL_FP8_DESCRIPTORS, SMALL_FP8_LAZY],
                          ids=["pointers", "descriptors", "lazy"])
 def test_fp8_kernel_is_attention_within_fp8_rounding(config):
@@ -120,8 +145,9 @@ def test_fp8_kernel_is_attention_within_fp8_rounding(config):
 
 @ON_INTERPRETER
 @pytest.mark.parametrize("attend,config", [(va.attention_triton, SMALL), (va.attention_triton, SMALL_POINTERS),
-                                           (va.attention_triton_fp8, SMALL_FP8_DESCRIPTORS)],
-                         ids=["descriptors", "pointers", "fp8-descriptors"])
+                                           (va.attention_triton_fp8, SMALL_FP8_DESCRIPTORS),
+                                           (va.attention_triton, SMALL_HALF_EXP)],
+                         ids=["descriptors", "pointers", "fp8-descriptors", "half-exp"])
 def test_a_frame_attends_only_to_itself(attend, config):
     q, k, v = draw([(20, 1), (20, 1)], 2, 72, "cpu", torch.float32, seed=4)
     plan = va.AttentionPlan([(20, 1), (20, 1)])
@@ -177,8 +203,11 @@ def test_fp8_descriptor_operands_are_padded_and_transposed_for_aligned_tiles():
     ("triton_fp8", None, 8e-2), ("triton_fp8", va.KernelConfig(128, 128, 8, 3), 8e-2),
     ("triton_fp8", va.KernelConfig(128, 64, 4, 3), 8e-2),
     ("triton", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 1e-2),
-    ("triton_fp8", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 8e-2)],
-    ids=["bf16", "bf16-ws", "fp8", "fp8-tma-8w", "fp8-tma-4w", "bf16-lazy", "fp8-lazy"])
+    ("triton_fp8", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 8e-2),
+    ("triton", va.KernelConfig(128, 64, 4, 3, half_exp=True), 1e-2),
+    ("triton", va.KernelConfig(128, 128, 8, 3, half_exp=True), 1e-2)],
+    ids=["bf16", "bf16-ws", "fp8", "fp8-tma-8w", "fp8-tma-4w", "bf16-lazy", "fp8-lazy", "bf16-half-exp",
+         "bf16-half-exp-8w"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
 def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bound):
     frames = [(patches + 37, 1), (1000, 3)]  # frames ending mid-tile, one at the end of the tensor
@@ -209,11 +238,13 @@ def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
 def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size():
     from workers.bench import vision_attention as bench
 
-    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1")
+    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1,128:64:4:3:1:0:0:1")
     assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False),
-                       va.KernelConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
+                       va.KernelConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
+                       va.KernelConfig(128, 64, 4, 3, half_exp=True)]
     names = [bench.config_name("triton", c) for c in configs]
-    assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]", "triton[m128n128w8s3tmaws]"]
+    assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]", "triton[m128n128w8s3tmaws]",
+                     "triton[m128n64w4s3tmahe]"]
     configs, names = configs[:2], names[:2]
     kernels = {"4096": {names[0]: {"attention_tflops": 1.0}, names[1]: {"attention_tflops": 9.0}},
                "62500": {names[0]: {"attention_tflops": 5.0}, names[1]: {"error": "OutOfResources"}}}

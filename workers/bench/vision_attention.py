@@ -40,13 +40,14 @@ VARLEN_MIX = [(62500, 1), (16384, 1), (4096, 2), (1024, 8)]  # (patches per fram
 
 
 def parse_configs(text: str) -> list[va.KernelConfig]:
-    """'M:N:W:S[:T[:WS[:LZ]]]' items: block_m, block_n, warps, stages, T 1 (tensor descriptors, the default) or 0,
-    WS 1 (warp-specialised key loop) or 0 (the default), LZ 1 (lazy rescaling) or 0 (the default)."""
+    """'M:N:W:S[:T[:WS[:LZ[:HE]]]]' items: block_m, block_n, warps, stages, T 1 (tensor descriptors, the default)
+    or 0, WS 1 (warp-specialised key loop) or 0 (the default), LZ 1 (lazy rescaling) or 0 (the default), HE 1
+    (exponentials two at a time in f16, P and V in fp16) or 0 (the default)."""
     configs = []
     for item in filter(None, text.split(",")):
         m, n, w, st, *rest = (int(x) for x in item.split(":"))
-        tma, ws, lazy = (rest + [1, 0, 0][len(rest):])[:3]
-        configs.append(va.KernelConfig(m, n, w, st, bool(tma), bool(ws), bool(lazy)))
+        tma, ws, lazy, half = (rest + [1, 0, 0, 0][len(rest):])[:4]
+        configs.append(va.KernelConfig(m, n, w, st, bool(tma), bool(ws), bool(lazy), bool(half)))
     return configs
 
 
@@ -78,7 +79,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def config_name(impl: str, c: va.KernelConfig) -> str:
     loads = "tma" if c.tma else "ptr"
-    flags = ("ws" if c.warp_specialize else "") + ("lz" if c.lazy_rescale else "")
+    flags = ("ws" if c.warp_specialize else "") + ("lz" if c.lazy_rescale else "") + ("he" if c.half_exp else "")
     return f"{impl}[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{loads}{flags}]"
 
 

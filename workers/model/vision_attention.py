@@ -70,6 +70,7 @@ class KernelConfig:
     tma: bool = True
     warp_specialize: bool = False  # the key loop's tl.range(warp_specialize=...): descriptor kernels only
     lazy_rescale: bool = False  # descriptor kernels: rescale the accumulators only on tiles where a row's max moved
+    half_exp: bool = False  # bf16 descriptor kernel: exponentials two at a time in f16, P and V in fp16 (below)
 
 
 # Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-80 in benchmarks/README.md): the highest rate at
@@ -213,7 +214,10 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     out = q.new_empty(seq, heads * dim)
     if not seq:
         return out
-    if config.tma and _rows_fit_descriptors(q, k, v):
+    if config.tma and config.half_exp and dim < d0 + max(d1, 16) and _rows_fit_descriptors(q, k):
+        # the ones column sits in P @ V's tail, which then runs even where head_dim has no tail of its own
+        _launch_descriptors(q, k, values_with_ones(v, d0 + max(d1, 16)), out, plan, scale, config, d0, 16)
+    elif config.tma and _rows_fit_descriptors(q, k, v):
         _launch_descriptors(q, k, v, out, plan, scale, config, d0, d1)
     else:
         _launch_pointers(q, k, keys_contiguous(v), out, plan, scale, None, config, d0, d1)
@@ -260,22 +264,44 @@ def _rows_fit_descriptors(*tensors: torch.Tensor) -> bool:
                and (t.shape[2] * t.element_size()) % 16 == 0 for t in tensors)
 
 
+# the largest value that bf16 and fp16 both hold (fp16's largest, 65504, rounds to 65536 in bf16, infinite in fp16)
+F16_SAFE_MAX = 65280.0
+
+
+def values_with_ones(v: torch.Tensor, width: int) -> torch.Tensor:
+    """v [N, heads, dim] as fp16 [N, heads, width] for the half_exp kernel: v's columns (clamped to fp16's range,
+    exact for bf16 values within it), then a column of ones, so that P @ V's tail accumulates each row's sum of P in
+    the tensor cores' float32 (the kernel then adds no row sums of its own), then zeros. Needs width > dim."""
+    seq, heads, dim = v.shape
+    if width <= dim:
+        raise ValueError(f"values_with_ones: no column for the row sums past head_dim {dim} in width {width}")
+    out = v.new_empty(seq, heads, width, dtype=torch.float16)
+    out[:, :, :dim] = v.clamp(-F16_SAFE_MAX, F16_SAFE_MAX)
+    out[:, :, dim] = 1.0
+    out[:, :, dim + 1:] = 0.0
+    return out
+
+
 def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config: KernelConfig, d0: int, d1: int):
+    """v: [N, heads, dim] like q, or with config.half_exp values_with_ones' fp16 [N, heads, d0 + tail]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     seq, heads, dim = q.shape
     bn, tail = config.block_n, max(d1, 16)
+    v_cols = v.shape[2]
 
     def rows(t: torch.Tensor, block_cols: int) -> TensorDescriptor:
-        return TensorDescriptor(t, [seq, heads * dim], [t.stride(0), 1], [bn, block_cols])
+        return TensorDescriptor(t, [seq, heads * t.shape[2]], [t.stride(0), 1], [bn, block_cols])
 
     table = plan.table(config.block_m, q.device)
     _vision_attention_tma_kernel[(table.shape[0], heads)](
         q, rows(k, d0), rows(k, tail), rows(v, d0), rows(v, tail), out, table, q.stride(0), q.stride(1),
         out.stride(0), scale * math.log2(math.e), out, out,
-        HEAD_DIM=dim, K_COLS=dim, D0=d0, D1=tail, DV1=tail, HAS_TAIL=d1 > 0, FP8=False, P_SCALE=1.0,
+        HEAD_DIM=dim, K_COLS=dim, V_COLS=v_cols, D0=d0, D1=tail, DV1=tail, HAS_TAIL=d1 > 0, FP8=False,
+        P_SCALE=1.0,
         BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
         LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=BF16_RESCALE_GROWTH,
+        HALF_EXP=config.half_exp, HALF_EXP_ASM=q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -315,9 +341,9 @@ def _launch_fp8_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, con
         TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [d0, bn]),
         TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [v_tail, bn]),
         out, table, q8.stride(0), q8.stride(1), out.stride(0), scale * math.log2(math.e), qk_scales, v_scales,
-        HEAD_DIM=dim, K_COLS=d0 + d1, D0=d0, D1=d1, DV1=v_tail, HAS_TAIL=d1 > 0, FP8=True, P_SCALE=P_SCALE,
-        BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
-        LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=0.0,
+        HEAD_DIM=dim, K_COLS=d0 + d1, V_COLS=dim, D0=d0, D1=d1, DV1=v_tail, HAS_TAIL=d1 > 0, FP8=True,
+        P_SCALE=P_SCALE, BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
+        LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=0.0, HALF_EXP=False, HALF_EXP_ASM=False,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -430,10 +456,22 @@ if triton is not None:
                      mask=m_mask[:, None] & d1_mask[None, :])
 
     @triton.jit
+    def _exp2_half(x, ASM: tl.constexpr):
+        """2^x for float32 x as fp16, two values an instruction: x rounded to f16 and both exponentials in one
+        ex2.approx.f16x2 (the multi-function unit's rate is per instruction, so twice the float32 rate). The
+        interpreter, which runs no PTX, rounds the same way and exponentiates in float32."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }", "=r,r,r", [x],
+                dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return tl.math.exp2(x.to(tl.float16).to(tl.float32)).to(tl.float16)
+
+    @triton.jit
     def _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc, v1_desc, start_n, end, k_col0,
                          v_at, v_shift, qk_scale, HAS_TAIL: tl.constexpr, FP8: tl.constexpr, P_SCALE: tl.constexpr,
                          D0: tl.constexpr, BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                         RESCALE_GROWTH: tl.constexpr):
+                         RESCALE_GROWTH: tl.constexpr, HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr):
         """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts. bf16: V's tiles
         are [keys, dims] at column v_at of [N, heads * dim] rows; FP8: [dims, keys] at row v_at of V^T, read
         transposed (Hopper's FP8 MMA reads both operands along the keys), whose keys sit v_shift columns on from
@@ -449,7 +487,10 @@ if triton is not None:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         if LAZY_RESCALE:  # a row's reference moves only when its maximum grew past RESCALE_GROWTH (base 2)
             m_new = tl.where(m_new > m_i + RESCALE_GROWTH, m_new, m_i)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        if HALF_EXP:  # fp16 P; its row sums come from V's ones column, in P @ V's tail (values_with_ones)
+            p = _exp2_half(s * qk_scale - m_new[:, None], HALF_EXP_ASM)
+        else:
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
         if LAZY_RESCALE:
             # the accumulators are rescaled only on the tiles where some row's reference moved: after a frame's
             # first tiles almost none does (the conditional rescaling of FlashAttention-4, flash_attn/cute in
@@ -464,7 +505,8 @@ if triton is not None:
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
             l_i = l_i * alpha
-        l_i = l_i + tl.sum(p, 1)
+        if not HALF_EXP:
+            l_i = l_i + tl.sum(p, 1)
         if FP8:
             v0 = v0_desc.load([v_at, start_n + v_shift]).T
             pq = (p * P_SCALE).to(v0.dtype)
@@ -488,13 +530,16 @@ if triton is not None:
     @triton.jit
     def _vision_attention_tma_kernel(q_ptr, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr, stride_qn,
                                      stride_qh, stride_on, qk_scale_base, qk_scale_head_ptr, v_scale_head_ptr,
-                                     HEAD_DIM: tl.constexpr, K_COLS: tl.constexpr, D0: tl.constexpr,
-                                     D1: tl.constexpr, DV1: tl.constexpr, HAS_TAIL: tl.constexpr, FP8: tl.constexpr,
-                                     P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                                     RESCALE_GROWTH: tl.constexpr):
+                                     HEAD_DIM: tl.constexpr, K_COLS: tl.constexpr, V_COLS: tl.constexpr,
+                                     D0: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr, HAS_TAIL: tl.constexpr,
+                                     FP8: tl.constexpr, P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                                     LAZY_RESCALE: tl.constexpr, RESCALE_GROWTH: tl.constexpr,
+                                     HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr):
         """Program (table row, head), tensor descriptors: BLOCK_M query rows of one frame against all its keys.
-        K's head h starts at column h * K_COLS of its rows; q's and k's tails are D1 wide, V's DV1."""
+        K's head h starts at column h * K_COLS of its rows, V's (bf16: [N, heads * V_COLS] rows) at h * V_COLS;
+        q's and k's tails are D1 wide, V's DV1. HALF_EXP: V's column HEAD_DIM is ones, so P @ V's tail
+        accumulates the row sums."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         q_start = tl.load(table_ptr + row * 4)
@@ -516,7 +561,7 @@ if triton is not None:
         q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
         q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & (offs_d1 < HEAD_DIM)[None, :] & HAS_TAIL,
                      other=0.0)
-        v_at = head * HEAD_DIM
+        v_at = head * V_COLS
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
@@ -527,7 +572,9 @@ if triton is not None:
             acc0, acc1, m_i, l_i = _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc,
                                                     v1_desc, start_n, end, head * K_COLS, v_at, v_shift, qk_scale,
                                                     HAS_TAIL, FP8, P_SCALE, D0, BLOCK_N, LAZY_RESCALE,
-                                                    RESCALE_GROWTH)
+                                                    RESCALE_GROWTH, HALF_EXP, HALF_EXP_ASM)
         offs_v1 = D0 + tl.arange(0, DV1)
-        _store_rows(o_ptr, offs_m, m_mask, stride_on, v_at.to(tl.int64), acc0, acc1, v_scale / l_i, offs_d0, offs_v1,
-                    offs_v1 < HEAD_DIM, HAS_TAIL)
+        if HALF_EXP:  # each row's sum of P, accumulated against V's ones column
+            l_i = tl.sum(tl.where((offs_v1 == HEAD_DIM)[None, :], acc1, 0.0), 1)
+        _store_rows(o_ptr, offs_m, m_mask, stride_on, (head * HEAD_DIM).to(tl.int64), acc0, acc1, v_scale / l_i,
+                    offs_d0, offs_v1, offs_v1 < HEAD_DIM, HAS_TAIL)
