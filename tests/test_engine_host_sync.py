@@ -31,13 +31,16 @@ def image_prompt(seed: int) -> PromptInput:
 
 
 @contextlib.contextmanager
-def sync_debug_mode(mode: str, then: str):
-    """torch's CUDA sync debug mode `mode` inside, `then` after ("error": a synchronising CUDA call raises)."""
+def sync_debug_mode(mode: str):
+    """torch's CUDA sync debug mode `mode` inside ("error": a synchronising CUDA call raises), the mode before it
+    after. (Restoring a fixed mode leaked "error" into the tests after these: with overlapped steps a step's wait
+    runs after the runner call that launched it has returned, run84.)"""
+    before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(then)
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def erring_on_any_sync(monkeypatch, obj, name: str, record) -> None:
@@ -47,11 +50,11 @@ def erring_on_any_sync(monkeypatch, obj, name: str, record) -> None:
 
     def erring(*args, **kwargs):
         record(*args, **kwargs)
-        with sync_debug_mode("error", then="default"):
+        with sync_debug_mode("error"):
             return method(*args, **kwargs)
 
     def wait_allowed_to_sync(copy):
-        with sync_debug_mode("default", then="error"):
+        with sync_debug_mode("default"):
             return wait(copy)
 
     monkeypatch.setattr(obj, name, erring)

