@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from workers.stats import percentile
+from contract.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 

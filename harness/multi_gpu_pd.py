@@ -16,7 +16,7 @@ from harness.multi_gpu_instances import (
 )
 from workers.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import RequestOptions
-from workers.stats import percentile
+from contract.stats import percentile
 
 PREFILL_ONLY = RequestOptions(prefill_only=True)  # the prefill side's requests: each hands its KV to the decode side
 

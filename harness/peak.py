@@ -47,7 +47,7 @@ from harness.system_config import (
 )
 from harness.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 from harness.user_conf import write_user_conf
-from workers.stats import early_stopping_min_queries
+from contract.stats import early_stopping_min_queries
 
 REPO = Path(__file__).resolve().parents[1]
 # What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and
@@ -120,7 +120,7 @@ class PointResult:
     early_stopping: str  # early_stopping_result, e.g. how many more queries a verdict would need
     log_dir: str
     # Server / Interactive: queries over the target latency (result_overlatency_query_count), and how many queries
-    # LoadGen's early stopping needs with that many over (workers.stats): a point of fewer cannot be VALID.
+    # LoadGen's early stopping needs with that many over (contract.stats): a point of fewer cannot be VALID.
     over_bound_queries: int | None = None
     queries_early_stopping_needs: int | None = None
 

@@ -22,7 +22,7 @@ from workers.sim.config import SimulationConfig
 from workers.sim.engine import image_sizes, simulated
 from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
-from workers.stats import early_stopping_met, percentile, poisson_arrivals
+from contract.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
 

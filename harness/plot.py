@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from workers.stats import percentile  # noqa: E402
+from contract.stats import percentile  # noqa: E402
 
 # LoadGen writes one "Sample" begin event per completed sample; its args carry the latency. The trace file
 # is not strict JSON (some LogDetail args are double-quoted twice), so events are matched one by one.

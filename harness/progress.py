@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from workers.stats import percentile
+from contract.stats import percentile
 
 _POSTFIX_INTERVAL_S = 1.0
 

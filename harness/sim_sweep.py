@@ -27,7 +27,7 @@ from harness.cpu_monitor import CpuMonitor
 from harness.router_ceiling import router_ceiling
 from harness.simulated_system import parse_summary, simulated_system
 from workers.sim.latency import BOUND_MS, KEPT_UP_MIN, kept_up
-from workers.stats import percentile
+from contract.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,7 @@ def virtual_points(args) -> list[dict]:
     from workers.sim.config import SimulationConfig
     from workers.sim.engine import build_step_model
     from workers.sim.virtual import VirtualCluster, Workload
-    from workers.stats import poisson_arrivals
+    from contract.stats import poisson_arrivals
 
     sim = SimulationConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype)
     engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=1024, max_num_batched_tokens=8192,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness.plot import SampleLatency
 from workers.core.step_trace import TIMELINE, read_requests, request_start, request_timeline
-from workers.stats import percentile
+from contract.stats import percentile
 from contract.tokenizer import IMAGE_PAD_ID
 
 SLOWEST_LISTED = 10

@@ -189,7 +189,7 @@ WORKER_LAYERS = {
     "model": 3,
     "parallel": 2,
     "core": 1, "model_config": 1, "request_options": 1, "sampler": 1,
-    "config": 0, "stats": 0, "grammar": 0, "host_copy": 0, "kv_cache": 0, "checkpoint_quant": 0, "tiny_checkpoint": 0,
+    "config": 0, "grammar": 0, "host_copy": 0, "kv_cache": 0, "checkpoint_quant": 0, "tiny_checkpoint": 0,
 }
 
 

@@ -17,7 +17,7 @@ from workers.request_options import RequestOptions
 from workers.sim.engine import simulated
 from workers.sim.step_model import Calibration, StepModel
 from workers.sim.virtual import VirtualCluster, Workload
-from workers.stats import poisson_arrivals
+from contract.stats import poisson_arrivals
 
 PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)
 RUN9 = Path(__file__).resolve().parent.parent / "benchmarks" / "2026-11-30-run9-30b-a3b.json"

@@ -174,7 +174,7 @@ def test_the_product_paths_loadgen_points_are_replayed_beside_their_measurements
     rows = result["rows"]
     assert [r["p99_s"]["measured"] for r in rows] == [round(p["p99_s"], 2) for p in measured]
     for row in rows:
-        if row["p99_s"]["predicted"] > 12.0:  # VALID also needs LoadGen's early stopping (workers.stats)
+        if row["p99_s"]["predicted"] > 12.0:  # VALID also needs LoadGen's early stopping (contract.stats)
             assert row["verdict"]["predicted"] == "INVALID"
         assert 0 < row["p50_s"]["predicted"] <= row["p99_s"]["predicted"]
     by_qps = sorted(rows, key=lambda r: float(r["run"].split(" Server ")[1].split(" QPS")[0]))

@@ -1,10 +1,10 @@
-"""workers/stats.py: the one percentile (LoadGen's index), LoadGen's early-stopping test and the one Poisson arrival generator."""
+"""contract/stats.py: the one percentile (LoadGen's index), LoadGen's early-stopping test and the one Poisson arrival generator."""
 
 import math
 
 import pytest
 
-from workers.stats import early_stopping_met, early_stopping_min_queries, percentile, poisson_arrivals
+from contract.stats import early_stopping_met, early_stopping_min_queries, percentile, poisson_arrivals
 
 
 def test_percentile_takes_the_element_at_floor_q_times_n_as_loadgen_does():

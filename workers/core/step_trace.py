@@ -208,7 +208,7 @@ def request_phases(lines: list[dict]) -> dict:
     """Where finished requests' time went: for each phase (PHASES), its p50 / p90 / p99 over the requests that have
     both ends (a request driven without a serving engine has no submitted_s), and the same for the slowest 1% by
     total time from submission (or preparation) to finish. Aborted requests are counted, not timed."""
-    from workers.stats import percentile
+    from contract.stats import percentile
 
     if not lines:
         raise ValueError("no request lines in the trace (traces written before request lines existed have none)")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from workers.core.step_work import StepWork
 from workers.sim.step_model import StepCorrection, StepModel
-from workers.stats import percentile
+from contract.stats import percentile
 
 TERMS = ("text_scale", "vision_scale", "step_overhead_ms")
 

@@ -17,7 +17,7 @@ from workers.engine import LLMEngine
 from workers.request_options import RequestOptions
 from workers.sim.engine import SimulatedExecutor, simulated
 from workers.sim.step_model import StepModel
-from workers.stats import percentile
+from contract.stats import percentile
 
 Policy = Literal["round_robin", "least_loaded"]
 
