@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 from harness.engine_bench_setup import Workload
-from workers.bench.engine_probes import Sync
+from lab.bench.engine_probes import Sync
 
 log = logging.getLogger("bench_engine")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from harness.engine_bench_setup import Workload
 from workers.core.step_work import median_phases_ms
-from workers.bench.engine_probes import (
+from lab.bench.engine_probes import (
     GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps, run_until_done, triton_cache_kernels,
 )
 

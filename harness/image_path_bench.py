@@ -25,7 +25,7 @@ import torch
 
 from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, smart_resize
 from harness.query_probe import catalogue_jpeg
-from workers.bench.vision import median_ms as wall_median_ms
+from lab.bench.vision import median_ms as wall_median_ms
 from workers.host_copy import to_device
 from workers.inputs.device_image import decode_on_device, decode_resized, resize_bicubic
 from workers.inputs.image_processing import decode_image, merge_block_patches, normalise_patches, resized_pixels
@@ -89,8 +89,8 @@ def tower_difference(width: int, height: int, device: torch.device) -> dict:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workers.bench.vision import relative_error
-    from workers.bench.vision_attention import tower_module
+    from lab.bench.vision import relative_error
+    from lab.bench.vision_attention import tower_module
     from workers.model.vision import VisionTower
 
     data = catalogue_jpeg(width, height, seed=1)

@@ -20,7 +20,7 @@ from pathlib import Path
 from harness.catalogue_workload import build_workload, longest_request
 from harness.engine_bench_ours import run_catalogue
 from harness.engine_bench_setup import Workload
-from workers.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
+from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import NO_OPTIONS, RequestOptions
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from harness.engine_bench_setup import Workload
 from harness.multi_gpu_instances import (
     SMOKE, catalogue_requests, drive_poisson, engine_config, greedy, prepare_all, sync_all, warm_up,
 )
-from workers.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
+from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import RequestOptions
 from contract.stats import percentile
 

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from workers.bench.gpu_timing import median_us  # noqa: E402
-from workers.bench.paged_attention_step import paged_step  # noqa: E402
+from lab.bench.gpu_timing import median_us  # noqa: E402
+from lab.bench.paged_attention_step import paged_step  # noqa: E402
 from workers.model import paged_decode, paged_prefill  # noqa: E402
 from workers.model.attention import sdpa_attention  # noqa: E402
 

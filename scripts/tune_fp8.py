@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from workers.bench.gpu_timing import graph_median_us  # noqa: E402
+from lab.bench.gpu_timing import graph_median_us  # noqa: E402
 from workers.model import fp8, fp8_gemm, fused_moe  # noqa: E402
 from workers.checkpoint_quant import BlockShape  # noqa: E402
 from workers.model.fused_moe import TileConfig  # noqa: E402

@@ -84,7 +84,7 @@ def timer(device: str):
             return round((time.perf_counter() - start) * 1e6, 1)
         return wall_us
 
-    from workers.bench.gpu_timing import time_us
+    from lab.bench.gpu_timing import time_us
 
     return lambda fn, iters=20: round(time_us(fn, iters), 1)
 

@@ -120,7 +120,7 @@ def test_profiling_decode_steps_is_refused_without_a_gpu(tmp_path, capsys):
 
 
 def test_a_profiled_windows_gpu_timeline_gives_kernels_busy_time_and_gaps_per_step():
-    from workers.bench.engine_probes import timeline_per_step
+    from lab.bench.engine_probes import timeline_per_step
 
     # two steps: three kernels and a copy overlapping the second (28 us busy), 2 us between the first two kernels
     # (launch latency), 100 us waiting for the host

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.bench.poisson_levels import qps_search, summarize_levels
+from lab.bench.poisson_levels import qps_search, summarize_levels
 
 REPO = Path(__file__).resolve().parent.parent
 

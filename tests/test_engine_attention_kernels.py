@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from workers.bench.paged_attention_step import paged_step
+from lab.bench.paged_attention_step import paged_step
 from workers.model import paged_decode, paged_prefill
 from workers.kv_cache import FP8_DTYPE, from_cache, quantize_fp8
 from workers.model.attention import paged_attention, sdpa_attention

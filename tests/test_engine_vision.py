@@ -182,7 +182,7 @@ def test_our_tower_equals_transformers_module_at_the_30b_shape_in_bf16(grids):
             assert torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1).min().item() > 0.999
 
 def test_bench_vision_tiny_cpu_mode_prints_one_json_object_per_run(tmp_path, capsys):
-    from workers.bench import vision as bench_vision
+    from lab.bench import vision as bench_vision
 
     out = tmp_path / "bench.json"
     result = bench_vision.main(["--shape", "tiny", "--reps", "1", "--out", str(out)])
@@ -195,7 +195,7 @@ def test_bench_vision_tiny_cpu_mode_prints_one_json_object_per_run(tmp_path, cap
 
 
 def test_bench_vision_sweeps_batch_sizes_and_head_dims(capsys):
-    from workers.bench import vision as bench_vision
+    from lab.bench import vision as bench_vision
 
     result = bench_vision.main(["--shape", "tiny", "--reps", "1", "--batch-sweep", "1,3", "--head-dim-sweep"])
     capsys.readouterr()

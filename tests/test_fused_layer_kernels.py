@@ -257,7 +257,7 @@ def one_layer_model(block: tuple[int, int] | None, device: str = "cuda"):
 def kernels_of_one_step(model, tokens: int) -> tuple[torch.Tensor, int]:
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.bench.engine_probes import gpu_timeline
+    from lab.bench.engine_probes import gpu_timeline
     from workers.executor.decode_graphs import full_budget_batch
     from workers.kv_cache import KvCache
 

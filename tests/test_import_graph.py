@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "harness", "router", "workers", "audit", "scripts")
+PACKAGES = ("contract", "harness", "router", "workers", "audit", "lab", "scripts")
 
 
 def imported_names(tree: ast.AST, package: str) -> list[tuple[str, int]]:
@@ -175,12 +175,11 @@ def test_no_two_modules_import_each_other_even_lazily():
 
 
 # workers/ in layers, top to bottom (issues 21 and 34): every module of workers/ has a layer and imports only modules of
-# layers below its own, with no exemption. From the top: the instruments (bench); the engine served and simulated
+# layers below its own, with no exemption. From the top: the engine served and simulated
 # (serve, sim); the engine (engine.py) over the interfaces it declares (engine_api.py); what runs a step (executor) and
 # the checkpoint writers; what makes a request's sequence (inputs) and reads the checkpoint's tensors (weights); the
 # model; its parallel layout; the scheduling core, the checkpoint's configs, request options, sampling; the foundation.
 WORKER_LAYERS = {
-    "bench": 9,
     "serve": 8, "sim": 8,
     "engine": 7,
     "engine_api": 6, "random_checkpoint": 6,

@@ -236,7 +236,7 @@ def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
 
 
 def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size():
-    from workers.bench import vision_attention as bench
+    from lab.bench import vision_attention as bench
 
     configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1,128:64:4:3:1:0:0:1")
     assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False),

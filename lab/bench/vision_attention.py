@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.bench.gpu_timing import median_us
+from lab.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
 from workers.model.vision import VisionTower, build_vision_module
 from workers.tiny_checkpoint import released_config, transformers_config

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.bench.gpu_timing import time_us
+from lab.bench.gpu_timing import time_us
 from workers.model import vision_kernels
 from workers.model.vision import VisionTower, build_vision_module
 from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, transformers_config

@@ -91,7 +91,7 @@ def moe_layer_times(model) -> dict[str, float]:
     fused Triton kernels and for the torch._grouped_mm path."""
     import torch
 
-    from workers.bench.gpu_timing import graph_us
+    from lab.bench.gpu_timing import graph_us
     from workers.model import moe
 
     mlp = next(layer.mlp for layer in model.language_model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
