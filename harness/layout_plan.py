@@ -139,7 +139,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
 
         prepare = prepare_s_per_visual_token()
     if args.workload == "realistic":
-        from harness.catalogue_workload import realistic_catalogue
+        from lab.bench.catalogue_workload import realistic_catalogue
 
         prompts = tuple(r.prompt for r in realistic_catalogue(args.workload_samples))
     return PlanRequest(hardware=args.hardware, gpus=args.gpus, scenario=args.scenario, model=args.model,

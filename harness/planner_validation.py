@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
+from lab.bench.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import image_sizes, simulated
@@ -312,7 +312,7 @@ def prepare_s_per_visual_token() -> float:
 
 
 def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest]) -> list[dict]:
-    """The realistic catalogue (harness.catalogue_workload.realistic_catalogue, per-request images and output
+    """The realistic catalogue (lab.bench.catalogue_workload.realistic_catalogue, per-request images and output
     lengths): run21 on one H200 (its 256 requests), run15 on two (the first 128: DP2 halves, TP2, DP2 Poisson)."""
     run21 = _bench(RUN21)
     cat, w = run21["ours"]["catalogue_realistic"], run21["workload"]

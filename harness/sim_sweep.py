@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from harness.cpu_monitor import CpuMonitor
-from harness.router_ceiling import router_ceiling
+from lab.bench.router_ceiling import router_ceiling
 from harness.simulated_system import parse_summary, simulated_system
 from workers.sim.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from contract.stats import percentile

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from contract import event_loop  # noqa: E402
-from harness.load_test import Procs, closed_loop, drain, interleaved  # noqa: E402
+from lab.bench.load_test import Procs, closed_loop, drain, interleaved  # noqa: E402
 
 EMBEDDED_TARGET_MS = 0.3  # issue 35: embedded routing adds at most this to a direct call's p50
 PROMPT_TOKENS = 1024   # a product image (~700 visual tokens) plus the MLPerf prompt text, roughly

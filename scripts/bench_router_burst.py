@@ -1,5 +1,5 @@
 """An Offline-style burst through one router: `--requests` concurrent requests, each with an image of `--image-mb`
-MB, to one simulated Qwen3-VL-30B-A3B worker (harness.router_ceiling's helper); prints one JSON object: how each
+MB, to one simulated Qwen3-VL-30B-A3B worker (lab.bench.router_ceiling's helper); prints one JSON object: how each
 request ended, how long it all took, the slowest control call to the router (ListWorkers) and to the worker
 (GetLoad) timed from a process of their own while the burst runs (a held-up event loop shows there), and the
 worker's down marks in the router's log.
@@ -29,7 +29,7 @@ import grpc.aio  # noqa: E402
 
 from contract.transport import open_channel  # noqa: E402
 from contract.wire import pb, pb_grpc  # noqa: E402
-from harness.load_test import Procs  # noqa: E402
+from lab.bench.load_test import Procs  # noqa: E402
 from router.client import RouterClient  # noqa: E402
 from workers.sim.virtual import Workload  # noqa: E402
 
@@ -66,7 +66,7 @@ async def burst(requests: int, image_mb: float) -> dict:
         (line,) = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--policy", "least_loaded",
                                "--log-level", "INFO"], log=router_log)
         address = line.split()[-1]
-        procs.start(["-m", "harness.router_ceiling", "--serve-workers", address, "--workers", "1", "--hardware",
+        procs.start(["-m", "lab.bench.router_ceiling", "--serve-workers", address, "--workers", "1", "--hardware",
                      "h200", "--simulation", json.dumps({"model": "qwen3-vl-30b-a3b"})])
         prompt = Workload().prompt().token_ids
         image = os.urandom(int(image_mb * 1e6))

@@ -1,5 +1,5 @@
 """Finds the capacity knee of simulated systems through the real harness (harness/sim_sweep.py); prints one
-JSON object. Also --router-ceiling (harness/router_ceiling.py) and --virtual (the virtual clock)."""
+JSON object. Also --router-ceiling (lab/bench/router_ceiling.py) and --virtual (the virtual clock)."""
 
 import sys
 from pathlib import Path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from harness import engine_bench as bench_engine
+from lab.bench import engine as bench_engine
 
 
 def test_tiny_smoke_mode_prints_one_json_object_with_every_figure(tmp_path, capsys):

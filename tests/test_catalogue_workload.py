@@ -4,7 +4,7 @@ whose prompts come from the product's own prompt path with the real Qwen vocabul
 from __future__ import annotations
 
 from contract.prompt import system_prompt
-from harness.catalogue_workload import (
+from lab.bench.catalogue_workload import (
     OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths, realistic_catalogue,
 )
 from contract.tokenizer import IMAGE_PAD_ID, load_tokenizer

@@ -165,7 +165,7 @@ def test_the_product_paths_loadgen_points_are_replayed_beside_their_measurements
     """issue 19 item 4: each measured Server point (find_peak JSONs listed in planner-validation-runs.json) beside
     its replay on the virtual clock, and a predicted highest valid QPS between the bisection's bounds. A small fixed
     catalogue stands in for the 1,500 realistic samples here (the CLI rebuilds those)."""
-    from harness.catalogue_workload import fixed_catalogue
+    from lab.bench.catalogue_workload import fixed_catalogue
     from harness.planner_validation import RUNS, product_path_rows
 
     result = product_path_rows(requests=fixed_catalogue(40, 448, 64, 45), bisect_steps=2)
@@ -235,7 +235,7 @@ def test_a_calibration_moves_to_a_precision_once():
 
 
 def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_measured_fp8():
-    from harness.catalogue_workload import fixed_catalogue
+    from lab.bench.catalogue_workload import fixed_catalogue
     from harness.planner_validation import RUNS, product_path_model, product_path_rows
 
     model = product_path_model(None, "fp8", "fp8")
@@ -252,7 +252,7 @@ def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_mea
 
 
 def test_the_speedup_replay_judges_issue_19s_targets_on_a_model_with_faster_parts():
-    from harness.catalogue_workload import fixed_catalogue
+    from lab.bench.catalogue_workload import fixed_catalogue
     from harness.planner_validation import product_path_model, speedup_rows
 
     model = product_path_model(None, "fp8", "fp8")

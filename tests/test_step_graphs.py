@@ -153,7 +153,7 @@ def test_on_cuda_the_30b_shapes_graphed_steps_equal_its_eager_forward_within_bf1
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from contract.types import PromptInput, SamplingParams
-    from harness.engine_bench_setup import PRECISIONS, write_config
+    from lab.bench.engine_setup import PRECISIONS, write_config
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 

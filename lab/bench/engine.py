@@ -18,9 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-from harness.engine_bench_baseline import bench_baseline
-from harness.engine_bench_ours import bench_ours
-from harness.engine_bench_setup import PRECISIONS, PRESETS, Workload, write_config
+from lab.bench.engine_baseline import bench_baseline
+from lab.bench.engine_ours import bench_ours
+from lab.bench.engine_setup import PRECISIONS, PRESETS, Workload, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_LINE = REPO / "scripts" / "bench_engine.py"  # each CUDA part runs as this command line with --part
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cpu" if args.shape == "tiny" else "cuda"
     if args.workloads is None:
         args.workloads = "fixed" if args.shape == "tiny" else "fixed,realistic"
-    from harness.catalogue_workload import WORKLOADS
+    from lab.bench.catalogue_workload import WORKLOADS
 
     if set(args.precisions.split(",")) - set(PRECISIONS):
         p.error(f"--precisions: expected some of {', '.join(PRECISIONS)}, got {args.precisions!r}")

@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.catalogue_workload import WORKLOADS, build_workload, describe
-from harness.engine_bench_setup import Workload, write_config
-from harness.multi_gpu_instances import (
+from lab.bench.catalogue_workload import WORKLOADS, build_workload, describe
+from lab.bench.engine_setup import Workload, write_config
+from lab.bench.multi_gpu_instances import (
     COMMAND_LINE, SMOKE, base_argv, part_dp2, part_dp_instance, part_instance, part_l235, store_requests,
 )
-from harness.multi_gpu_pd import part_pd
+from lab.bench.multi_gpu_pd import part_pd
 
 PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]
 

@@ -1,5 +1,5 @@
 """Our engine's part of the engine bench: the catalogue workloads offline (preparation overlapped with the
-steps, or first), then the vision, MoE, prefill and decode figures (harness/engine_bench.py drives it)."""
+steps, or first), then the vision, MoE, prefill and decode figures (lab/bench/engine.py drives it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.engine_bench_setup import Workload
+from lab.bench.engine_setup import Workload
 from workers.core.step_work import median_phases_ms
 from lab.bench.engine_probes import (
     GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps, run_until_done, triton_cache_kernels,
@@ -26,7 +26,7 @@ PROFILED_DECODE_STEPS = 8  # --profile-decode: steps profiled after the timed on
 
 def catalogues(args, w: Workload) -> dict[str, list]:
     """The workloads named by --workloads, built before the engine (the realistic one tokenizes real prompts)."""
-    from harness.catalogue_workload import build_workload
+    from lab.bench.catalogue_workload import build_workload
 
     return {kind: build_workload(kind, w.samples, w.image_size, w.text_tokens, w.output_tokens)
             for kind in args.workloads.split(",") if kind}
@@ -43,7 +43,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
     what overlapping costs the engine's steps); engine_wall_s is then from the first step. prep_threads: the size of
     the preparation pool (default: the engine's preprocess_threads, as the worker)."""
-    from harness.catalogue_workload import describe
+    from lab.bench.catalogue_workload import describe
     from contract.types import SamplingParams
 
     allocator_before = allocator_counts()
@@ -124,7 +124,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     from workers.engine import LLMEngine
     from contract.types import PromptInput, SamplingParams
 
-    from harness.catalogue_workload import longest_request
+    from lab.bench.catalogue_workload import longest_request
 
     sync = Sync(args.device)
     kernel_options(args)

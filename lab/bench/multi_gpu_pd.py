@@ -10,8 +10,8 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.engine_bench_setup import Workload
-from harness.multi_gpu_instances import (
+from lab.bench.engine_setup import Workload
+from lab.bench.multi_gpu_instances import (
     SMOKE, catalogue_requests, drive_poisson, engine_config, greedy, prepare_all, sync_all, warm_up,
 )
 from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels

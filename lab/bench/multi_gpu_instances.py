@@ -1,4 +1,4 @@
-"""The parts of the multi-GPU bench (harness/multi_gpu_bench.py) that run one engine per process: TP2 / EP2
+"""The parts of the multi-GPU bench (lab/bench/multi_gpu.py) that run one engine per process: TP2 / EP2
 instances, the two data-parallel instances, the 235B-A22B shape at a few layers, and what they share
 (the stored workload, engine config, warm-up, offline catalogue, Poisson levels)."""
 
@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.catalogue_workload import build_workload, longest_request
-from harness.engine_bench_ours import run_catalogue
-from harness.engine_bench_setup import Workload
+from lab.bench.catalogue_workload import build_workload, longest_request
+from lab.bench.engine_ours import run_catalogue
+from lab.bench.engine_setup import Workload
 from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import NO_OPTIONS, RequestOptions
 

@@ -1,5 +1,5 @@
 """The router's ceiling with simulated workers: closed-loop requests/s through router shards, each fronting
-its own simulated workers (scripts/sim_sweep.py --router-ceiling). `python -m harness.router_ceiling --serve-workers
+its own simulated workers (scripts/sim_sweep.py --router-ceiling). `python -m lab.bench.router_ceiling --serve-workers
 ROUTER ...` is the helper process that serves a shard's workers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 import uuid
 from pathlib import Path
 
-from harness.load_test import Procs, closed_loop, drain
+from lab.bench.load_test import Procs, closed_loop, drain
 
 
 async def serve_simulated_workers(router: str, count: int, hardware: str, simulation: dict) -> None:
@@ -52,7 +52,7 @@ async def router_ceiling(shards: int, workers_per_shard: int, hardware: str, sim
         for _ in range(shards):
             (line,) = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--policy", "least_loaded"])
             addresses.append(line.split()[-1])
-            procs.start(["-m", "harness.router_ceiling", "--serve-workers", addresses[-1], "--workers", str(workers_per_shard),
+            procs.start(["-m", "lab.bench.router_ceiling", "--serve-workers", addresses[-1], "--workers", str(workers_per_shard),
                          "--hardware", hardware, "--simulation", json.dumps(simulation)])
         prompt = Workload().prompt().token_ids
         async with ShardedRouterClient(addresses) as client:

@@ -1,4 +1,4 @@
-"""What the engine bench (harness/engine_bench.py) measures: the workload of each figure, the shapes
+"""What the engine bench (lab/bench/engine.py) measures: the workload of each figure, the shapes
 and precisions, and the config.json of random weights it writes (no checkpoint on disk)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 
-from harness.engine_bench_setup import Workload
+from lab.bench.engine_setup import Workload
 from lab.bench.engine_probes import Sync
 
 log = logging.getLogger("bench_engine")
@@ -42,7 +42,7 @@ def bench_baseline(args, w: Workload, checkpoint: Path) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as proc_cls
         processor = proc_cls(**proc_kwargs)
     result["image_processor"] = proc_cls.__name__
-    from harness.catalogue_workload import fixed_catalogue
+    from lab.bench.catalogue_workload import fixed_catalogue
     from contract.tokenizer import IMAGE_PAD_ID
 
     prompts = [(r.prompt.token_ids, r.prompt.images[0])
