@@ -31,7 +31,7 @@ from contract.transport import open_channel  # noqa: E402
 from contract.wire import pb, pb_grpc  # noqa: E402
 from lab.bench.load_test import Procs  # noqa: E402
 from router.client import RouterClient  # noqa: E402
-from workers.sim.virtual import Workload  # noqa: E402
+from lab.plan.virtual import Workload  # noqa: E402
 
 PROBE_INTERVAL_S = 0.2
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from harness.simulated_system import run_point, simulated_system
+from lab.plan.simulated_system import run_point, simulated_system
 
 
 @pytest.mark.slow

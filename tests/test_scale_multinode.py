@@ -18,7 +18,7 @@ import pytest
 
 from harness.ray_network import make_temp_dir, remove_temp_dir
 from harness.process_tree import descendants
-from harness.simulated_system import run_point, simulated_system
+from lab.plan.simulated_system import run_point, simulated_system
 from tests.net_fixtures import listening_sockets
 
 LOOPBACK = "127.0.0.1"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.layout_plan import main
+from lab.plan.layout_plan import main
 from harness.system_config import load_system_config
 
 
@@ -34,11 +34,11 @@ def test_planner_can_write_a_real_checkpoint_config(tmp_path):
 def test_a_growing_backlog_is_rejected_even_when_its_p99_and_drain_fit_the_bound(monkeypatch):
     from pathlib import Path
 
-    from workers.sim import planner as plan_layout
+    from lab.plan import planner as plan_layout
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.step_model import StepModel
-    from workers.sim.virtual import Workload
+    from lab.plan.virtual import Workload
 
     monkeypatch.setitem(plan_layout.HORIZON_S, "server", 15.0)  # short: a backlog stays under 12 s
     sim = SimulationConfig(model="qwen3-vl-30b-a3b")
@@ -59,7 +59,7 @@ def test_a_workload_mix_gives_each_arrival_its_own_prompt_in_turn():
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.step_model import StepModel
-    from workers.sim.virtual import VirtualCluster, Workload
+    from lab.plan.virtual import VirtualCluster, Workload
 
     small, large = (Workload(prompt_tokens=p, image_tokens=i).prompt() for p, i in ((200, 64), (9000, 8836)))
     mix = Workload(prompts=(small, large))
@@ -85,7 +85,7 @@ def test_the_planners_step_correction_is_applied_to_every_layouts_model(tmp_path
     import dataclasses
     import json
 
-    from workers.sim.planner import PlanRequest, search
+    from lab.plan.planner import PlanRequest, search
 
     request = PlanRequest(hardware="h200", gpus=1, scenario="offline", model="qwen3-vl-30b-a3b", tp=(1,),
                           layouts=("aggregated",), policies=("round_robin",), requests=64, max_num_seqs=256,
@@ -98,7 +98,7 @@ def test_the_planners_step_correction_is_applied_to_every_layouts_model(tmp_path
 
 
 def test_a_rate_passes_only_if_a_600_s_run_with_that_share_over_the_bound_meets_loadgens_early_stopping():
-    from workers.sim.planner import _early_stopping
+    from lab.plan.planner import _early_stopping
 
     latencies = [1.0] * 995 + [2.0] * 5  # 0.5% over a 1.5 s bound: p99 is within it
     assert not _early_stopping(latencies, 1.5, qps=0.5)  # 300 queries, ~2 over: early stopping wants 838
@@ -113,7 +113,7 @@ def test_a_requests_host_preparation_delays_its_engine_but_not_its_arrival():
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.step_model import StepModel
-    from workers.sim.virtual import VirtualCluster, Workload
+    from lab.plan.virtual import VirtualCluster, Workload
 
     engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=16, max_num_batched_tokens=8192)
     model = StepModel.build("h200", "qwen3-vl-30b-a3b")

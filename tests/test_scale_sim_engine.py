@@ -16,7 +16,7 @@ from workers.engine import LLMEngine
 from workers.request_options import RequestOptions
 from workers.sim.engine import simulated
 from workers.sim.step_model import Calibration, StepModel
-from workers.sim.virtual import VirtualCluster, Workload
+from lab.plan.virtual import VirtualCluster, Workload
 from contract.stats import poisson_arrivals
 
 PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)

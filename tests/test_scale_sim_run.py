@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from harness.system_config import load_system_config
-from harness.simulated_system import parse_summary, run_point, simulated_system
+from lab.plan.simulated_system import parse_summary, run_point, simulated_system
 
 
 def test_simulated_system_config_validates(tmp_path):

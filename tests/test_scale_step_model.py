@@ -121,7 +121,7 @@ def test_unknown_hardware_is_named():
 
 
 def test_prediction_of_the_1x_and_2x_h200_runs_is_within_15_percent():
-    from harness.planner_validation import RUN21, _h200, _session1_rows, _session2_rows, _session4_fixed_rows
+    from lab.plan.planner_validation import RUN21, _h200, _session1_rows, _session2_rows, _session4_fixed_rows
 
     rows = {row["run"]: row for row in _session1_rows() + _session2_rows() + _session4_fixed_rows(_h200(RUN21))}
     for run in ("run2 1xH200 (session 1 code)", "run1 1xH200 (session 1 code)",
@@ -140,7 +140,7 @@ def test_prediction_of_the_1x_and_2x_h200_runs_is_within_15_percent():
 
 @pytest.mark.slow
 def test_the_realistic_catalogue_is_replayed_request_by_request():
-    from harness.planner_validation import validate
+    from lab.plan.planner_validation import validate
 
     rows = {row["run"]: row for row in validate()["rows"]}
     one_gpu = rows["run21 1xH200 realistic catalogue (session 4 code)"]
@@ -166,7 +166,7 @@ def test_the_product_paths_loadgen_points_are_replayed_beside_their_measurements
     its replay on the virtual clock, and a predicted highest valid QPS between the bisection's bounds. A small fixed
     catalogue stands in for the 1,500 realistic samples here (the CLI rebuilds those)."""
     from lab.bench.catalogue_workload import fixed_catalogue
-    from harness.planner_validation import RUNS, product_path_rows
+    from lab.plan.planner_validation import RUNS, product_path_rows
 
     result = product_path_rows(requests=fixed_catalogue(40, 448, 64, 45), bisect_steps=2)
     measured = [p for name in RUNS.product_path.runs
@@ -236,7 +236,7 @@ def test_a_calibration_moves_to_a_precision_once():
 
 def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_measured_fp8():
     from lab.bench.catalogue_workload import fixed_catalogue
-    from harness.planner_validation import RUNS, product_path_model, product_path_rows
+    from lab.plan.planner_validation import RUNS, product_path_model, product_path_rows
 
     model = product_path_model(None, "fp8", "fp8")
     assert (model.weights, model.kv_dtype, model.calibration.weights, model.calibration.kv_dtype) == ("fp8",) * 4
@@ -253,7 +253,7 @@ def test_the_fp8_product_path_points_are_replayed_on_the_step_model_moved_to_mea
 
 def test_the_speedup_replay_judges_issue_19s_targets_on_a_model_with_faster_parts():
     from lab.bench.catalogue_workload import fixed_catalogue
-    from harness.planner_validation import product_path_model, speedup_rows
+    from lab.plan.planner_validation import product_path_model, speedup_rows
 
     model = product_path_model(None, "fp8", "fp8")
     catalogue = fixed_catalogue(30, 448, 64, 45)

@@ -6,12 +6,12 @@ import io
 import json
 from pathlib import Path
 
-from harness.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
+from lab.plan.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.engine import LLMEngine
 from workers.sim.engine import simulated
-from workers.sim.latency import kept_up
+from lab.plan.latency import kept_up
 from workers.sim.step_model import StepModel
 from workers.sim.trace import TracedRequest, read_traces
 from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID

@@ -1,9 +1,9 @@
-"""workers/sim/vision_batches.py: the engine's scheduler on the fixed catalogue with no model, counting how the
+"""lab/plan/vision_batches.py: the engine's scheduler on the fixed catalogue with no model, counting how the
 images reach the vision tower."""
 
 from __future__ import annotations
 
-from workers.sim import vision_batches as sim
+from lab.plan import vision_batches as sim
 
 
 def test_every_image_is_encoded_once_and_ahead_encoding_moves_them_out_of_the_steps(capsys):

@@ -19,7 +19,7 @@ from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import simulated
-from workers.sim.step_fit import fit_steps
+from lab.plan.step_fit import fit_steps
 from workers.sim.step_model import StepCorrection, StepModel
 
 
@@ -185,7 +185,7 @@ def test_a_trace_without_request_lines_says_so(tmp_path):
 
 
 def test_a_step_correction_with_the_bench_validation_or_of_a_missing_file_is_refused_not_ignored(capsys, tmp_path):
-    from harness.layout_plan import main
+    from lab.plan.layout_plan import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--validate", "--step-correction", "none"])
@@ -198,7 +198,7 @@ def test_a_step_correction_with_the_bench_validation_or_of_a_missing_file_is_ref
 
 
 def test_a_search_takes_the_product_paths_own_fit_unless_told_none_and_the_replay_none_unless_given():
-    from harness.layout_plan import parse_args
+    from lab.plan.layout_plan import parse_args
     from workers.sim.step_model import PRODUCT_PATH_FIT, StepCorrection
 
     assert parse_args([]).step_correction == PRODUCT_PATH_FIT
@@ -247,7 +247,7 @@ def test_phase_medians_are_taken_per_phase():
 
 
 def test_a_traces_step_phases_are_summed_by_kind_of_step(tiny_moe_checkpoint, tmp_path, capsys):
-    from harness import layout_plan
+    from lab.plan import layout_plan
     from workers.core.step_trace import read_step_lines, step_kind, step_phases
 
     assert [step_kind(line) for line in ({"num_seqs": 3, "prefill_tokens": 0}, {"num_seqs": 2, "prefill_tokens": 40},

@@ -65,7 +65,7 @@ class EngineConfig(BaseModel):
     step_trace_dir: str | None = Field(
         None, description="Write one JSON line per engine step (what it computed and its wall time) and one per "
         "finished request (when it was submitted, prepared, admitted, first scheduled, got its first token, finished) "
-        "to DIR/steps-<pid>.jsonl: the product path's own timings, which workers/sim/step_fit.py fits the step model "
+        "to DIR/steps-<pid>.jsonl: the product path's own timings, which lab/plan/step_fit.py fits the step model "
         "on (scripts/plan_layout.py --fit-steps). None: no trace."
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")

@@ -7,7 +7,7 @@ import math
 import statistics
 import time
 
-from workers.sim.latency import BOUND_MS
+from lab.plan.latency import BOUND_MS
 from contract.stats import percentile, poisson_arrivals
 
 P99_LIMITS_S = (BOUND_MS["server"] / 1e3, BOUND_MS["interactive"] / 1e3)  # (12.0, 1.5)

@@ -44,7 +44,7 @@ async def router_ceiling(shards: int, workers_per_shard: int, hardware: str, sim
     requests ask for chunks of `stream_interval` tokens (0: every engine step's tokens)."""
     from router.shards import ShardedRouterClient
     from contract.wire import pb
-    from workers.sim.virtual import Workload
+    from lab.plan.virtual import Workload
 
     procs = Procs()
     try:

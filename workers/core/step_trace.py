@@ -2,7 +2,7 @@
 wall clock, from scheduling to the scheduler's update (the sampled tokens are on the host by then, so the step's GPU
 work is inside; images encoded ahead, launched after sampling, run into the next step's time). Written by the
 real engine when EngineConfig.step_trace_dir is set, one file per engine process, so a product-path run
-(LoadGen -> router -> Ray worker -> engine) yields the steps that workers/sim/step_fit.py fits the step model on."""
+(LoadGen -> router -> Ray worker -> engine) yields the steps that lab/plan/step_fit.py fits the step model on."""
 
 from __future__ import annotations
 

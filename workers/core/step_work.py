@@ -1,6 +1,6 @@
 """What one scheduled step asks of the hardware, as counts (tensor-free): the simulated engine charges it through the
 step model, and the real engine records it beside each step's measured time (workers/core/step_trace.py), so that
-the step model can be fitted on the product path's own steps (workers/sim/step_fit.py)."""
+the step model can be fitted on the product path's own steps (lab/plan/step_fit.py)."""
 
 from __future__ import annotations
 

@@ -306,7 +306,7 @@ class MeasuredFP8:
 
 @dataclass(frozen=True)
 class StepCorrection:
-    """A fit of the step model on measured steps (workers/sim/step_fit.py): measured ms ~ text_scale x the model's
+    """A fit of the step model on measured steps (lab/plan/step_fit.py): measured ms ~ text_scale x the model's
     text part (token curve, attention, visual excess) + vision_scale x its vision part + step_overhead_ms per step
     that does anything (the host's scheduling, launches and sync, which the micro-benchmarks' CUDA graphs hide)."""
 

@@ -21,7 +21,7 @@ from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import image_sizes, simulated
 from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
-from workers.sim.virtual import VirtualCluster, Workload
+from lab.plan.virtual import VirtualCluster, Workload
 from contract.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
@@ -441,7 +441,7 @@ def _p(values: list[float], q: float) -> float:
 def product_path_model(correction: Path | None = None, weights: Precision = "bf16", kv_dtype: str = "bf16"
                        ) -> StepModel:
     """The step model the product path's replay uses (run21's calibration, moved to `weights` and `kv_dtype` as the
-    H200 measured them: Calibration.at_precision), with a fitted StepCorrection (workers/sim/step_fit.py's JSON)
+    H200 measured them: Calibration.at_precision), with a fitted StepCorrection (lab/plan/step_fit.py's JSON)
     where given."""
     model = _h200(RUN21)
     model = dataclasses.replace(model, calibration=model.calibration.at_precision(weights, kv_dtype), weights=weights,

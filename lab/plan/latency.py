@@ -1,6 +1,6 @@
 """Whether a run kept up with its arrivals, from (issue s, latency s, ...) rows, and the latency bounds it is
-judged against: shared by the LoadGen sweep (harness/sim_sweep.py) and the planner's virtual-clock runs
-(workers/sim/planner.py)."""
+judged against: shared by the LoadGen sweep (lab/plan/sim_sweep.py) and the planner's virtual-clock runs
+(lab/plan/planner.py)."""
 
 from __future__ import annotations
 

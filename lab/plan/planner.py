@@ -1,7 +1,7 @@
 """The scale planner: searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a
 hardware profile and a scenario on the step model's virtual clock (no sleeping), and ranks them by the highest
 whole-system QPS (offline: samples/s) that meets the scenario's latency bound. scripts/plan_layout.py writes the
-best one as a system YAML (harness/layout_plan.py)."""
+best one as a system YAML (lab/plan/layout_plan.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from contract.types import PromptInput
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import build_step_model
-from workers.sim.latency import BOUND_MS, KEPT_UP_MIN, kept_up
+from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from workers.sim.step_model import PRODUCT_PATH_FIT, StepCorrection, StepModel
-from workers.sim.virtual import VirtualCluster, Workload
+from lab.plan.virtual import VirtualCluster, Workload
 from contract.stats import early_stopping_min_queries, poisson_arrivals
 
 SPLITS = {"aggregated": None, "pd-1:3": (1, 3), "pd-1:1": (1, 1)}  # layout -> (prefill, decode) engines of a group
@@ -31,7 +31,7 @@ class PlanRequest:
     """What to plan for: the hardware and how many GPUs, the scenario, the model and its precisions, the
     layouts to try and the workload: one request shape (prompt tokens, of them visual, and output tokens), or
     `prompts`, a catalogue's mix the arrivals take in turn. step_correction: the step model's fit on measured
-    product-path steps (workers/sim/step_fit.py's JSON; None: the micro-benchmark calibration alone)."""
+    product-path steps (lab/plan/step_fit.py's JSON; None: the micro-benchmark calibration alone)."""
 
     hardware: str = "h200"
     gpus: int = 8

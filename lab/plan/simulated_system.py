@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from workers.sim.latency import BOUND_MS
+from lab.plan.latency import BOUND_MS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
-"""The planner's command line (scripts/plan_layout.py): the best layout of workers/sim/planner.py written as a
+"""The planner's command line (scripts/plan_layout.py): the best layout of lab/plan/planner.py written as a
 system YAML the harness accepts, its prediction in the comments; `--validate` prints the step model beside the
-measured H200 runs (harness/planner_validation.py)."""
+measured H200 runs (lab/plan/planner_validation.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from harness.simulated_system import simulated_system
-from workers.sim.planner import SPLITS, Plan, PlanRequest, search
+from lab.plan.simulated_system import simulated_system
+from lab.plan.planner import SPLITS, Plan, PlanRequest, search
 from workers.sim.step_model import PRODUCT_PATH_FIT
 
 CLI_DESCRIPTION = """Searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a hardware profile and a
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workload-samples", type=int, default=500, help="prompts of the realistic workload")
     parser.add_argument("--no-preparation", dest="preparation", action="store_false", help="requests join their "
                         "engine as they arrive (default: after their image's preparation on the host, at the H200 "
-                        "host's measured seconds per visual token, harness/planner_validation.py)")
+                        "host's measured seconds per visual token, lab/plan/planner_validation.py)")
     parser.add_argument("--request-phases", type=Path, default=None, metavar="TRACE", help="where a step trace's "
                         "finished requests spent their time: preparation, queue, first token, decode (p50/p90/p99, "
                         "and for the slowest 1%%)")
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the host's share and each phase's median (the steps' phases_ms)")
     parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
-                        "and print the correction JSON (workers/sim/step_fit.py)")
+                        "and print the correction JSON (lab/plan/step_fit.py)")
     args = parser.parse_args(argv)
     if args.speedups is not None:
         if not (args.validate and args.product_path):
@@ -135,7 +135,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     prompts: tuple = ()
     prepare = 0.0
     if args.preparation:
-        from harness.planner_validation import prepare_s_per_visual_token
+        from lab.plan.planner_validation import prepare_s_per_visual_token
 
         prepare = prepare_s_per_visual_token()
     if args.workload == "realistic":
@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"{flag} {trace}: {exc}")
             return
     if args.fit_steps is not None:
-        from harness.planner_validation import product_path_model
+        from lab.plan.planner_validation import product_path_model
         from workers.core.step_trace import read_steps
-        from workers.sim.step_fit import fit_steps
+        from lab.plan.step_fit import fit_steps
 
         try:
             report = fit_steps(product_path_model(None, args.weights, args.kv_dtype), read_steps(args.fit_steps),
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=1))
         return
     if args.validate:
-        from harness.planner_validation import product_path_model, product_path_rows, speedup_rows, validate
+        from lab.plan.planner_validation import product_path_model, product_path_rows, speedup_rows, validate
 
         if args.product_path:
             try:

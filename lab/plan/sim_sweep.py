@@ -23,10 +23,10 @@ from pathlib import Path
 
 import yaml
 
-from harness.cpu_monitor import CpuMonitor
+from lab.plan.cpu_monitor import CpuMonitor
 from lab.bench.router_ceiling import router_ceiling
-from harness.simulated_system import parse_summary, simulated_system
-from workers.sim.latency import BOUND_MS, KEPT_UP_MIN, kept_up
+from lab.plan.simulated_system import parse_summary, simulated_system
+from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from contract.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,7 +250,7 @@ def virtual_points(args) -> list[dict]:
     from workers.config import EngineConfig
     from workers.sim.config import SimulationConfig
     from workers.sim.engine import build_step_model
-    from workers.sim.virtual import VirtualCluster, Workload
+    from lab.plan.virtual import VirtualCluster, Workload
     from contract.stats import poisson_arrivals
 
     sim = SimulationConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype)
