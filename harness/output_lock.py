@@ -1,6 +1,6 @@
 """One run at a time per output directory: an exclusive, non-blocking flock on OUTPUT/.q3vl-output.lock, taken
 before the run touches anything in OUTPUT and held to its end. run_submission takes it, and so does the peak
-finder (scripts/find_peak.py, harness/peak.py) on its --output: the two exclude each other on a shared one.
+finder (scripts/find_peak.py, lab/peak/finder.py) on its --output: the two exclude each other on a shared one.
 
 A second run into the same output is refused at once (a ConfigError: exit 2), naming the lock file and the pid
 written in it; without this it cleared the first run's staging directory and the first run died. The kernel

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from harness.interrupts import Interrupted, deferred, interruptible, signal_name
-from harness.process_tree import ProcessWatch, descendants
+from lab.soak.process_tree import ProcessWatch, descendants
 from harness.ray_network import temp_dirs_of
 from harness.ray_workers import init_ray
 from harness.system_config import RaySection

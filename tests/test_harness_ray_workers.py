@@ -24,7 +24,7 @@ from workers.sim.instant_engine import InstantEngine
 from workers.serve.worker_build import WorkerSettings
 from router.server import RouterServer
 from contract.wire import pb
-from harness.process_tree import descendants
+from lab.soak.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 
 

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
-from harness.peak import PeakFinder, PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
+from lab.peak.finder import PeakFinder, PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
 from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
@@ -227,7 +227,7 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
 
 
 def test_engine_settings_from_the_command_line_go_over_the_systems_engine_and_a_bad_key_fails_before_anything_starts(tmp_path):
-    from harness.peak import PeakFinder, PeakSearch
+    from lab.peak.finder import PeakFinder, PeakSearch
     from harness.system_config import ConfigError
 
     system = tiny_search_system(tmp_path)
@@ -245,7 +245,7 @@ def test_engine_settings_from_the_command_line_go_over_the_systems_engine_and_a_
 def test_find_peak_reads_engine_settings_as_yaml_and_refuses_one_without_a_value():
     import argparse
 
-    from harness.peak import engine_setting
+    from lab.peak.finder import engine_setting
 
     assert engine_setting("mixed_step_graphs=false") == ("mixed_step_graphs", False)
     assert engine_setting("max_num_batched_tokens=16384") == ("max_num_batched_tokens", 16384)
@@ -269,13 +269,13 @@ sys.stdin.read()  # holds the lock until killed
 
 
 def test_a_search_into_an_output_another_run_holds_is_refused_at_once_and_writes_nothing(tmp_path, monkeypatch):
-    import harness.peak
+    import lab.peak.finder
     from harness.output_lock import LOCK_FILE, OutputInUse
 
     def went_on(*args):
         raise AssertionError("the search went on into an output another run holds")
 
-    monkeypatch.setattr(harness.peak, "resolve_checkpoint", went_on)  # what the search does first
+    monkeypatch.setattr(lab.peak.finder, "resolve_checkpoint", went_on)  # what the search does first
     holder = subprocess.Popen([sys.executable, "-c", HOLD_OUTPUT, str(tmp_path / "out")], cwd=REPO,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""scripts/probe_query.py (harness/query_probe.py): one query with one image of a given size through the real
+"""scripts/probe_query.py (lab/peak/query_probe.py): one query with one image of a given size through the real
 product path (router -> Ray worker -> engine) on cpu-tiny, with the client's times and the engine's own timeline of
 the same request."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from harness.query_probe import catalogue_jpeg
+from lab.peak.query_probe import catalogue_jpeg
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import pytest
 
 from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
 from harness.synthetic_catalogue import write_synthetic_catalogue
-from harness.fault_soak import HarnessRun, soak_system
+from lab.soak.fault_soak import HarnessRun, soak_system
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 SAMPLES = 24

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.fault_soak import HarnessRun, soak_system
-from harness.process_tree import ProcessWatch, descendants
+from lab.soak.fault_soak import HarnessRun, soak_system
+from lab.soak.process_tree import ProcessWatch, descendants
 from harness.ray_network import temp_dirs_of
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"

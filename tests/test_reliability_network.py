@@ -34,8 +34,8 @@ from router.client import RouterClient
 from workers.sim.instant_engine import InstantEngine
 from contract.transport import call_metadata
 from contract.wire import pb
-from harness.fault_soak import HarnessRun, free_port, soak_system
-from harness.process_tree import descendants
+from lab.soak.fault_soak import HarnessRun, free_port, soak_system
+from lab.soak.process_tree import descendants
 from tests.net_fixtures import listening_sockets
 from tests.router_fixtures import request, run
 from workers.serve.server import WorkerServer

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.fault_soak import HarnessRun, soak_system
+from lab.soak.fault_soak import HarnessRun, soak_system
 from harness.output_lock import LOCK_FILE, OutputInUse, OutputLock
-from harness.process_tree import ProcessWatch
+from lab.soak.process_tree import ProcessWatch
 from harness.system_config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

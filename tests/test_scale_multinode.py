@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.ray_network import make_temp_dir, remove_temp_dir
-from harness.process_tree import descendants
+from lab.soak.process_tree import descendants
 from lab.plan.simulated_system import run_point, simulated_system
 from tests.net_fixtures import listening_sockets
 

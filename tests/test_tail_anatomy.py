@@ -1,4 +1,4 @@
-"""harness.tail_anatomy: the slowest queries of a run, their own sizes and the large images in flight when each was
+"""lab.peak.tail_anatomy: the slowest queries of a run, their own sizes and the large images in flight when each was
 issued."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.plot import SampleLatency
-from harness.tail_anatomy import SampleShape, tail_anatomy
+from lab.peak.tail_anatomy import SampleShape, tail_anatomy
 from contract.tokenizer import IMAGE_PAD_ID
 
 
@@ -53,7 +53,7 @@ def write_trace(path, lines) -> None:
 
 
 def test_the_engines_lines_of_a_window_by_sample_in_submission_order_a_resent_query_by_its_last_line(tmp_path):
-    from harness.tail_anatomy import engine_requests
+    from lab.peak.tail_anatomy import engine_requests
 
     write_trace(tmp_path, [
         request_line("q1-s7", 1000.0, 5.0, 1.0),
@@ -69,7 +69,7 @@ def test_the_engines_lines_of_a_window_by_sample_in_submission_order_a_resent_qu
 
 
 def test_the_tails_time_is_split_into_the_engines_phases_and_the_rest():
-    from harness.tail_anatomy import timeline_anatomy
+    from lab.peak.tail_anatomy import timeline_anatomy
 
     # 100 queries of sample i % 10; query 99 waited 2 s outside the engine, query 98 stalled inside it
     samples = [SampleLatency(float(i), 1.0, i % 10) for i in range(100)]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, smart_resize
-from harness.query_probe import catalogue_jpeg
+from lab.peak.query_probe import catalogue_jpeg
 from lab.bench.vision import median_ms as wall_median_ms
 from workers.host_copy import to_device
 from workers.inputs.device_image import decode_on_device, decode_resized, resize_bicubic

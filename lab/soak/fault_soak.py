@@ -27,7 +27,7 @@ import yaml
 
 from audit.loadgen_logs import parse_detail_log
 from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
-from harness.process_tree import descendants
+from lab.soak.process_tree import descendants
 from harness.system_config import CONFIG_DIR
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from harness.system_config import (
     image_pixel_limits, parse_system_config, read_system_yaml, system_config_path, with_engine_settings,
 )
 from contract.tokenizer import IMAGE_PAD_ID
-from harness.tail_anatomy import outside_engine_s
+from lab.peak.tail_anatomy import outside_engine_s
 from workers.core.step_trace import read_requests, request_timeline
 
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from harness.cli import DEFAULT_CACHE, DEFAULT_SYSTEM, OneLineParser
-    from harness.peak import engine_setting
+    from lab.peak.finder import engine_setting
     from harness.interrupts import Interrupted
     from harness.system_config import ConfigError
 

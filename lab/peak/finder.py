@@ -45,7 +45,7 @@ from harness.system_config import (
     system_config_path,
     with_engine_settings,
 )
-from harness.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
+from lab.peak.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 from harness.user_conf import write_user_conf
 from contract.stats import early_stopping_min_queries
 
