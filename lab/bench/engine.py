@@ -22,7 +22,7 @@ from lab.bench.engine_baseline import bench_baseline
 from lab.bench.engine_ours import bench_ours
 from lab.bench.engine_setup import PRECISIONS, PRESETS, Workload, write_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMAND_LINE = REPO / "scripts" / "bench_engine.py"  # each CUDA part runs as this command line with --part
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from contract.stats import percentile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Procs:

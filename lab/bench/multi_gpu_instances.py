@@ -23,7 +23,7 @@ from lab.bench.engine_setup import Workload
 from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import NO_OPTIONS, RequestOptions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMAND_LINE = REPO / "scripts" / "bench_multi_gpu.py"  # each part runs as this command line with --part
 
 

@@ -49,7 +49,7 @@ from lab.peak.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, 
 from harness.user_conf import write_user_conf
 from contract.stats import early_stopping_min_queries
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and
 # the drain after the last query. A guess on the safe side (cpu-tiny: about 10 s).
 POINT_OVERHEAD_S = 20.0

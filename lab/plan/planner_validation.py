@@ -26,7 +26,7 @@ from contract.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 RUNS_FILE = BENCH / "planner-validation-runs.json"
 POISSON_SEED = 1000  # bench_multi_gpu's qps_search: level i draws its arrivals with seed 1000 + i
 

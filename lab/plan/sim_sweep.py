@@ -29,7 +29,7 @@ from lab.plan.simulated_system import parse_summary, simulated_system
 from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from contract.stats import percentile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- the knee search ------------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import yaml
 
 from lab.plan.latency import BOUND_MS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def simulated_system(name: str, hardware: str, *, workers: int, layout: str, policy: str, tp: int = 1,

@@ -30,7 +30,7 @@ from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
 from lab.soak.process_tree import descendants
 from harness.system_config import CONFIG_DIR
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FAULTS = ("kill_worker", "stop_worker", "kill_router")
 WORKER_TITLE = "ray::ModelWorker"
