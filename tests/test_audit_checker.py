@@ -16,7 +16,7 @@ from audit.checker import audit_tree
 from audit.rules import RULES
 from audit.rules.rounds import MODEL, ROUNDS
 from audit.submission_tree import SubmissionTreeBuilder
-from loadgen_fixtures import (SUBMITTER, SYSTEM, SYSTEM_JSON, add_scenario, append_detail_entry,
+from tests.helpers.loadgen_fixtures import (SUBMITTER, SYSTEM, SYSTEM_JSON, add_scenario, append_detail_entry,
                               make_source_root, official_runs, rewrite_detail_values)
 
 

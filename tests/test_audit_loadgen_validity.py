@@ -12,7 +12,7 @@ import pytest
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
 from audit.rules.loadgen_validity import explain_validity, failing_checks
-from loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, rewrite_detail_values, run_loadgen
+from tests.helpers.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, rewrite_detail_values, run_loadgen
 
 
 @pytest.fixture(scope="module")

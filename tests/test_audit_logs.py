@@ -7,7 +7,7 @@ import pytest
 
 from audit.loadgen_logs import CHECKED_DETAIL_KEYS, LogParseError, parse_detail_log, parse_summary_log
 from audit.rules.rounds import ROUNDS
-from loadgen_fixtures import LoadGenRunSpec, append_detail_entry, run_loadgen
+from tests.helpers.loadgen_fixtures import LoadGenRunSpec, append_detail_entry, run_loadgen
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bf16_reference import Case, compare, judge_divergence
+from tests.helpers.bf16_reference import Case, compare, judge_divergence
 from contract.types import PromptInput
 
 ENGINE, REFERENCE, FAR = 2, 5, 7

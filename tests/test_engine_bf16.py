@@ -1,12 +1,12 @@
 """In bfloat16 on CPU the engine (its torch reference paths: the vision tower's fused-kernel references, paged
 attention, the MoE) generates what transformers generates in bfloat16, up to a first divergence that float32
-transformers cannot tell from bf16 rounding (tests/bf16_reference.py). The CUDA twin is tests/test_engine_gpu.py."""
+transformers cannot tell from bf16 rounding (tests/helpers/bf16_reference.py). The CUDA twin is tests/test_engine_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from bf16_reference import (
+from tests.helpers.bf16_reference import (
     MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, compare, run_engine_and_compare,
 )
 from workers.config import EngineConfig

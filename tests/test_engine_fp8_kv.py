@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from image_fixtures import png
+from tests.helpers.image_fixtures import png
 from contract.types import FinishReason, PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8_kv_reference import e4m3_bytes, probe_values
+from tests.helpers.fp8_kv_reference import e4m3_bytes, probe_values
 from workers.config import EngineConfig
 from workers.kv_cache import FP8_DTYPE, quantize_fp8
 from workers.model import fused_norm_rope

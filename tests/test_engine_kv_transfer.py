@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from contract.types import FinishReason, PromptInput, SamplingParams
-from scheduler_spies import record_encodes
+from tests.helpers.scheduler_spies import record_encodes
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport

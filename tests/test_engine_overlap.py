@@ -12,7 +12,7 @@ import pytest
 
 from contract.types import FinishReason, PromptInput, SamplingParams
 from contract.vision_geometry import image_geometry
-from image_fixtures import png
+from tests.helpers.image_fixtures import png
 from workers.config import EngineConfig
 from workers.core.sequence import PENDING_TOKEN
 from workers.engine import LLMEngine

@@ -11,12 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, build_vision_module, frame_runs
+from tests.helpers.vision_reference import GRIDS, pixels_for, randomized_module, relative_error, transformers_output
+from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, frame_runs
 from workers.tiny_checkpoint import released_config, transformers_config
 from workers.model_config import load_model_config
-
-# Several sizes in one batch: a run of two equal images, odd aspect ratios, and a video-like grid of two frames.
-GRIDS = [[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4], [1, 6, 2], [1, 8, 8]]
 
 
 def patch_conv(channels: int = 3, temporal: int = 2, patch: int = 16, out: int = 64) -> nn.Conv3d:
@@ -49,33 +47,6 @@ def test_an_overlapping_convolution_is_refused():
 def test_consecutive_frames_of_one_size_form_one_run():
     grid = torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 6], [2, 4, 4]])
     assert frame_runs(grid) == [(16, 2), (12, 1), (16, 2)]
-
-
-def randomized_module(vision_config, device: str, dtype: torch.dtype, arch: str = "moe") -> nn.Module:
-    """The module with every parameter random at unit gain (matrices ~N(0, 1/fan_in)), so attention is sharp and
-    no norm weight or bias is a no-op."""
-    module = build_vision_module(arch, vision_config, torch.device(device), dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            draw = torch.randn(param.shape, generator=gen, device=device)
-            if name.rsplit(".", 2)[-2].startswith("norm") and name.endswith("weight"):
-                param.copy_(1 + 0.1 * draw)
-            elif param.dim() == 1:
-                param.copy_(0.1 * draw)
-            else:
-                param.copy_(draw / param[0].numel() ** 0.5)
-    return module.eval()
-
-
-def pixels_for(grids: list[list[int]], width: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    patches = sum(t * h * w for t, h, w in grids)
-    return torch.randn(patches, width, generator=torch.Generator(device=device).manual_seed(1), device=device, dtype=dtype)
-
-
-def transformers_output(module: nn.Module, pixels: torch.Tensor, grid: torch.Tensor):
-    out = module(pixels, grid_thw=grid.to(pixels.device), return_dict=True)
-    return out.pooler_output, list(out.deepstack_features)
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +122,6 @@ def test_encoder_loads_the_checkpoints_vision_weights(tiny_moe_checkpoint):
 # sums; transformers 5.17 also sums those in bf16), so rows drift by a few bf16 steps. Measured against the module
 # run in float32, our error stays within 1.25x of the bf16 module's own (+1e-3); against the bf16 module, within 3e-2.
 GPU_REL_TOL = 3e-2
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@ errors), and the engine's greedy tokens against transformers on the same FP8 che
 
 On the CPU transformers dequantizes an FP8 checkpoint at load and computes in float32; the engine's default there
 does the same, so tokens must be equal. transformers cannot load the per-expert MoE layout (#44230): the MoE
-reference is transformers on a dequantized copy made by tests/fp8_reference.py.
+reference is transformers on a dequantized copy made by tests/helpers/fp8_reference.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import shutil
 import pytest
 import torch
 
-from fp8_reference import dequantize_by_index, dequantized_checkpoint
-from image_fixtures import png
-from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
+from tests.helpers.fp8_reference import dequantize_by_index, dequantized_checkpoint
+from tests.helpers.image_fixtures import png
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from contract.types import PromptInput
 from workers.config import EngineConfig
 from workers.checkpoint_quant import BlockShape
@@ -152,9 +152,9 @@ def test_fp8_layers_compute_within_activation_rounding_of_their_dequantized_weig
 def test_engine_w8a8_tokens_equal_transformers_with_the_fp8_arithmetic_on_the_same_weights(arch, request, tmp_path):
     """fp8_compute "fp8" on the CPU (activations rounded to e4m3 per token and group, weights kept in e4m3) against
     transformers' own forward on the dequantized weights with the same activation rounding emulated around each
-    quantised linear, experts included (tests/fp8_reference.py): the same arithmetic in float32, so the same greedy
+    quantised linear, experts included (tests/helpers/fp8_reference.py): the same arithmetic in float32, so the same greedy
     tokens."""
-    from fp8_reference import fp8_activation_rounding, quantized_weight_names
+    from tests.helpers.fp8_reference import fp8_activation_rounding, quantized_weight_names
 
     checkpoint = request.getfixturevalue(f"tiny_{arch}_fp8_checkpoint")
     names = quantized_weight_names(checkpoint)

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from fp8_reference import dequantize_by_index, dequantized_checkpoint
-from image_fixtures import png
-from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
+from tests.helpers.fp8_reference import dequantize_by_index, dequantized_checkpoint
+from tests.helpers.image_fixtures import png
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.checkpoint_quant import weight_format
 from workers.config import EngineConfig
 from workers.model import fp8

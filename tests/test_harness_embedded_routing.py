@@ -9,7 +9,7 @@ import pytest
 
 from harness.embedded_routing import ReservedAddress, embedded_routing, start_embedded_router
 from router.config import parse_router_config
-from tests.router_fixtures import FAST_HEALTH, Cluster, collect, request, run
+from tests.helpers.router_fixtures import FAST_HEALTH, Cluster, collect, request, run
 
 
 def test_a_reserved_address_is_refused_to_others_and_taken_by_an_embedded_router():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.plot import SampleLatency, completions_over_time, plot_performance_run, read_sample_latencies
-from loadgen_fixtures import LoadGenRunSpec, run_loadgen
+from tests.helpers.loadgen_fixtures import LoadGenRunSpec, run_loadgen
 
 
 def test_offline_completions_over_time_count_each_sample_at_its_completion():

@@ -25,7 +25,7 @@ from workers.serve.worker_build import WorkerSettings
 from router.server import RouterServer
 from contract.wire import pb
 from lab.soak.process_tree import descendants
-from tests.net_fixtures import listening_sockets
+from tests.helpers.net_fixtures import listening_sockets
 
 
 @pytest.fixture(scope="module")

@@ -279,7 +279,7 @@ class TextStore:
 def small_cluster(router: dict, embedded_at: str | None = None):
     """One instant worker (5 ms a step) behind a real router from `router` (a RouterConfig dict), on an event loop
     of its own; with embedded_at, the worker registers there too (where an embedded SUT's router listens)."""
-    from tests.router_fixtures import Cluster
+    from tests.helpers.router_fixtures import Cluster
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -299,7 +299,7 @@ def sut_routing(mode: str, router: dict, address: str) -> EmbeddedRouting | None
     """The SUT's EmbeddedRouting for router.mode `mode`: its own router from `router`, listening at `address`."""
     if mode == "process":
         return None
-    from tests.router_fixtures import FAST_HEALTH
+    from tests.helpers.router_fixtures import FAST_HEALTH
 
     return embedded_routing(parse_router_config({"health": FAST_HEALTH} | router | {"listen": address}), workers=1)
 

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp8_reference import dequantized_checkpoint, read_tensors, write_checkpoint
-from image_fixtures import png
-from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
+from tests.helpers.fp8_reference import dequantized_checkpoint, read_tensors, write_checkpoint
+from tests.helpers.image_fixtures import png
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.checkpoint_quant import QuantizationConfigError, weight_format
 from workers.config import EngineConfig
 from workers.executor.model_runner import build_text_model

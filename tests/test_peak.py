@@ -17,7 +17,7 @@ from lab.peak.finder import PeakFinder, PeakSearch, bisect_max_valid, point_quer
 from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
-from tests.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
+from tests.helpers.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
 from workers.tiny_checkpoint import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import pytest
 from harness.interrupts import Interrupted, interruptible
 from harness.pipeline import submission_builder
 from harness.system_config import load_system_config
-from loadgen_fixtures import SYSTEM_JSON, add_scenario, make_source_root, official_runs
+from tests.helpers.loadgen_fixtures import SYSTEM_JSON, add_scenario, make_source_root, official_runs
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ from contract.transport import call_metadata
 from contract.wire import pb
 from lab.soak.fault_soak import HarnessRun, free_port, soak_system
 from lab.soak.process_tree import descendants
-from tests.net_fixtures import listening_sockets
-from tests.router_fixtures import request, run
+from tests.helpers.net_fixtures import listening_sockets
+from tests.helpers.router_fixtures import request, run
 from workers.serve.server import WorkerServer
 from workers.serve.worker_build import WorkerSettings
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from contract.wire import pb
 from workers.sim.instant_engine import InstantEngine
-from tests.router_fixtures import Cluster, collect, request, run
+from tests.helpers.router_fixtures import Cluster, collect, request, run
 from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ import grpc
 
 from contract.network import KeepaliveConfig
 from router.client import RouterClient
-from tests.router_fixtures import Cluster, collect, request, run
+from tests.helpers.router_fixtures import Cluster, collect, request, run
 
 KEEPALIVE = KeepaliveConfig(time_s=1.0, timeout_s=1.0)
 PERIODS = 4  # each stretch lasts this many keepalive periods

@@ -18,7 +18,7 @@ from PIL import Image
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
 from router.client import RouterClient
-from tests.router_fixtures import collect, run
+from tests.helpers.router_fixtures import collect, run
 from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 

@@ -1,14 +1,10 @@
 """A short run of 8 simulated workers through the real harness: LoadGen -> SUT -> router -> simulated workers."""
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
 from harness.system_config import load_system_config
-from lab.plan.simulated_system import parse_summary, run_point, simulated_system
+from lab.plan.simulated_system import run_point, simulated_system
 
 
 def test_simulated_system_config_validates(tmp_path):

@@ -36,7 +36,7 @@ def test_early_stopping_needs_as_many_queries_as_real_loadgen_says(tmp_path, ove
     import re
 
     from audit.loadgen_logs import parse_detail_log
-    from tests.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
+    from tests.helpers.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
 
     spec = LoadGenRunSpec("Server", "PerformanceOnly", total_samples=50, min_duration_ms=100, min_query_count=100,
                           target_qps=500, server_target_latency_ms=SLOW_BOUND_MS, slow_queries=over)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from image_fixtures import png
-from test_engine_equivalence import make_engine, run_to_completion, transformers_reference
+from tests.helpers.image_fixtures import png
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.executor.model_runner import num_deepstack
 from workers.executor.step_graphs import MixedStepGraphs, step_graph_sizes
 from workers.host_copy import to_device
@@ -133,7 +133,7 @@ def test_on_cuda_the_captured_graphs_give_the_eager_engines_tokens(checkpoint):
 
 def reference_free_prompt(image, text_ids):
     from contract.types import PromptInput
-    from test_engine_equivalence import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
+    from tests.helpers.engine_equivalence import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
 
     ids = [IM_START, 872, 198]
     if image is not None:

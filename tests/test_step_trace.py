@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_sim_engine_scheduling import ARRIVALS, LIMITS, run
+from tests.helpers.arrival_trace import ARRIVALS, LIMITS, run
 from workers.config import EngineConfig
 from workers.core.step_trace import StepTrace, read_requests, read_steps
 from contract.types import SamplingParams

@@ -219,7 +219,7 @@ def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bou
 
 
 def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkpoint):
-    from test_engine_equivalence import make_engine
+    from tests.helpers.engine_equivalence import make_engine
 
     engine = make_engine(tiny_moe_checkpoint, vision_attention="triton_fp8")
     assert engine.executor.vision.tower.attention == "triton_fp8"

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from image_fixtures import png
-from test_engine_equivalence import make_engine, run_to_completion
-from test_engine_vision import GRIDS, pixels_for
+from tests.helpers.image_fixtures import png
+from tests.helpers.engine_equivalence import make_engine, run_to_completion
+from tests.helpers.vision_reference import GRIDS, pixels_for
 from contract.types import PromptInput
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.vision import VisionEncoder
@@ -73,7 +73,7 @@ def test_the_fp8_tower_at_the_30b_shape_is_within_e4m3_rounding_of_the_float32_m
     is within 3e-2 (test_engine_vision)."""
     import copy
 
-    from test_engine_vision import randomized_module, relative_error, transformers_output
+    from tests.helpers.vision_reference import randomized_module, relative_error, transformers_output
     from workers.model.vision import VisionTower
     from workers.tiny_checkpoint import released_config, transformers_config
 

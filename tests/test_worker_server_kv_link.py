@@ -17,7 +17,7 @@ from PIL import Image
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
 from workers.sim.instant_engine import InstantEngine
-from tests.router_fixtures import collect, run
+from tests.helpers.router_fixtures import collect, run
 from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine

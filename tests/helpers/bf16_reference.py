@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from image_fixtures import png
+from tests.helpers.image_fixtures import png
 from contract.types import PromptInput, SamplingParams
 
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
@@ -73,7 +73,7 @@ class TransformersReference:
 
     def __init__(self, checkpoint, device: str, around=None):
         """around: a context manager factory, model -> context, entered around each generate (the FP8 arithmetic
-        emulation of tests/fp8_reference.py)."""
+        emulation of tests/helpers/fp8_reference.py)."""
         import contextlib
 
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
