@@ -25,8 +25,8 @@ from audit.truncate import truncate_accuracy_dir
 log = logging.getLogger(__name__)
 
 # What goes into src/: the code and configs that produced the results (generated and cached files left out).
-SOURCE_ENTRIES = ("harness", "router", "workers", "audit", "mlperf_configs", "scripts", "run_submission.sh",
-                  "pyproject.toml")
+SOURCE_ENTRIES = ("contract", "harness", "router", "workers", "audit", "lab", "mlperf_configs", "scripts",
+                  "run_submission.sh", "pyproject.toml")
 SOURCE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".*", "_generated")
 ACCURACY_LOG = "mlperf_log_accuracy.json"
 ACCURACY_DETAIL = "mlperf_log_detail.txt"
@@ -180,7 +180,7 @@ class SubmissionTreeBuilder:
                            calibration_text(Path(checkpoint).name, config, kv_cache_dtype))
 
     def add_source(self, repo_root: Path) -> Path:
-        """Replaces src/ with a copy of the harness packages, configs and scripts under `repo_root`."""
+        """Replaces src/ with a copy of the packages (the product's and lab/), configs and scripts under `repo_root`."""
         src = self.submission_dir / "src"
         shutil.rmtree(src, ignore_errors=True)
         src.mkdir(parents=True)

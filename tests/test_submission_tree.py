@@ -9,7 +9,7 @@ import pytest
 
 from audit.checker import audit_tree
 from audit.rules.rounds import MODEL
-from audit.submission_tree import IncompleteTree, SubmissionTreeBuilder, scenario_dir_name
+from audit.submission_tree import SOURCE_ENTRIES, IncompleteTree, SubmissionTreeBuilder, scenario_dir_name
 from tests.helpers.loadgen_fixtures import (MEASUREMENTS, SUBMITTER, SYSTEM, SYSTEM_JSON, accuracy_result, add_scenario,
                               make_source_root, official_runs)
 
@@ -24,6 +24,26 @@ def runs(tmp_path_factory):
 @pytest.fixture
 def repo(tmp_path) -> Path:
     return make_source_root(tmp_path / "repo")
+
+
+def test_src_holds_every_package_of_the_repository():
+    packages = {path.name for path in REPO.iterdir() if (path / "__init__.py").is_file()}
+    assert {"contract", "lab", "harness", "router", "workers", "audit", "scripts"} <= packages
+    assert packages <= set(SOURCE_ENTRIES)
+
+
+def test_src_copies_the_contract_and_the_lab_beside_the_product(tmp_path, repo):
+    for package in ("contract", "lab"):
+        (repo / package).mkdir()
+        (repo / package / "__init__.py").write_text(f'"""{package}"""\n')
+    b = builder(tmp_path / "out")
+    b.begin()
+    try:
+        src = b.add_source(repo)
+        assert {p.name for p in src.iterdir()} == {"contract", "harness", "lab", "pyproject.toml"}
+        assert (src / "lab" / "__init__.py").read_text() == '"""lab"""\n'
+    finally:
+        b.abort()
 
 
 def builder(out: Path) -> SubmissionTreeBuilder:
