@@ -136,7 +136,7 @@ if __name__ == "__main__":
 
 SUBMITTER = "Q3VLHarness"
 SYSTEM = "cpu-tiny"
-SYSTEM_JSON = Path(__file__).resolve().parent.parent / "mlperf_configs" / "systems" / "cpu-tiny.json"
+SYSTEM_JSON = Path(__file__).resolve().parents[2] / "mlperf_configs" / "systems" / "cpu-tiny.json"
 MEASUREMENTS = {"input_data_types": "fp32", "retraining": "No", "starting_weights_filename": "tiny random",
                 "weight_data_types": "fp32", "weight_transformations": "none"}
 ACCURACY_SAMPLES = 80  # enough for an accuracy log above 10 KiB, so the builder truncates it
