@@ -223,3 +223,54 @@ def test_every_module_of_workers_has_a_layer():
 
 def test_workers_layers_import_only_downward():
     assert upward_imports(module_edges()) == []
+
+
+# lab/ holds the instruments (benches, tuners, the planner, the peak finder, the soak, issue 34): scripts/ and tests
+# import it, no product package does.
+def lab_importers(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    """The 'path:line' sites where a package other than lab/ and scripts/ imports lab/."""
+    return sorted(site for (source, target), where in edges.items()
+                  if target == "lab" and source not in ("lab", "scripts") for site in where)
+
+
+def test_the_lab_check_finds_a_product_package_that_imports_lab():
+    assert lab_importers({("harness", "lab"): ["harness/cli.py:3"], ("scripts", "lab"): ["scripts/a.py:1"],
+                          ("lab", "harness"): ["lab/peak/cli.py:5"]}) == ["harness/cli.py:3"]
+
+
+def test_no_package_but_lab_and_scripts_imports_lab():
+    assert lab_importers(EDGES) == []
+
+
+# Tests import the packages and tests/helpers/: never scripts/ (a test runs a script as a process of its own) and never
+# another test file (what two files share lives in tests/helpers/).
+TEST_MODULES = {path.stem for path in (REPO / "tests").glob("test_*.py")}
+
+
+def forbidden_test_imports(sources: dict[str, str], test_modules: set[str]) -> list[str]:
+    """'path:line name' of every import in `sources` (path -> text) of scripts/ or of a module in `test_modules`."""
+    found = []
+    for path, text in sorted(sources.items()):
+        tree = ast.parse(text, filename=path)
+        names = imported_names(tree, "tests")
+        names += [(f"{node.module}.{alias.name}", node.lineno) for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module and not node.level for alias in node.names]
+        for name, line in names:
+            parts = name.split(".")
+            if parts[0] == "scripts" or test_modules & set(parts):
+                found.append(f"{path}:{line} {name}")
+    return sorted(set(found))
+
+
+def test_the_test_import_check_finds_scripts_and_other_test_files():
+    source = ("from scripts import tune_fp8\nimport scripts.bench_fp8\nfrom test_b import helper\n"
+              "from tests import test_b\nfrom tests.helpers.image_fixtures import png\nimport lab.bench.engine\n")
+    assert forbidden_test_imports({"tests/test_a.py": source}, {"test_a", "test_b"}) == [
+        "tests/test_a.py:1 scripts", "tests/test_a.py:1 scripts.tune_fp8", "tests/test_a.py:2 scripts.bench_fp8",
+        "tests/test_a.py:3 test_b", "tests/test_a.py:3 test_b.helper", "tests/test_a.py:4 tests.test_b"]
+
+
+def test_no_test_imports_scripts_or_another_test_file():
+    sources = {str(path.relative_to(REPO)): path.read_text(encoding="utf-8")
+               for path in (REPO / "tests").rglob("*.py")}
+    assert forbidden_test_imports(sources, TEST_MODULES) == []
