@@ -103,7 +103,7 @@ def test_the_download_commands_fill_the_dataset_paths_every_system_reads():
 
 
 def test_every_repository_file_the_readme_names_exists():
-    top = "harness|router|workers|audit|scripts|tests|benchmarks|mlperf_configs|reference"
+    top = "contract|harness|router|workers|audit|lab|scripts|tests|benchmarks|mlperf_configs|reference"
     named = {t for t in code_texts() if re.fullmatch(rf"(?:{top})/[\w./-]+", t)}
     prose = (REPO / "README.md").read_text(encoding="utf-8")  # a file cited in a sentence counts too
     named |= set(re.findall(rf"(?<![\w/.])(?:{top})/[\w/-]+\.(?:md|py|yaml|json|proto|sh)\b", prose))
