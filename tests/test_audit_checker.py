@@ -17,7 +17,7 @@ from audit.rules import RULES
 from audit.rules.rounds import MODEL, ROUNDS
 from audit.submission_tree import SubmissionTreeBuilder
 from tests.helpers.loadgen_fixtures import (SUBMITTER, SYSTEM, SYSTEM_JSON, add_scenario, append_detail_entry,
-                              make_source_root, official_runs, rewrite_detail_values)
+                                            make_source_root, official_runs, rewrite_detail_values)
 
 
 @pytest.fixture(scope="module")

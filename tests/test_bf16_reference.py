@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.bf16_reference import Case, compare, judge_divergence
 from contract.types import PromptInput
+from tests.helpers.bf16_reference import Case, compare, judge_divergence
 
 ENGINE, REFERENCE, FAR = 2, 5, 7
 

@@ -4,11 +4,10 @@ whose prompts come from the product's own prompt path with the real Qwen vocabul
 from __future__ import annotations
 
 from contract.prompt import system_prompt
-from lab.bench.catalogue_workload import (
-    OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths, realistic_catalogue,
-)
 from contract.tokenizer import IMAGE_PAD_ID, load_tokenizer
 from contract.vision_geometry import image_geometry
+from lab.bench.catalogue_workload import (OUTPUT_CAP, describe, fixed_catalogue, longest_request, output_lengths,
+                                          realistic_catalogue)
 
 
 def test_realistic_requests_are_the_exact_mlperf_prompts_of_jpeg_products():

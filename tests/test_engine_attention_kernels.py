@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lab.bench.paged_attention_step import paged_step
-from workers.model import paged_decode, paged_prefill
 from workers.kv_cache import FP8_DTYPE, from_cache, quantize_fp8
+from workers.model import paged_decode, paged_prefill
 from workers.model.attention import paged_attention, sdpa_attention
 
 interpreted = pytest.mark.skipif(

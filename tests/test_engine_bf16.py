@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.bf16_reference import (
-    MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, compare, run_engine_and_compare,
-)
+from tests.helpers.bf16_reference import (MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, compare,
+                                          run_engine_and_compare)
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.image_fixtures import png
 from contract.types import FinishReason, PromptInput, SamplingParams
+from tests.helpers.image_fixtures import png
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import FP8_DTYPE

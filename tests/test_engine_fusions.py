@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from tests.helpers.fp8_kv_reference import e4m3_bytes, probe_values
 from workers.config import EngineConfig
+from workers.executor.model_runner import build_text_model
 from workers.kv_cache import FP8_DTYPE, quantize_fp8
 from workers.model import fused_norm_rope
 from workers.model.layers import MRotaryEmbedding, apply_rope, rms_norm_reference
 from workers.model.text import Qwen3VLTextForEngine
-from workers.executor.model_runner import build_text_model
-from workers.parallel import TensorParallel
 from workers.model_config import load_model_config
+from workers.parallel import TensorParallel
 from workers.weights import TEXT_PREFIX, init_random_weights, iter_tensors
 
 EPS = 1e-6

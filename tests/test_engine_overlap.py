@@ -16,8 +16,8 @@ from tests.helpers.image_fixtures import png
 from workers.config import EngineConfig
 from workers.core.sequence import PENDING_TOKEN
 from workers.engine import LLMEngine
-from workers.request_options import RequestOptions
 from workers.executor.model_runner import LaunchedTokens
+from workers.request_options import RequestOptions
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64

@@ -13,8 +13,8 @@ from torch import nn
 
 from tests.helpers.vision_reference import GRIDS, pixels_for, randomized_module, relative_error, transformers_output
 from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, frame_runs
-from workers.tiny_checkpoint import released_config, transformers_config
 from workers.model_config import load_model_config
+from workers.tiny_checkpoint import released_config, transformers_config
 
 
 def patch_conv(channels: int = 3, temporal: int = 2, patch: int = 16, out: int = 64) -> nn.Conv3d:

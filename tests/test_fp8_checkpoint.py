@@ -14,18 +14,18 @@ import shutil
 import pytest
 import torch
 
+from contract.types import PromptInput
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from tests.helpers.fp8_reference import dequantize_by_index, dequantized_checkpoint
 from tests.helpers.image_fixtures import png
-from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
-from contract.types import PromptInput
-from workers.config import EngineConfig
 from workers.checkpoint_quant import BlockShape
+from workers.config import EngineConfig
+from workers.executor.model_runner import build_text_model
 from workers.model.fp8 import FP8_DTYPE, dequantize_weight_blocks, quantize_weight_blocks
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
-from workers.executor.model_runner import build_text_model
-from workers.parallel import TensorParallel
 from workers.model_config import CheckpointError, load_model_config
+from workers.parallel import TensorParallel
 
 BLOCK = (16, 16)
 

@@ -10,16 +10,16 @@ import json
 import pytest
 import torch
 
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from tests.helpers.fp8_reference import dequantize_by_index, dequantized_checkpoint
 from tests.helpers.image_fixtures import png
-from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.checkpoint_quant import weight_format
 from workers.config import EngineConfig
+from workers.executor.model_runner import build_text_model
 from workers.model import fp8
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.layers import Fp8Linear
 from workers.model.moe import MoeExperts
-from workers.executor.model_runner import build_text_model
 from workers.model_config import load_model_config
 
 

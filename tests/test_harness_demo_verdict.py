@@ -15,8 +15,8 @@ from harness.demo_verdict import CHECKER, REAL_SUBMISSION, demo_verdict_lines
 from harness.pipeline import print_audit
 from harness.scenarios import Scenario
 from harness.system_config import DEFAULT_SYSTEM, load_system_config
-from tests.helpers.loadgen_fixtures import (SUBMITTER, SYSTEM, SYSTEM_JSON, add_scenario, make_source_root, official_runs,
-                              rewrite_detail_values)
+from tests.helpers.loadgen_fixtures import (SUBMITTER, SYSTEM, SYSTEM_JSON, add_scenario, make_source_root,
+                                            official_runs, rewrite_detail_values)
 
 
 def report_failing(*rules: tuple[str, str]) -> AuditReport:

@@ -11,10 +11,10 @@ import pytest
 import ray
 
 from harness.interrupts import Interrupted, deferred, interruptible, signal_name
-from lab.soak.process_tree import ProcessWatch, descendants
 from harness.ray_network import temp_dirs_of
 from harness.ray_workers import init_ray
 from harness.system_config import RaySection
+from lab.soak.process_tree import ProcessWatch, descendants
 
 
 def library_step_that_catches_every_exception(work) -> str:

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import ray
 
+from contract.wire import pb
 from harness.ray_network import temp_dirs_of
 from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, _node_address, init_ray
 from harness.system_config import PoolSection, RaySection
+from lab.soak.process_tree import descendants
 from router.client import RouterClient
 from router.config import RouterConfig
-from workers.sim.instant_engine import InstantEngine
-from workers.serve.worker_build import WorkerSettings
 from router.server import RouterServer
-from contract.wire import pb
-from lab.soak.process_tree import descendants
 from tests.helpers.net_fixtures import listening_sockets
+from workers.serve.worker_build import WorkerSettings
+from workers.sim.instant_engine import InstantEngine
 
 
 @pytest.fixture(scope="module")

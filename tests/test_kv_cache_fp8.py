@@ -12,8 +12,8 @@ import yaml
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from tests.helpers.fp8_kv_reference import e4m3_bytes, probe_values
 from harness.system_config import CONFIG_DIR, ConfigError, engine_config, parse_system_config
+from tests.helpers.fp8_kv_reference import e4m3_bytes, probe_values
 from workers.config import EngineConfig
 from workers.kv_cache import FP8_DTYPE, KvCache, KvExport, cache_dtype, from_cache, quantize_fp8
 from workers.model.attention import gather_kv, write_kv

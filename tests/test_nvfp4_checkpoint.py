@@ -13,18 +13,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from tests.helpers.fp8_reference import dequantized_checkpoint, read_tensors, write_checkpoint
 from tests.helpers.image_fixtures import png
-from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
 from workers.checkpoint_quant import QuantizationConfigError, weight_format
+from workers.checkpoint_quant import BlockShape
 from workers.config import EngineConfig
 from workers.executor.model_runner import build_text_model
-from workers.quantized_checkpoint import channel_quantization_config, quantize_checkpoint
 from workers.model import fp8, nvfp4
-from workers.checkpoint_quant import BlockShape
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.layers import Fp8Linear
 from workers.model_config import CheckpointError, load_model_config
+from workers.quantized_checkpoint import channel_quantization_config, quantize_checkpoint
 
 E2M1 = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0}
 

@@ -13,11 +13,11 @@ import yaml
 from pydantic import ValidationError
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
-from lab.peak.finder import PeakFinder, PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
-from workers.core.step_trace import read_requests, read_steps
 from harness.plot import read_sample_latencies
 from harness.system_config import CONFIG_DIR
+from lab.peak.finder import PeakFinder, PeakSearch, bisect_max_valid, point_queries, read_point, wait_for_released_gpus
 from tests.helpers.loadgen_fixtures import SLOW_BOUND_MS, LoadGenRunSpec, run_loadgen
+from workers.core.step_trace import read_requests, read_steps
 from workers.tiny_checkpoint import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]

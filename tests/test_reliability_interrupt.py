@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.ray_network import temp_dirs_of
 from lab.soak.fault_soak import HarnessRun, soak_system
 from lab.soak.process_tree import ProcessWatch, descendants
-from harness.ray_network import temp_dirs_of
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tests" / "harness"
 EXIT_TIMEOUT_S = 150.0  # teardown after the signal: actors still building their engines, then Ray

@@ -28,18 +28,18 @@ import pytest
 import yaml
 from PIL import Image
 
-from harness.ray_network import RayUnreachable, probe_address, temp_dirs_of
-from harness.system_config import CONFIG_DIR
-from router.client import RouterClient
-from workers.sim.instant_engine import InstantEngine
 from contract.transport import call_metadata
 from contract.wire import pb
+from harness.ray_network import RayUnreachable, probe_address, temp_dirs_of
+from harness.system_config import CONFIG_DIR
 from lab.soak.fault_soak import HarnessRun, free_port, soak_system
 from lab.soak.process_tree import descendants
+from router.client import RouterClient
 from tests.helpers.net_fixtures import listening_sockets
 from tests.helpers.router_fixtures import request, run
 from workers.serve.server import WorkerServer
 from workers.serve.worker_build import WorkerSettings
+from workers.sim.instant_engine import InstantEngine
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tests" / "harness"

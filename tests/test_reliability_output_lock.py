@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lab.soak.fault_soak import HarnessRun, soak_system
 from harness.output_lock import LOCK_FILE, OutputInUse, OutputLock
-from lab.soak.process_tree import ProcessWatch
 from harness.system_config import ConfigError
+from lab.soak.fault_soak import HarnessRun, soak_system
+from lab.soak.process_tree import ProcessWatch
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tests" / "harness"

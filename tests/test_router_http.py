@@ -15,11 +15,11 @@ import openai
 import pytest
 from PIL import Image
 
-from contract.wire import pb
-from workers.sim.instant_engine import InstantEngine
-from tests.helpers.router_fixtures import Cluster, collect, request, run
 from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
+from contract.wire import pb
+from tests.helpers.router_fixtures import Cluster, collect, request, run
+from workers.sim.instant_engine import InstantEngine
 
 HTTP = {"http_listen": "127.0.0.1:0"}
 MODEL = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # the router's served_model_name

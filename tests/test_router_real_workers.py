@@ -15,12 +15,12 @@ import openai
 import pytest
 from PIL import Image
 
+from contract.chat import encode_chat
+from contract.tokenizer import load_tokenizer
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
 from router.client import RouterClient
 from tests.helpers.router_fixtures import collect, run
-from contract.chat import encode_chat
-from contract.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from contract.types import FinishReason, RequestOutput
 from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
+from tests.helpers.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
 from workers.request_options import NO_OPTIONS
 from workers.sim.instant_engine import InstantEngine, next_token
-from tests.helpers.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
 
 
 @pytest.fixture(params=MODES)

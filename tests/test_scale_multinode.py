@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from harness.ray_network import make_temp_dir, remove_temp_dir
-from lab.soak.process_tree import descendants
 from lab.plan.simulated_system import run_point, simulated_system
+from lab.soak.process_tree import descendants
 from tests.helpers.net_fixtures import listening_sockets
 
 LOOPBACK = "127.0.0.1"

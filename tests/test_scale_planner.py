@@ -2,8 +2,8 @@
 
 import pytest
 
-from lab.plan.layout_plan import main
 from harness.system_config import load_system_config
+from lab.plan.layout_plan import main
 
 
 @pytest.mark.slow

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from contract.stats import poisson_arrivals
 from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
 from contract.types import FinishReason, PromptInput, SamplingParams
+from lab.plan.virtual import VirtualCluster, Workload
 from workers.config import EngineConfig
-from workers.sim.config import SimulationConfig
 from workers.engine import LLMEngine
 from workers.request_options import RequestOptions
+from workers.sim.config import SimulationConfig
 from workers.sim.engine import simulated
 from workers.sim.step_model import Calibration, StepModel
-from lab.plan.virtual import VirtualCluster, Workload
-from contract.stats import poisson_arrivals
 
 PROMPT = PromptInput([1] * 100 + [IMAGE_PAD_ID] * 64 + [2] * 36)
 RUN9 = Path(__file__).resolve().parent.parent / "benchmarks" / "2026-11-30-run9-30b-a3b.json"

@@ -6,16 +6,16 @@ import io
 import json
 from pathlib import Path
 
-from lab.plan.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
-from workers.config import EngineConfig
-from workers.sim.config import SimulationConfig
-from workers.engine import LLMEngine
-from workers.sim.engine import simulated
-from lab.plan.latency import kept_up
-from workers.sim.step_model import StepModel
-from workers.sim.trace import TracedRequest, read_traces
 from contract.tokenizer import IM_END_ID as EOS_ID, IMAGE_PAD_ID
 from contract.types import PromptInput, SamplingParams
+from lab.plan.latency import kept_up
+from lab.plan.sim_sweep import latency_drift, latency_split, loadgen_latencies, main, search_knee
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sim.config import SimulationConfig
+from workers.sim.engine import simulated
+from workers.sim.step_model import StepModel
+from workers.sim.trace import TracedRequest, read_traces
 
 PROMPT = PromptInput([1] * 40 + [IMAGE_PAD_ID] * 16 + [2] * 8)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.image_fixtures import png
 from tests.helpers.engine_equivalence import make_engine, run_to_completion, transformers_reference
+from tests.helpers.image_fixtures import png
 from workers.executor.model_runner import num_deepstack
 from workers.executor.step_graphs import MixedStepGraphs, step_graph_sizes
 from workers.host_copy import to_device

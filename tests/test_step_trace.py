@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from contract.types import SamplingParams
+from lab.plan.step_fit import fit_steps
 from tests.helpers.arrival_trace import ARRIVALS, LIMITS, run
 from workers.config import EngineConfig
 from workers.core.step_trace import StepTrace, read_requests, read_steps
-from contract.types import SamplingParams
 from workers.core.step_work import StepPhases, StepWork, median_phases_ms
 from workers.engine import LLMEngine
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import simulated
-from lab.plan.step_fit import fit_steps
 from workers.sim.step_model import StepCorrection, StepModel
 
 

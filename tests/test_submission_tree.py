@@ -11,7 +11,7 @@ from audit.checker import audit_tree
 from audit.rules.rounds import MODEL
 from audit.submission_tree import SOURCE_ENTRIES, IncompleteTree, SubmissionTreeBuilder, scenario_dir_name
 from tests.helpers.loadgen_fixtures import (MEASUREMENTS, SUBMITTER, SYSTEM, SYSTEM_JSON, accuracy_result, add_scenario,
-                              make_source_root, official_runs)
+                                            make_source_root, official_runs)
 
 REPO = Path(__file__).resolve().parent.parent
 

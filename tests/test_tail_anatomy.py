@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from contract.tokenizer import IMAGE_PAD_ID
 from harness.plot import SampleLatency
 from lab.peak.tail_anatomy import SampleShape, tail_anatomy
-from contract.tokenizer import IMAGE_PAD_ID
 
 
 def test_a_sample_shape_counts_the_prompt_and_its_image_rows():

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.image_fixtures import png
-from tests.helpers.engine_equivalence import make_engine, run_to_completion
-from tests.helpers.vision_reference import GRIDS, pixels_for
 from contract.types import PromptInput
+from tests.helpers.engine_equivalence import make_engine, run_to_completion
+from tests.helpers.image_fixtures import png
+from tests.helpers.vision_reference import GRIDS, pixels_for
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.vision import VisionEncoder
 from workers.model_config import load_model_config

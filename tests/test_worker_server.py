@@ -12,12 +12,12 @@ import torch
 
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
-from workers.sim.instant_engine import InstantEngine
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.server import WorkerServer
 from workers.serve.worker_build import WorkerSettings
+from workers.sim.instant_engine import InstantEngine
 
 
 class Worker:

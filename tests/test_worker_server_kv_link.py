@@ -16,14 +16,14 @@ from PIL import Image
 
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
-from workers.sim.instant_engine import InstantEngine
 from tests.helpers.router_fixtures import collect, run
-from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
+from workers.serve.async_engine import AsyncEngine
 from workers.serve.kv_transfer import KvLink
 from workers.serve.server import WorkerServer
 from workers.serve.worker_build import WorkerSettings
+from workers.sim.instant_engine import InstantEngine
 
 
 def image_bytes() -> bytes:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.stats import percentile
 from contract.tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 from contract.types import PromptInput
-from contract.stats import percentile
 
 USER, ASSISTANT, NEWLINE = 872, 77091, 198  # "user", "assistant", "\n" in Qwen's vocabulary
 OUTPUT_MEAN, OUTPUT_SD, OUTPUT_CAP = 42.9, 8.6, 150

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 
-from lab.bench.engine_setup import Workload
 from lab.bench.engine_probes import Sync
+from lab.bench.engine_setup import Workload
 
 log = logging.getLogger("bench_engine")
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.bench.engine_probes import (GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps,
+                                     run_until_done, triton_cache_kernels)
 from lab.bench.engine_setup import Workload
 from workers.core.step_work import median_phases_ms
-from lab.bench.engine_probes import (
-    GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps, run_until_done, triton_cache_kernels,
-)
 
 log = logging.getLogger("bench_engine")
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from lab.bench.gpu_timing import graph_median_us
-from workers.model import fp8, fp8_gemm, fused_moe, grouped_fp8_moe
 from workers.checkpoint_quant import BlockShape
+from workers.model import fp8, fp8_gemm, fused_moe, grouped_fp8_moe
 
 TOKENS = (1, 8, 64, 256, 1024, 8192, 16384)
 DENSE = {"qkv_2048x5120": (5120, 2048), "o_4096x2048": (2048, 4096)}  # name: (N, K)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from contract.vision_geometry import MAX_PIXELS, MIN_PIXELS, smart_resize
-from lab.peak.query_probe import catalogue_jpeg
 from lab.bench.vision import median_ms as wall_median_ms
+from lab.peak.query_probe import catalogue_jpeg
 from workers.host_copy import to_device
 from workers.inputs.device_image import decode_on_device, decode_resized, resize_bicubic
 from workers.inputs.image_processing import decode_image, merge_block_patches, normalise_patches, resized_pixels

@@ -23,9 +23,8 @@ from pathlib import Path
 
 from lab.bench.catalogue_workload import WORKLOADS, build_workload, describe
 from lab.bench.engine_setup import Workload, write_config
-from lab.bench.multi_gpu_instances import (
-    COMMAND_LINE, SMOKE, base_argv, part_dp2, part_dp_instance, part_instance, part_l235, store_requests,
-)
+from lab.bench.multi_gpu_instances import (COMMAND_LINE, SMOKE, base_argv, part_dp2, part_dp_instance, part_instance,
+                                           part_l235, store_requests)
 from lab.bench.multi_gpu_pd import part_pd
 
 PARTS = ["tp2", "ep2", "dp2", "pd", "l235"]

@@ -10,13 +10,12 @@ import statistics
 import time
 from pathlib import Path
 
+from contract.stats import percentile
 from lab.bench.engine_setup import Workload
-from lab.bench.multi_gpu_instances import (
-    SMOKE, catalogue_requests, drive_poisson, engine_config, greedy, prepare_all, sync_all, warm_up,
-)
+from lab.bench.multi_gpu_instances import (SMOKE, catalogue_requests, drive_poisson, engine_config, greedy, prepare_all,
+                                           sync_all, warm_up)
 from lab.bench.poisson_levels import P99_LIMITS_S, capped_arrivals, qps_search, summarize_levels
 from workers.request_options import RequestOptions
-from contract.stats import percentile
 
 PREFILL_ONLY = RequestOptions(prefill_only=True)  # the prefill side's requests: each hands its KV to the decode side
 

@@ -7,8 +7,8 @@ import math
 import statistics
 import time
 
-from lab.plan.latency import BOUND_MS
 from contract.stats import percentile, poisson_arrivals
+from lab.plan.latency import BOUND_MS
 
 P99_LIMITS_S = (BOUND_MS["server"] / 1e3, BOUND_MS["interactive"] / 1e3)  # (12.0, 1.5)
 

@@ -28,8 +28,8 @@ import grpc.aio
 from contract.transport import open_channel
 from contract.wire import pb, pb_grpc
 from lab.bench.load_test import Procs
-from router.client import RouterClient
 from lab.plan.virtual import Workload
+from router.client import RouterClient
 
 PROBE_INTERVAL_S = 0.2
 

@@ -27,10 +27,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from audit.loadgen_logs import parse_detail_log, parse_summary_log
+from contract.stats import early_stopping_min_queries
 from harness.assets import resolve_checkpoint, resolve_dataset
 from harness.cluster import Cluster
-from harness.loadgen_run import TRACE_FILE
 from harness.interrupts import interruptible
+from harness.loadgen_run import TRACE_FILE
 from harness.output_lock import OutputLock
 from harness.pipeline import RUNS_DIR, check_startable, run_test_process, say
 from harness.plot import read_sample_latencies
@@ -45,9 +46,8 @@ from harness.system_config import (
     system_config_path,
     with_engine_settings,
 )
-from lab.peak.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 from harness.user_conf import write_user_conf
-from contract.stats import early_stopping_min_queries
+from lab.peak.tail_anatomy import engine_requests, sample_shapes, tail_anatomy, timeline_anatomy
 
 REPO = Path(__file__).resolve().parents[2]
 # What a point costs beyond its schedule, for the time budget: the test process's start and sample loading, and

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contract.tokenizer import IMAGE_PAD_ID
 from harness.assets import resolve_checkpoint
 from harness.cluster import Cluster
 from harness.interrupts import interruptible
@@ -21,7 +22,6 @@ from harness.pipeline import check_startable, say
 from harness.system_config import (
     image_pixel_limits, parse_system_config, read_system_yaml, system_config_path, with_engine_settings,
 )
-from contract.tokenizer import IMAGE_PAD_ID
 from lab.peak.tail_anatomy import outside_engine_s
 from workers.core.step_trace import read_requests, request_timeline
 

@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.plot import SampleLatency
-from workers.core.step_trace import TIMELINE, read_requests, request_start, request_timeline
 from contract.stats import percentile
 from contract.tokenizer import IMAGE_PAD_ID
+from harness.plot import SampleLatency
+from workers.core.step_trace import TIMELINE, read_requests, request_start, request_timeline
 
 SLOWEST_LISTED = 10
 LARGE_OVER_MEDIAN = 4  # so that a run of like images has no "large" ones

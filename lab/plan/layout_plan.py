@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from lab.plan.simulated_system import simulated_system
 from lab.plan.planner import SPLITS, Plan, PlanRequest, search
+from lab.plan.simulated_system import simulated_system
 from workers.sim.step_model import PRODUCT_PATH_FIT
 
 CLI_DESCRIPTION = """Searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a hardware profile and a

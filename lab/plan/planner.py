@@ -11,14 +11,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.stats import early_stopping_min_queries, poisson_arrivals
 from contract.types import PromptInput
+from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
+from lab.plan.virtual import VirtualCluster, Workload
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import build_step_model
-from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from workers.sim.step_model import PRODUCT_PATH_FIT, StepCorrection, StepModel
-from lab.plan.virtual import VirtualCluster, Workload
-from contract.stats import early_stopping_min_queries, poisson_arrivals
 
 SPLITS = {"aggregated": None, "pd-1:3": (1, 3), "pd-1:1": (1, 1)}  # layout -> (prefill, decode) engines of a group
 HORIZON_S = {"server": 60.0, "interactive": 12.0}  # arrivals span five to eight times the bound: a steady state

@@ -16,15 +16,15 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from contract.stats import early_stopping_met, percentile, poisson_arrivals
+from contract.tokenizer import IMAGE_PAD_ID
+from contract.types import SamplingParams
 from lab.bench.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
+from lab.plan.virtual import VirtualCluster, Workload
 from workers.config import EngineConfig
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import image_sizes, simulated
 from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
-from lab.plan.virtual import VirtualCluster, Workload
-from contract.stats import early_stopping_met, percentile, poisson_arrivals
-from contract.tokenizer import IMAGE_PAD_ID
-from contract.types import SamplingParams
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 RUNS_FILE = BENCH / "planner-validation-runs.json"

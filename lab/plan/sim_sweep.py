@@ -23,11 +23,11 @@ from pathlib import Path
 
 import yaml
 
-from lab.plan.cpu_monitor import CpuMonitor
-from lab.bench.router_ceiling import router_ceiling
-from lab.plan.simulated_system import parse_summary, simulated_system
-from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
 from contract.stats import percentile
+from lab.bench.router_ceiling import router_ceiling
+from lab.plan.cpu_monitor import CpuMonitor
+from lab.plan.latency import BOUND_MS, KEPT_UP_MIN, kept_up
+from lab.plan.simulated_system import parse_summary, simulated_system
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from contract.stats import percentile
 from workers.core.step_work import StepWork
 from workers.sim.step_model import StepCorrection, StepModel
-from contract.stats import percentile
 
 TERMS = ("text_scale", "vision_scale", "step_overhead_ms")
 

@@ -9,15 +9,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
+from contract.stats import percentile
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
-from workers.sim.config import SimulationConfig
 from workers.engine import LLMEngine
 from workers.request_options import RequestOptions
+from workers.sim.config import SimulationConfig
 from workers.sim.engine import SimulatedExecutor, simulated
 from workers.sim.step_model import StepModel
-from contract.stats import percentile
 
 Policy = Literal["round_robin", "least_loaded"]
 

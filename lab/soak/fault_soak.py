@@ -27,8 +27,8 @@ import yaml
 
 from audit.loadgen_logs import parse_detail_log
 from harness.embedded_routing import LOG_FILE as EMBEDDED_LOG
-from lab.soak.process_tree import descendants
 from harness.system_config import CONFIG_DIR
+from lab.soak.process_tree import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 

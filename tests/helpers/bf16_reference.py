@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from tests.helpers.image_fixtures import png
 from contract.types import PromptInput, SamplingParams
+from tests.helpers.image_fixtures import png
 
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD = 151644, 151645, 151652, 151653, 151655
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64
