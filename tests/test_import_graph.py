@@ -1,5 +1,6 @@
-"""The import graph (issue 21): contract/ at the bottom, router/ and workers/ side by side, audit/ on contract/
-alone, no cycle between packages, and no cycle between modules.
+"""The import graph (issues 21 and 34): contract/ at the bottom, router/ and workers/ side by side, audit/ on contract/
+alone, lab/ (the instruments) imported by scripts/ and the tests alone, no cycle between packages, and no cycle between
+modules; the tests import neither scripts/ nor each other (what they share is in tests/helpers/).
 
 Every import statement of every module is read with `ast` (top-level and inside functions alike, plus
 `importlib.import_module("...")` with a literal name), so a lazy import counts as an edge too.
