@@ -1,6 +1,7 @@
 """In bfloat16 on CPU the engine (its torch reference paths: the vision tower's fused-kernel references, paged
 attention, the MoE) generates what transformers generates in bfloat16, up to a first divergence that float32
-transformers cannot tell from bf16 rounding (tests/helpers/bf16_reference.py). The CUDA twin is tests/test_engine_gpu.py."""
+transformers cannot tell from bf16 rounding (tests/helpers/bf16_reference.py). The CUDA twin is
+tests/test_engine_gpu.py."""
 
 from __future__ import annotations
 

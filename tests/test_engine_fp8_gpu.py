@@ -2,8 +2,8 @@
 same FP8 arithmetic on the same weights, up to a first divergence that float32 transformers with that arithmetic
 cannot tell from rounding. transformers cannot load Qwen's per-expert FP8 MoE layout (huggingface/transformers#44230)
 and its own FP8 kernels need the `kernels` package, so the reference is transformers on the dequantized copy with the
-W8A8 activation rounding emulated around each quantised linear (tests/helpers/fp8_reference.py; on the CPU that reference
-gives the engine's W8A8 tokens exactly, tests/test_fp8_checkpoint.py).
+W8A8 activation rounding emulated around each quantised linear (tests/helpers/fp8_reference.py; on the CPU that
+reference gives the engine's W8A8 tokens exactly, tests/test_fp8_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.bf16_reference import MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, run_engine_and_compare
+from tests.helpers.bf16_reference import (MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases,
+                                          run_engine_and_compare)
 from tests.helpers.fp8_reference import dequantized_checkpoint, fp8_activation_rounding, quantized_weight_names
 from workers.config import EngineConfig
 from workers.engine import LLMEngine

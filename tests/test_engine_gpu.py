@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.bf16_reference import MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases, run_engine_and_compare
+from tests.helpers.bf16_reference import (MAX_PIXELS, MIN_PIXELS, TransformersReference, bf16_cases,
+                                          run_engine_and_compare)
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 

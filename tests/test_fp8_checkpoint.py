@@ -152,8 +152,8 @@ def test_fp8_layers_compute_within_activation_rounding_of_their_dequantized_weig
 def test_engine_w8a8_tokens_equal_transformers_with_the_fp8_arithmetic_on_the_same_weights(arch, request, tmp_path):
     """fp8_compute "fp8" on the CPU (activations rounded to e4m3 per token and group, weights kept in e4m3) against
     transformers' own forward on the dequantized weights with the same activation rounding emulated around each
-    quantised linear, experts included (tests/helpers/fp8_reference.py): the same arithmetic in float32, so the same greedy
-    tokens."""
+    quantised linear, experts included (tests/helpers/fp8_reference.py): the same arithmetic in float32, so the same
+    greedy tokens."""
     from tests.helpers.fp8_reference import fp8_activation_rounding, quantized_weight_names
 
     checkpoint = request.getfixturevalue(f"tiny_{arch}_fp8_checkpoint")

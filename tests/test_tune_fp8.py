@@ -1,4 +1,4 @@
-"""lab/kernels/tune_fp8.py (scripts/tune_fp8.py) turns its MoE sweeps into the ",fp8" rows of a tuned table: the swept steps take the
+"""lab/kernels/tune_fp8.py turns its MoE sweeps into the ",fp8" rows of a tuned table: the swept steps take the
 candidate fastest over both scale layouts, larger steps keep the untuned choice, and the engine reads it back."""
 
 from __future__ import annotations
