@@ -5,7 +5,7 @@ request ended, how long it all took, the slowest control call to the router (Lis
 worker's down marks in the router's log.
 
 The logic is lab/bench/router_burst.py.
-`python scripts/bench_router_burst.py [--requests 1500] [--image-mb 2]` (about 80 s on 2 cores). On 2 cores before
+`python scripts/bench_router_burst.py [--requests 1500] [--image-mb 2]` (about 80 s on 2 cores).
 """
 
 import sys

@@ -6,6 +6,7 @@ by side (before/after), the after table's parts (align, gated GEMM, down GEMM, k
 The logic is lab/kernels/tune_fused_moe.py.
 Usage (on the GPU): python3 scripts/tune_fused_moe.py [--out FILE] [--tokens 16,64,...]
                     python3 scripts/tune_fused_moe.py --compare [--before OLD.json] [--after NEW.json]
+CPU smoke: TRITON_INTERPRET=1 python3 scripts/tune_fused_moe.py --smoke [--compare]
 """
 
 import sys
