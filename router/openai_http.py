@@ -21,13 +21,13 @@ from aiohttp import web
 
 from contract.chat import MessageError, encode_chat
 from contract.network import split_host_port
-from contract.tokenizer import QwenTokenizer, load_tokenizer
 from contract.transport import bearer_ok
 from contract.wire import pb
 from router.completion_text import CompletionText
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
 from router.openai_params import BadRequest, ChatRequest, parse_chat_request
+from router.prompt_encoder import PromptEncoder
 from router.registry import SERVING_ROLES, Registry
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,13 @@ class HttpFrontend:
         self.config = config
         self.dispatcher = dispatcher
         self.registry = registry
-        self.tokenizer: QwenTokenizer | None = None
+        self.tokenizer: PromptEncoder | None = None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        """Load the tokenizer, bind http_listen; returns the bound port."""
-        self.tokenizer = await asyncio.to_thread(load_tokenizer)
+        """Load the tokenizer (tiktoken's encoder of the prompts, `tokenizers`' decoder of the replies), bind
+        http_listen; returns the bound port."""
+        self.tokenizer = await asyncio.to_thread(PromptEncoder)
         app = web.Application(middlewares=[self._auth], client_max_size=self.config.limits.max_message_bytes)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
