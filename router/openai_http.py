@@ -155,7 +155,7 @@ class HttpFrontend:
         except RouterError as exc:
             await chunks.aclose()
             return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
-        text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids)
+        text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids, whole=not chat.stream)
         reply = _Reply(first, chunks, text, len(prompt.token_ids))
         try:
             if chat.stream:
