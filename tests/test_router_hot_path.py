@@ -1,5 +1,5 @@
 """The router's hot path (issue 35, item 1): no gRPC retry filter on the workers' channels, start-up objects frozen
-out of the collector, a reply sent whole decoded once."""
+out of the collector and the young generation collected less often, a reply sent whole decoded once."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_routers_channels_to_workers_have_no_grpc_retries(monkeypatch):
     assert "grpc.enable_retries" not in dict(transport.channel_options())
 
 
-def test_the_router_process_freezes_its_start_up_objects():
+def test_the_router_process_freezes_its_start_up_objects_and_collects_the_young_less_often():
     proc = subprocess.Popen([sys.executable, "-m", "router", "--listen", "127.0.0.1:0", "--log-level", "INFO"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -44,7 +44,9 @@ def test_the_router_process_freezes_its_start_up_objects():
         while time.monotonic() < deadline:
             line = proc.stderr.readline()
             if "frozen out of the garbage collector" in line:
-                assert int(line.rsplit(":", 1)[1]) > 10_000
+                frozen, thresholds = line.split(": ", 1)[1].split("; thresholds ")
+                assert int(frozen) > 10_000
+                assert thresholds.strip() == "(20000, 20, 20)"
                 break
         else:
             raise AssertionError("no freeze reported")
