@@ -129,7 +129,7 @@ def decode_data_url(url: str, at: str = "image_url") -> bytes:
 
 def expand_image_pads(token_ids: list[int], visual_tokens: Sequence[int]) -> list[int]:
     """Replaces the k-th <|image_pad|> with visual_tokens[k] copies of it."""
-    pads = [i for i, t in enumerate(token_ids) if t == IMAGE_PAD_ID]
+    pads = [i for i, t in enumerate(token_ids) if t == IMAGE_PAD_ID] if IMAGE_PAD_ID in token_ids else []
     if len(pads) != len(visual_tokens):
         raise ValueError(f"prompt has {len(pads)} <|image_pad|> tokens but {len(visual_tokens)} images")
     out: list[int] = []

@@ -19,12 +19,16 @@ HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 
 
 def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfig = KeepaliveConfig(),
-                    reconnect_backoff_s: float | None = None) -> list[tuple[str, int]]:
+                    reconnect_backoff_s: float | None = None, retries: bool = True) -> list[tuple[str, int]]:
     """Large messages (images travel inline), keepalive so a dead peer is noticed, on idle connections too.
 
     reconnect_backoff_s caps the wait between attempts to reach a peer that is not listening. gRPC's own backoff
     grows by 1.6x from 1 s to 120 s, so a channel whose peer was away for minutes finds it back up to two minutes
-    after it returns (20 s away: 7.6 s later, measured)."""
+    after it returns (20 s away: 7.6 s later, measured).
+
+    retries=False takes gRPC's retry filter off the channel's calls (`grpc.enable_retries` 0): a caller that replays
+    failed calls itself (the router's migration, contract.resend) gains nothing from it, and it buffers each call's
+    messages for a replay that never comes."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -36,6 +40,8 @@ def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfi
     if reconnect_backoff_s is not None:
         cap_ms = max(1, round(reconnect_backoff_s * 1000))
         options += [("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)), ("grpc.max_reconnect_backoff_ms", cap_ms)]
+    if not retries:
+        options.append(("grpc.enable_retries", 0))
     return options
 
 
@@ -56,9 +62,9 @@ def server_options(max_message_bytes: int = 64 * MIB) -> list[tuple[str, int]]:
 
 def open_channel(
     address: str, *, max_message_bytes: int = 64 * MIB, root_certificates: bytes | None = None,
-    keepalive: KeepaliveConfig = KeepaliveConfig(), reconnect_backoff_s: float | None = None,
+    keepalive: KeepaliveConfig = KeepaliveConfig(), reconnect_backoff_s: float | None = None, retries: bool = True,
 ) -> grpc.aio.Channel:
-    options = channel_options(max_message_bytes, keepalive, reconnect_backoff_s)
+    options = channel_options(max_message_bytes, keepalive, reconnect_backoff_s, retries)
     if root_certificates is not None:
         return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
     return grpc.aio.insecure_channel(address, options=options)

@@ -23,8 +23,14 @@ class CompletionText:
     max(len(stop)) - 1 characters are held back, so no character past a stop string is ever sent. A stop token
     id ends the text without its own text. stop_reason says which stop string or stop token id ended it."""
 
-    def __init__(self, tokenizer: QwenTokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = ()):
+    def __init__(self, tokenizer: QwenTokenizer, stop: Sequence[str] = (), stop_token_ids: Collection[int] = (),
+                 whole: bool = False):
+        """whole: the caller takes the text only once it is final (a reply sent whole); without stop strings the
+        tokens are then decoded once, at the end, instead of twice a chunk and once more at the end."""
+        self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer)
+        self._whole = whole and not stop
+        self._ids: list[int] = []
         self._stop = list(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -40,6 +46,12 @@ class CompletionText:
         if finished and token_ids and token_ids[-1] in self._stop_token_ids:
             self.stop_reason = token_ids.pop()
             self.num_tokens += 1
+        if self._whole:  # nothing to look for, nobody reads the text before the end: one decode at the end
+            self.num_tokens += len(token_ids)
+            self._ids.extend(token_ids)
+            if finished:
+                self._extend(self._tokenizer.decode(self._ids))
+            return False
         if not self._stop:  # nothing to look for: one decode per chunk
             self.num_tokens += len(token_ids)
             self._extend(self._detok.add(token_ids))

@@ -21,13 +21,13 @@ from aiohttp import web
 
 from contract.chat import MessageError, encode_chat
 from contract.network import split_host_port
-from contract.tokenizer import QwenTokenizer, load_tokenizer
 from contract.transport import bearer_ok
 from contract.wire import pb
 from router.completion_text import CompletionText
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
 from router.openai_params import BadRequest, ChatRequest, parse_chat_request
+from router.prompt_encoder import PromptEncoder
 from router.registry import SERVING_ROLES, Registry
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,16 @@ class HttpFrontend:
         self.config = config
         self.dispatcher = dispatcher
         self.registry = registry
-        self.tokenizer: QwenTokenizer | None = None
+        self.tokenizer: PromptEncoder | None = None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        """Load the tokenizer, bind http_listen; returns the bound port."""
-        self.tokenizer = await asyncio.to_thread(load_tokenizer)
-        app = web.Application(middlewares=[self._auth], client_max_size=self.config.limits.max_message_bytes)
+        """Load the tokenizer (tiktoken's encoder of the prompts, `tokenizers`' decoder of the replies), bind
+        http_listen; returns the bound port."""
+        self.tokenizer = await asyncio.to_thread(PromptEncoder)
+        # No token, no middleware: every request would pass it, at the cost of one more coroutine hop each.
+        middlewares = [self._auth] if self.config.token else []
+        app = web.Application(middlewares=middlewares, client_max_size=self.config.limits.max_message_bytes)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
@@ -154,7 +157,7 @@ class HttpFrontend:
         except RouterError as exc:
             await chunks.aclose()
             return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
-        text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids)
+        text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids, whole=not chat.stream)
         reply = _Reply(first, chunks, text, len(prompt.token_ids))
         try:
             if chat.stream:

@@ -78,9 +78,9 @@ class RouterServer:
     def __init__(self, config: RouterConfig | None = None):
         self.config = config or RouterConfig()
         max_bytes, keepalive = self.config.limits.max_message_bytes, self.config.keepalive
-        self.registry = Registry(
+        self.registry = Registry(  # no gRPC retries on the workers' channels: the dispatcher migrates failed calls
             self.config.health, self.config.policy.block_size,
-            lambda address: open_channel(address, max_message_bytes=max_bytes, keepalive=keepalive),
+            lambda address: open_channel(address, max_message_bytes=max_bytes, keepalive=keepalive, retries=False),
         )
         self.dispatcher = Dispatcher(self.config, self.registry)
         self.port = 0

@@ -1,0 +1,121 @@
+"""The router's tiktoken prompt encoder gives the `tokenizers` build's token ids, text by text and chat by chat."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+
+import pytest
+
+from contract import tokenizer as qt
+from contract.chat import encode_chat
+from router.prompt_encoder import PromptEncoder
+from tests.test_tokenizer import TEXTS
+
+SPECIAL_TEXTS = [
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|vision_start|><|image_pad|><|vision_end|>Describe the product.",
+    "<|vision_start|>" + "<|image_pad|>" * 37 + "<|vision_end|>",
+    "<think>\n\n</think>\n\n<tool_call>{\"a\": 1}</tool_call><tool_response>ok</tool_response>",
+    "a<|im_end|>b<|endoftext|>c<|video_pad|><|vision_pad|><|fim_prefix|>x<|fim_middle|>y<|fim_suffix|><|fim_pad|>",
+    "<|object_ref_start|>mug<|object_ref_end|><|box_start|>(1,2)<|box_end|><|quad_start|><|quad_end|>",
+    "<|repo_name|>r<|file_sep|>f",
+    "half-written specials: <|im_start <|im_start| <im_start|> <<|im_end|>> |>",
+    "<|im_start|><|im_start|><|im_end|><|im_end|>",
+    " ".join(["describe"] * 300),
+]
+
+# Not NFC: decomposed accents, a combining mark after an added token's '>' (NFC would make it U+226F), singletons.
+NON_NFC = ["cafe\u0301 e\u0301", "A\u030a", "<|im_end|>\u0338 x", "\u212b ohm \u2126", "q\u0307\u0323"]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> PromptEncoder:
+    return PromptEncoder()
+
+
+@pytest.fixture(scope="module")
+def tok() -> qt.QwenTokenizer:
+    return qt.load_tokenizer()
+
+
+@pytest.mark.parametrize("text", TEXTS + SPECIAL_TEXTS)
+def test_token_ids_are_the_tokenizers_builds(encoder, tok, text):
+    assert encoder.encode(text) == tok.encode(text)
+
+
+def test_added_tokens_written_in_the_text_get_their_ids(encoder):
+    for offset, (content, _) in enumerate(qt.ADDED_TOKENS):
+        assert encoder.encode(f"x{content}y") == [*encoder.encode("x"), qt.NUM_BPE_TOKENS + offset, *encoder.encode("y")]
+
+
+@pytest.mark.parametrize("text", NON_NFC)
+def test_text_that_is_not_nfc_goes_to_the_tokenizers_build(text, tok):
+    encoder = PromptEncoder()
+    assert encoder.encode(text) == tok.encode(text)
+    assert encoder.fallbacks == 1
+    assert encoder.encode("plain ascii") == tok.encode("plain ascii") and encoder.fallbacks == 1
+
+
+def test_random_texts_of_mixed_scripts_whitespace_and_specials(encoder, tok):
+    rng = random.Random(35)
+    parts = ["abc", "XYZ", "123", "4", "é", "ü", "中", "文", "😀", "👩‍👩‍👧", "\n", "\r\n", "\t", " ", " ", "  ", "'s", "'LL",
+             ".,!?", "-_", "\u3000", "\u00a0", "\u2028", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|", "|>", "ﬁ",
+             "①", "Ω", "ß", "İ", "ǅ"]
+    texts = ["".join(rng.choice(parts) for _ in range(rng.randint(1, 60))) for _ in range(1500)]
+    texts += ["".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 40))) for _ in range(500)]
+    planes = [c for c in range(0x3000, 0x1FAFF) if not 0xD800 <= c < 0xE000]  # no lone surrogates: not text
+    texts += ["".join(chr(rng.choice(planes)) for _ in range(rng.randint(1, 20))) for _ in range(300)]
+    mismatched = [t for t in texts if encoder.encode(t) != tok.encode(t)]
+    assert mismatched == []
+
+
+def test_a_lone_surrogate_is_refused_as_the_tokenizers_build_refuses_it(tok):
+    encoder = PromptEncoder(tok)
+    with pytest.raises(TypeError):
+        tok.encode("a\ud800b")
+    with pytest.raises(TypeError):
+        encoder.encode("a\ud800b")
+    assert encoder.fallbacks == 1
+
+
+def test_encode_batch_and_decode_are_the_tokenizers(encoder, tok):
+    texts = TEXTS[:5] + SPECIAL_TEXTS[:3]
+    assert encoder.encode_batch(texts) == tok.encode_batch(texts)
+    ids = tok.encode(SPECIAL_TEXTS[0] + TEXTS[5])
+    assert encoder.decode(ids) == tok.decode(ids)
+    assert encoder.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_a_chat_with_images_encodes_to_the_same_prompt(encoder, tok):
+    from PIL import Image
+
+    def data_url(size):
+        buf = io.BytesIO()
+        Image.new("RGB", size, (200, 30, 30)).save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    messages = [
+        {"role": "system", "content": "You classify products. Answer in JSON."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Title: Men's polo ✨\nDescription: <p>Soft cotton</p>\nCategories: Café > Mugs"},
+            {"type": "image_url", "image_url": {"url": data_url((64, 48))}},
+            {"type": "text", "text": "and this one:"},
+            {"type": "image_url", "image_url": {"url": data_url((320, 200))}},
+        ]},
+    ]
+    ours, theirs = encode_chat(messages, encoder), encode_chat(messages, tok)
+    assert ours.token_ids == theirs.token_ids and ours.images == theirs.images
+    assert qt.token_runs(ours.token_ids) == qt.token_runs(theirs.token_ids) and len(qt.token_runs(ours.token_ids)) == 2
+
+
+def test_the_http_front_end_encodes_with_it():
+    from tests.router_fixtures import Cluster, run
+    from tests.test_router_http import HTTP
+
+    async def body():
+        async with Cluster(config=HTTP) as c:
+            assert isinstance(c.router._http.tokenizer, PromptEncoder)
+
+    run(body())
