@@ -11,7 +11,7 @@ import pytest
 from contract import tokenizer as qt
 from contract.chat import encode_chat
 from router.prompt_encoder import PromptEncoder
-from tests.test_tokenizer import TEXTS
+from tests.helpers.tokenizer_texts import TEXTS
 
 SPECIAL_TEXTS = [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
@@ -111,11 +111,10 @@ def test_a_chat_with_images_encodes_to_the_same_prompt(encoder, tok):
 
 
 def test_the_http_front_end_encodes_with_it():
-    from tests.router_fixtures import Cluster, run
-    from tests.test_router_http import HTTP
+    from tests.helpers.router_fixtures import Cluster, run
 
     async def body():
-        async with Cluster(config=HTTP) as c:
+        async with Cluster(config={"http_listen": "127.0.0.1:0"}) as c:
             assert isinstance(c.router._http.tokenizer, PromptEncoder)
 
     run(body())
