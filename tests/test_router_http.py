@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 
 import aiohttp
@@ -13,22 +12,16 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from PIL import Image
 
 from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 from contract.wire import pb
+from tests.helpers.image_fixtures import png_data_url
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.sim.instant_engine import InstantEngine
 
 HTTP = {"http_listen": "127.0.0.1:0"}
 MODEL = "Qwen/Qwen3-VL-235B-A22B-Instruct"  # the router's served_model_name
-
-
-def png_data_url(size=(64, 48)) -> str:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (200, 30, 30)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 MESSAGES = [

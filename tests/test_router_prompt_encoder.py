@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import random
 
 import pytest
@@ -89,12 +87,7 @@ def test_encode_batch_and_decode_are_the_tokenizers(encoder, tok):
 
 
 def test_a_chat_with_images_encodes_to_the_same_prompt(encoder, tok):
-    from PIL import Image
-
-    def data_url(size):
-        buf = io.BytesIO()
-        Image.new("RGB", size, (200, 30, 30)).save(buf, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    from tests.helpers.image_fixtures import png_data_url as data_url
 
     messages = [
         {"role": "system", "content": "You classify products. Answer in JSON."},
