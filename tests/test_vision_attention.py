@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from workers.model import vision_attention as va
+from workers.model.vision_attention_gluon import GluonConfig, check_shapes
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
 ON_INTERPRETER = pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")
@@ -225,6 +226,34 @@ def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bou
     want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
     assert not got.isnan().any()
     assert relative_error(got, want) < bound
+
+
+@pytest.mark.parametrize("patches", [4096, 16384])
+@pytest.mark.parametrize("config", [GluonConfig(128, 64, 4, 2), GluonConfig(64, 64, 4, 3), GluonConfig(128, 64, 8, 2),
+                                    GluonConfig(128, 128, 8, 2)], ids=["m128w4s2", "m64w4s3", "m128w8s2", "n128w8s2"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
+def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, config):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90")
+    # frames ending mid-tile, one shorter than a tile, the last at the end of the tensor
+    frames = [(patches + 37, 1), (1000, 3), (50, 1)]
+    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches + 3)
+    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, "gluon", config)
+    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
+    assert not got.isnan().any()
+    assert relative_error(got, want) < 1e-2
+
+
+def test_the_gluon_kernel_refuses_shapes_it_was_not_written_for():
+    q = torch.zeros(8, 2, 72, dtype=torch.bfloat16)
+    check_shapes(q, q, q)
+    with pytest.raises(ValueError, match="head_dim"):
+        check_shapes(*(torch.zeros(8, 2, 64, dtype=torch.bfloat16),) * 3)
+    with pytest.raises(ValueError, match="bf16"):
+        check_shapes(*(torch.zeros(8, 2, 72, dtype=torch.float16),) * 3)
+    with pytest.raises(ValueError, match="rows"):
+        strided = torch.zeros(8, 2, 80, dtype=torch.bfloat16)[:, :, :72]
+        check_shapes(strided, q, q)
 
 
 def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkpoint):

@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
         "run W8A8 with per-token activations (the FP8-dynamic scheme; torch's row-wise FP8 GEMM on CUDA). Attention, "
         "the patch embedding and the mergers stay in the activation dtype."
     )
-    vision_attention: Literal["auto", "sdpa", "triton", "triton_fp8"] = Field(
+    vision_attention: Literal["auto", "sdpa", "triton", "triton_fp8", "gluon"] = Field(
         "auto", description="The vision tower's attention (workers/model/vision_attention.py): 'sdpa' (torch's, cuDNN "
         "on the H200, one call per run of equal-size frames), 'triton' (our kernel: one launch over every frame of a "
         "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), or "

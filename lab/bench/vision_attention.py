@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
+from workers.model.vision_attention_gluon import GluonConfig
 from workers.model.vision import VisionTower, build_vision_module
 from workers.tiny_checkpoint import released_config, transformers_config
 from workers.weights import init_random_weights
@@ -85,7 +86,17 @@ def config_name(impl: str, c: va.KernelConfig) -> str:
     return f"{impl}[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{loads}{flags}]"
 
 
-def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS)) -> dict:
+def gluon_name(c: GluonConfig) -> str:
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
+
+
+def parse_gluon_configs(text: str) -> list[GluonConfig]:
+    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
+    return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
+
+
+def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
+                  gluon_configs=()) -> dict:
     q, k, v = tower_inputs(patches, device, seed=patches)
     scale = HEAD_DIM**-0.5
     plan = va.AttentionPlan([(patches, 1)])
@@ -114,6 +125,8 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
         record(name, sdpa)
     for c in configs:
         record(config_name("triton", c), lambda c=c: va.attention_triton(q, k, v, plan, scale, c))
+    for c in gluon_configs:
+        record(gluon_name(c), lambda c=c: va.vision_attention(q, k, v, plan, scale, "gluon", c))
     for c in fp8_configs:
         name = config_name("triton_fp8", c)
         record(name, lambda c=c: va.attention_triton_fp8(q, k, v, plan, scale, c))
@@ -189,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", default="128:64:4:3,128:64:8:3,128:64:4:4,128:128:8:3,128:64:4:3:0",
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
+    p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
     p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
     p.add_argument("--accuracy-side", type=int, default=128)
@@ -209,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         for n in (int(x) for x in args.patches.split(",")):
             result["kernels"][str(n)] = figures = bench_kernels(n, configs, fp8_configs, args.reps, device,
-                                                                      args.sdpa.split(","))
+                                                                      args.sdpa.split(","),
+                                                                      parse_gluon_configs(args.gluon_configs))
             print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
                                        if isinstance(v, dict)}}), file=sys.stderr, flush=True)
         candidates = {"triton": configs, "triton_fp8": fp8_configs}

@@ -20,6 +20,8 @@ Three implementations, and a rule between two of them, chosen by EngineConfig.vi
   k-step), V transposed to [heads * 72, keys] with each frame from a multiple of 16 keys, so the tensor cores read
   both operands of P @ V along the keys, as Hopper's FP8 MMA requires. (Pointer loads remain, for
   KernelConfig(tma=False): 143 TFLOP/s.);
+- "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
+  (Hopper only);
 - "auto": "triton" for a call whose largest frame has AUTO_TRITON_FROM_PATCHES or more, else "sdpa".
 
 On the H200 (benchmarks/README.md, runs 79-84), 16 heads, useful TFLOP/s: "triton" 386 at 62,500 patches against
@@ -51,7 +53,11 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8")
+from workers.model.vision_attention_gluon import (
+    DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, check_shapes, supports_gluon,
+)
+
+IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon")
 # "auto": our bf16 kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
 # (run80) ours ran 0.75-0.89x cuDNN at 4,096 patches, 0.96x at 16,384, 1.09x at 35,344 and 1.15x at 62,500, and
 # 1.17x on one launch over a step's mix of sizes with a 62,500-patch frame in it.
@@ -160,9 +166,10 @@ class AttentionPlan:
 
 
 def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
-                     impl: str = "sdpa", config: KernelConfig | None = None) -> torch.Tensor:
+                     impl: str = "sdpa", config: KernelConfig | GluonConfig | None = None) -> torch.Tensor:
     """q, k, v [N, heads, head_dim] (any strides with unit stride along head_dim) -> out [N, heads * head_dim] in
-    q's dtype: softmax(q k^T * scale) v within each frame of the plan."""
+    q's dtype: softmax(q k^T * scale) v within each frame of the plan. "gluon" (a GluonConfig) runs on sm_90
+    only; elsewhere on CUDA it takes "triton"'s kernel."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
     if q.shape[0] != plan.patches:
@@ -171,6 +178,13 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         impl = "triton" if plan.largest_frame >= AUTO_TRITON_FROM_PATCHES else "sdpa"
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
+    if impl == "gluon":
+        if supports_gluon(q):
+            gluon_config = config or DEFAULT_GLUON_CONFIG
+            check_shapes(q, k, v)
+            table = plan.table(gluon_config.block_m, q.device)
+            return attention_gluon(q, k, values_with_ones(v, HEAD_PART + TAIL), table, scale, gluon_config)
+        impl, config = "triton", None
     if impl == "triton":
         return attention_triton(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton"])
     return attention_triton_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton_fp8"])
