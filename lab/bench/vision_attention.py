@@ -86,13 +86,22 @@ def config_name(impl: str, c: va.KernelConfig) -> str:
     return f"{impl}[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{loads}{flags}]"
 
 
+def name_of(impl: str, c) -> str:
+    return gluon_name(c) if impl == "gluon" else config_name(impl, c)
+
+
 def gluon_name(c: GluonConfig) -> str:
-    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{'ahead' if c.scores_ahead else ''}]"
 
 
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
-    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
-    return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
+    """'M:N:W:S[:A]' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel, A 1 (scores issued a tile
+    ahead) or 0 (the default)."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        m, n, w, st, *ahead = (int(x) for x in item.split(":"))
+        configs.append(GluonConfig(m, n, w, st, bool(ahead and ahead[0])))
+    return configs
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
@@ -147,7 +156,7 @@ def bench_varlen(configs: dict, reps: int, device: str) -> dict:
     out: dict = {"frames": [list(r) for r in VARLEN_MIX], "useful_tflop": round(flops / 1e12, 3)}
     fns = {"sdpa": lambda: va.attention_reference(q, k, v, plan.runs, scale)}
     for impl, c in configs.items():
-        fns[config_name(impl, c)] = lambda impl=impl, c=c: va.vision_attention(q, k, v, plan, scale, impl, c)
+        fns[name_of(impl, c)] = lambda impl=impl, c=c: va.vision_attention(q, k, v, plan, scale, impl, c)
     for name, fn in fns.items():
         got = fn()
         ms = median_ms(fn, reps)
@@ -227,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                       parse_gluon_configs(args.gluon_configs))
             print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
                                        if isinstance(v, dict)}}), file=sys.stderr, flush=True)
-        candidates = {"triton": configs, "triton_fp8": fp8_configs}
+        candidates = {"triton": configs, "triton_fp8": fp8_configs, "gluon": parse_gluon_configs(args.gluon_configs)}
+        candidates = {impl: cs for impl, cs in candidates.items() if cs}
         best = {impl: best_config(result["kernels"], impl, cs) for impl, cs in candidates.items()}
         result["best_configs"] = {impl: vars(c) for impl, c in best.items()}
         result["varlen"] = bench_varlen(best, args.reps, device)
@@ -246,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
 def best_config(kernels: dict, impl: str, configs: list[va.KernelConfig]) -> va.KernelConfig:
     """The tile shape with the highest rate at the largest patch count measured."""
     largest = kernels[max(kernels, key=int)]
-    rates = {c: largest[config_name(impl, c)].get("attention_tflops", 0.0) for c in configs}
+    rates = {c: largest[name_of(impl, c)].get("attention_tflops", 0.0) for c in configs}
     return max(rates, key=rates.get) if rates else va.DEFAULT_CONFIGS[impl]
 
 

@@ -90,7 +90,8 @@ class KernelConfig:
 # Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-84 in benchmarks/README.md): the highest rate at
 # 62,500 patches of the tile shapes swept (warp specialisation and lazy rescaling gained nothing, run79-80; half_exp
 # 386 against 374 TFLOP/s, with P and V in fp16 a third less error against float32, run84).
-DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3, half_exp=True), "triton_fp8": KernelConfig(128, 64, 4, 3)}
+DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3, half_exp=True), "triton_fp8": KernelConfig(128, 64, 4, 3),
+                   "gluon": DEFAULT_GLUON_CONFIG}
 
 
 def supports_triton(x: torch.Tensor) -> bool:
@@ -180,7 +181,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
         if supports_gluon(q):
-            gluon_config = config or DEFAULT_GLUON_CONFIG
+            gluon_config = config or DEFAULT_CONFIGS["gluon"]
             check_shapes(q, k, v)
             table = plan.table(gluon_config.block_m, q.device)
             return attention_gluon(q, k, values_with_ones(v, HEAD_PART + TAIL), table, scale, gluon_config)
