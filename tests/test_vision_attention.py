@@ -23,9 +23,6 @@ SMALL_FP8 = va.KernelConfig(16, 32, 4, 1, tma=False)  # FP8's k-step is 32
 SMALL_FP8_DESCRIPTORS = va.KernelConfig(16, 32, 4, 1)
 SMALL_LAZY = va.KernelConfig(16, 16, 4, 1, lazy_rescale=True)
 SMALL_HALF_EXP = va.KernelConfig(16, 16, 4, 1, half_exp=True)
-SMALL_PREFETCH = va.KernelConfig(16, 16, 4, 1, half_exp=True, prefetch_scores=True)
-SMALL_BF16_PREFETCH = va.KernelConfig(16, 16, 4, 1, prefetch_scores=True)
-SMALL_FP8_PREFETCH = va.KernelConfig(16, 32, 4, 1, prefetch_scores=True)
 SMALL_FP8_LAZY = va.KernelConfig(16, 32, 4, 1, lazy_rescale=True)
 # frames of unequal sizes, none a multiple of the tiles: the tail tiles and the frame edges are masked
 RUNS = [(37, 2), (20, 1), (5, 1)]
@@ -97,8 +94,7 @@ def test_on_the_cpu_every_implementation_runs_sdpa():
 
 
 @ON_INTERPRETER
-@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS, SMALL_LAZY, SMALL_BF16_PREFETCH],
-                         ids=["descriptors", "pointers", "lazy", "prefetch"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS, SMALL_LAZY], ids=["descriptors", "pointers", "lazy"])
 @pytest.mark.parametrize("dim", [72, 24, 64])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_kernel_is_attention_within_each_frame(dim, dtype, bound, config):
@@ -151,10 +147,8 @@ def test_fp8_kernel_is_attention_within_fp8_rounding(config):
 @ON_INTERPRETER
 @pytest.mark.parametrize("attend,config", [(va.attention_triton, SMALL), (va.attention_triton, SMALL_POINTERS),
                                            (va.attention_triton_fp8, SMALL_FP8_DESCRIPTORS),
-                                           (va.attention_triton, SMALL_HALF_EXP),
-                                           (va.attention_triton, SMALL_PREFETCH),
-                                           (va.attention_triton_fp8, SMALL_FP8_PREFETCH)],
-                         ids=["descriptors", "pointers", "fp8-descriptors", "half-exp", "prefetch", "fp8-prefetch"])
+                                           (va.attention_triton, SMALL_HALF_EXP)],
+                         ids=["descriptors", "pointers", "fp8-descriptors", "half-exp"])
 def test_a_frame_attends_only_to_itself(attend, config):
     q, k, v = draw([(20, 1), (20, 1)], 2, 72, "cpu", torch.float32, seed=4)
     plan = va.AttentionPlan([(20, 1), (20, 1)])
@@ -187,9 +181,9 @@ def test_auto_runs_our_kernel_for_a_call_with_a_large_frame_and_sdpa_otherwise(m
     ours = va.attention_triton(q, k, v, plan, 0.1)
     theirs = va.attention_reference(q, k, v, RUNS, 0.1)
     assert not torch.equal(ours, theirs)
-    monkeypatch.setattr(va, "AUTO_TRITON_FROM_PATCHES", 37)
-    assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), ours)
-    monkeypatch.setattr(va, "AUTO_TRITON_FROM_PATCHES", 38)
+    monkeypatch.setattr(va, "AUTO_KERNEL_FROM_PATCHES", 37)
+    assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), ours)  # no sm_90 here: Triton's kernel
+    monkeypatch.setattr(va, "AUTO_KERNEL_FROM_PATCHES", 38)
     assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), theirs)
 
 
@@ -212,12 +206,9 @@ def test_fp8_descriptor_operands_are_padded_and_transposed_for_aligned_tiles():
     ("triton", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 1e-2),
     ("triton_fp8", va.KernelConfig(128, 64, 4, 3, lazy_rescale=True), 8e-2),
     ("triton", va.KernelConfig(128, 64, 4, 3, half_exp=True), 1e-2),
-    ("triton", va.KernelConfig(128, 128, 8, 3, half_exp=True), 1e-2),
-    ("triton", va.KernelConfig(128, 64, 4, 3, half_exp=True, prefetch_scores=True), 1e-2),
-    ("triton", va.KernelConfig(128, 64, 8, 3, half_exp=True, prefetch_scores=True), 1e-2),
-    ("triton_fp8", va.KernelConfig(128, 64, 4, 3, prefetch_scores=True), 8e-2)],
+    ("triton", va.KernelConfig(128, 128, 8, 3, half_exp=True), 1e-2)],
     ids=["bf16", "bf16-ws", "fp8", "fp8-tma-8w", "fp8-tma-4w", "bf16-lazy", "fp8-lazy", "bf16-half-exp",
-         "bf16-half-exp-8w", "bf16-prefetch", "bf16-prefetch-8w", "fp8-prefetch"])
+         "bf16-half-exp-8w"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
 def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bound):
     frames = [(patches + 37, 1), (1000, 3)]  # frames ending mid-tile, one at the end of the tensor
@@ -230,9 +221,7 @@ def test_kernels_at_the_towers_shapes_on_cuda(device, patches, impl, config, bou
 
 @pytest.mark.parametrize("patches", [4096, 16384])
 @pytest.mark.parametrize("config", [GluonConfig(128, 64, 4, 2), GluonConfig(64, 64, 4, 3), GluonConfig(128, 64, 8, 2),
-                                    GluonConfig(128, 128, 8, 2), GluonConfig(64, 64, 4, 2, scores_ahead=True),
-                                    GluonConfig(128, 64, 8, 3, scores_ahead=True)],
-                         ids=["m128w4s2", "m64w4s3", "m128w8s2", "n128w8s2", "m64w4s2-ahead", "m128w8s3-ahead"])
+                                    GluonConfig(128, 128, 8, 2)], ids=["m128w4s2", "m64w4s3", "m128w8s2", "n128w8s2"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
 def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, config):
     if torch.cuda.get_device_capability()[0] != 9:
@@ -278,14 +267,13 @@ def test_an_unknown_vision_attention_is_refused_by_its_key(tiny_moe_checkpoint):
 def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size():
     from lab.bench import vision_attention as bench
 
-    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1,128:64:4:3:1:0:0:1,64:64:4:3:1:0:0:1:1")
+    configs = bench.parse_configs("128:64:4:3,64:64:4:2:0,128:128:8:3:1:1,128:64:4:3:1:0:0:1")
     assert configs == [va.KernelConfig(128, 64, 4, 3, tma=True), va.KernelConfig(64, 64, 4, 2, tma=False),
                        va.KernelConfig(128, 128, 8, 3, tma=True, warp_specialize=True),
-                       va.KernelConfig(128, 64, 4, 3, half_exp=True),
-                       va.KernelConfig(64, 64, 4, 3, half_exp=True, prefetch_scores=True)]
+                       va.KernelConfig(128, 64, 4, 3, half_exp=True)]
     names = [bench.config_name("triton", c) for c in configs]
     assert names == ["triton[m128n64w4s3tma]", "triton[m64n64w4s2ptr]", "triton[m128n128w8s3tmaws]",
-                     "triton[m128n64w4s3tmahe]", "triton[m64n64w4s3tmahepf]"]
+                     "triton[m128n64w4s3tmahe]"]
     configs, names = configs[:2], names[:2]
     kernels = {"4096": {names[0]: {"attention_tflops": 1.0}, names[1]: {"attention_tflops": 9.0}},
                "62500": {names[0]: {"attention_tflops": 5.0}, names[1]: {"error": "OutOfResources"}}}

@@ -46,9 +46,10 @@ class EngineConfig(BaseModel):
     vision_attention: Literal["auto", "sdpa", "triton", "triton_fp8", "gluon"] = Field(
         "auto", description="The vision tower's attention (workers/model/vision_attention.py): 'sdpa' (torch's, cuDNN "
         "on the H200, one call per run of equal-size frames), 'triton' (our kernel: one launch over every frame of a "
-        "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), or "
-        "'auto': 'triton' for a tower call whose largest image has 24,000 patches or more (where it is the faster on "
-        "the H200), else 'sdpa'. The CPU runs SDPA whichever is named."
+        "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), "
+        "'gluon' (workers/model/vision_attention_gluon.py: the MMAs beneath the softmax, Hopper only, 'triton' on "
+        "other GPUs), or 'auto': 'gluon' for a tower call whose largest image has 24,000 patches or more (where it is "
+        "the faster on the H200), else 'sdpa'. The CPU runs SDPA whichever is named."
     )
     image_decode: Literal["pil", "nvjpeg"] = Field(
         "pil", description="How requests' images become the tower's pixels: 'pil' decodes (libjpeg for JPEG) and "

@@ -41,15 +41,14 @@ VARLEN_MIX = [(62500, 1), (16384, 1), (4096, 2), (1024, 8)]  # (patches per fram
 
 
 def parse_configs(text: str) -> list[va.KernelConfig]:
-    """'M:N:W:S[:T[:WS[:LZ[:HE[:PF]]]]]' items: block_m, block_n, warps, stages, T 1 (tensor descriptors, the
-    default) or 0, WS 1 (warp-specialised key loop) or 0 (the default), LZ 1 (lazy rescaling) or 0 (the default),
-    HE 1 (exponentials two at a time in f16, P and V in fp16) or 0 (the default), PF 1 (the next tile's scores
-    asked for before this tile's softmax) or 0 (the default)."""
+    """'M:N:W:S[:T[:WS[:LZ[:HE]]]]' items: block_m, block_n, warps, stages, T 1 (tensor descriptors, the default)
+    or 0, WS 1 (warp-specialised key loop) or 0 (the default), LZ 1 (lazy rescaling) or 0 (the default), HE 1
+    (exponentials two at a time in f16, P and V in fp16) or 0 (the default)."""
     configs = []
     for item in filter(None, text.split(",")):
         m, n, w, st, *rest = (int(x) for x in item.split(":"))
-        tma, ws, lazy, half, prefetch = (rest + [1, 0, 0, 0, 0][len(rest):])[:5]
-        configs.append(va.KernelConfig(m, n, w, st, bool(tma), bool(ws), bool(lazy), bool(half), bool(prefetch)))
+        tma, ws, lazy, half = (rest + [1, 0, 0, 0][len(rest):])[:4]
+        configs.append(va.KernelConfig(m, n, w, st, bool(tma), bool(ws), bool(lazy), bool(half)))
     return configs
 
 
@@ -82,7 +81,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def config_name(impl: str, c: va.KernelConfig) -> str:
     loads = "tma" if c.tma else "ptr"
     flags = ("ws" if c.warp_specialize else "") + ("lz" if c.lazy_rescale else "") + ("he" if c.half_exp else "")
-    flags += "pf" if c.prefetch_scores else ""
     return f"{impl}[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{loads}{flags}]"
 
 
@@ -91,17 +89,12 @@ def name_of(impl: str, c) -> str:
 
 
 def gluon_name(c: GluonConfig) -> str:
-    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{'ahead' if c.scores_ahead else ''}]"
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
 
 
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
-    """'M:N:W:S[:A]' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel, A 1 (scores issued a tile
-    ahead) or 0 (the default)."""
-    configs = []
-    for item in filter(None, text.split(",")):
-        m, n, w, st, *ahead = (int(x) for x in item.split(":"))
-        configs.append(GluonConfig(m, n, w, st, bool(ahead and ahead[0])))
-    return configs
+    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
+    return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),

@@ -22,7 +22,8 @@ Three implementations, and a rule between two of them, chosen by EngineConfig.vi
   KernelConfig(tma=False): 143 TFLOP/s.);
 - "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
   (Hopper only);
-- "auto": "triton" for a call whose largest frame has AUTO_TRITON_FROM_PATCHES or more, else "sdpa".
+- "auto": "gluon" (on sm_90; "triton" on other GPUs) for a call whose largest frame has AUTO_KERNEL_FROM_PATCHES or
+  more, else "sdpa".
 
 On the H200 (benchmarks/README.md, runs 79-84), 16 heads, useful TFLOP/s: "triton" 386 at 62,500 patches against
 cuDNN's 331 (1.17x), 340-368 against 371-383 at 16,384, 168-263 against 250-296 at 4,096; the 235B tower on a
@@ -58,10 +59,10 @@ from workers.model.vision_attention_gluon import (
 )
 
 IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon")
-# "auto": our bf16 kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
-# (run80) ours ran 0.75-0.89x cuDNN at 4,096 patches, 0.96x at 16,384, 1.09x at 35,344 and 1.15x at 62,500, and
-# 1.17x on one launch over a step's mix of sizes with a 62,500-patch frame in it.
-AUTO_TRITON_FROM_PATCHES = 24_000
+# "auto": our kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
+# (run94) the Gluon kernel ran 0.71x cuDNN at 4,096 patches, 1.02x at 16,384 and 1.26x at 62,500, and 1.27x on one
+# launch over a step's mix of sizes with a 62,500-patch frame in it (Triton's, run80: 0.75-0.89x, 0.96x, 1.15x).
+AUTO_KERNEL_FROM_PATCHES = 24_000
 FP8_MAX = 448.0  # e4m3's largest finite value
 P_SCALE = 256.0  # probabilities in [0, 1] times this before their e4m3 rounding: 2^8 more range below 1
 # bf16 with lazy rescaling: a row keeps its softmax reference until its maximum grows by more than 2^8, so its
@@ -84,7 +85,6 @@ class KernelConfig:
     warp_specialize: bool = False  # the key loop's tl.range(warp_specialize=...): descriptor kernels only
     lazy_rescale: bool = False  # descriptor kernels: rescale the accumulators only on tiles where a row's max moved
     half_exp: bool = False  # bf16 descriptor kernel: exponentials two at a time in f16, P and V in fp16 (below)
-    prefetch_scores: bool = False  # descriptor kernels: the next tile's scores asked for before this tile's softmax
 
 
 # Chosen on the H200 by scripts/bench_vision_attention.py (runs 74-84 in benchmarks/README.md): the highest rate at
@@ -176,7 +176,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if q.shape[0] != plan.patches:
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
     if impl == "auto":
-        impl = "triton" if plan.largest_frame >= AUTO_TRITON_FROM_PATCHES else "sdpa"
+        impl = "gluon" if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
@@ -325,7 +325,7 @@ def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config:
         P_SCALE=1.0,
         BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
         LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=BF16_RESCALE_GROWTH,
-        HALF_EXP=config.half_exp, HALF_EXP_ASM=q.is_cuda, PREFETCH_SCORES=config.prefetch_scores,
+        HALF_EXP=config.half_exp, HALF_EXP_ASM=q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -368,7 +368,6 @@ def _launch_fp8_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, con
         HEAD_DIM=dim, K_COLS=d0 + d1, V_COLS=dim, D0=d0, D1=d1, DV1=v_tail, HAS_TAIL=d1 > 0, FP8=True,
         P_SCALE=P_SCALE, BLOCK_M=config.block_m, BLOCK_N=bn, WARP_SPECIALIZE=config.warp_specialize,
         LAZY_RESCALE=config.lazy_rescale, RESCALE_GROWTH=0.0, HALF_EXP=False, HALF_EXP_ASM=False,
-        PREFETCH_SCORES=config.prefetch_scores,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -493,33 +492,17 @@ if triton is not None:
             return tl.math.exp2(x.to(tl.float16).to(tl.float32)).to(tl.float16)
 
     @triton.jit
-    def _tile_scores(q0, q1, k0_desc, k1_desc, start_n, k_col0, HAS_TAIL: tl.constexpr, D0: tl.constexpr):
-        """Raw scores of the query rows against one tile of keys through tensor descriptors."""
-        s = tl.dot(q0, k0_desc.load([start_n, k_col0]).T)
-        if HAS_TAIL:
-            s += tl.dot(q1, k1_desc.load([start_n, k_col0 + D0]).T)
-        return s
-
-    @triton.jit
     def _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc, v1_desc, start_n, end, k_col0,
                          v_at, v_shift, qk_scale, HAS_TAIL: tl.constexpr, FP8: tl.constexpr, P_SCALE: tl.constexpr,
                          D0: tl.constexpr, BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                          RESCALE_GROWTH: tl.constexpr, HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr):
-        """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts."""
-        s = _tile_scores(q0, q1, k0_desc, k1_desc, start_n, k_col0, HAS_TAIL, D0)
-        return _softmax_values_tma(s, acc0, acc1, m_i, l_i, v0_desc, v1_desc, start_n, end, v_at, v_shift, qk_scale,
-                                   HAS_TAIL, FP8, P_SCALE, D0, BLOCK_N, LAZY_RESCALE, RESCALE_GROWTH, HALF_EXP,
-                                   HALF_EXP_ASM)
-
-    @triton.jit
-    def _softmax_values_tma(s, acc0, acc1, m_i, l_i, v0_desc, v1_desc, start_n, end, v_at, v_shift, qk_scale,
-                            HAS_TAIL: tl.constexpr, FP8: tl.constexpr, P_SCALE: tl.constexpr, D0: tl.constexpr,
-                            BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr, RESCALE_GROWTH: tl.constexpr,
-                            HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr):
-        """A tile's raw scores s through the online softmax and both P @ V parts. bf16: V's tiles are [keys, dims]
-        at column v_at of [N, heads * dim] rows; FP8: [dims, keys] at row v_at of V^T, read transposed (Hopper's
-        FP8 MMA reads both operands along the keys), whose keys sit v_shift columns on from their rows (the aligned
-        key layout)."""
+        """One tile of keys through tensor descriptors: scores, online softmax, both P @ V parts. bf16: V's tiles
+        are [keys, dims] at column v_at of [N, heads * dim] rows; FP8: [dims, keys] at row v_at of V^T, read
+        transposed (Hopper's FP8 MMA reads both operands along the keys), whose keys sit v_shift columns on from
+        their rows (the aligned key layout)."""
+        s = tl.dot(q0, k0_desc.load([start_n, k_col0]).T)
+        if HAS_TAIL:
+            s += tl.dot(q1, k1_desc.load([start_n, k_col0 + D0]).T)
         # keys past the frame (the next frame's, or zero-filled past the tensor), masked on the one tile that has
         # them: masking every tile cost the 4-warp kernel 6% (run76); only with 8 warps was the branch slower (run77)
         if start_n + BLOCK_N > end:
@@ -576,8 +559,7 @@ if triton is not None:
                                      FP8: tl.constexpr, P_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                                      BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                                      LAZY_RESCALE: tl.constexpr, RESCALE_GROWTH: tl.constexpr,
-                                     HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr,
-                                     PREFETCH_SCORES: tl.constexpr):
+                                     HALF_EXP: tl.constexpr, HALF_EXP_ASM: tl.constexpr):
         """Program (table row, head), tensor descriptors: BLOCK_M query rows of one frame against all its keys.
         K's head h starts at column h * K_COLS of its rows, V's (bf16: [N, heads * V_COLS] rows) at h * V_COLS;
         q's and k's tails are D1 wide, V's DV1. HALF_EXP: V's column HEAD_DIM is ones, so P @ V's tail
@@ -610,24 +592,11 @@ if triton is not None:
         acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
         # one loop over every tile: a separate tail tile after a pipelined loop of descriptor loads read stale tiles
         # on the H200 (Triton 3.6: NaN whenever a frame was not a whole number of 64- or 128-key tiles, run75)
-        if PREFETCH_SCORES:
-            # the next tile's scores are asked for before this tile's softmax, so that their MMAs can run beneath
-            # it (FlashAttention-3's overlap within a warpgroup, arXiv:2407.08608, section 3.2); past the frame's
-            # last tile that is one tile of scores unused (zero-filled past the tensor, another frame's before it)
-            s = _tile_scores(q0, q1, k0_desc, k1_desc, start, head * K_COLS, HAS_TAIL, D0)
-            for start_n in tl.range(start, end, BLOCK_N):
-                s_next = _tile_scores(q0, q1, k0_desc, k1_desc, start_n + BLOCK_N, head * K_COLS, HAS_TAIL, D0)
-                acc0, acc1, m_i, l_i = _softmax_values_tma(s, acc0, acc1, m_i, l_i, v0_desc, v1_desc, start_n, end,
-                                                           v_at, v_shift, qk_scale, HAS_TAIL, FP8, P_SCALE, D0,
-                                                           BLOCK_N, LAZY_RESCALE, RESCALE_GROWTH, HALF_EXP,
-                                                           HALF_EXP_ASM)
-                s = s_next
-        else:
-            for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-                acc0, acc1, m_i, l_i = _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc,
-                                                        v1_desc, start_n, end, head * K_COLS, v_at, v_shift,
-                                                        qk_scale, HAS_TAIL, FP8, P_SCALE, D0, BLOCK_N, LAZY_RESCALE,
-                                                        RESCALE_GROWTH, HALF_EXP, HALF_EXP_ASM)
+        for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            acc0, acc1, m_i, l_i = _attend_tile_tma(acc0, acc1, m_i, l_i, q0, q1, k0_desc, k1_desc, v0_desc,
+                                                    v1_desc, start_n, end, head * K_COLS, v_at, v_shift, qk_scale,
+                                                    HAS_TAIL, FP8, P_SCALE, D0, BLOCK_N, LAZY_RESCALE,
+                                                    RESCALE_GROWTH, HALF_EXP, HALF_EXP_ASM)
         offs_v1 = D0 + tl.arange(0, DV1)
         if HALF_EXP:  # each row's sum of P, accumulated against V's ones column
             l_i = tl.sum(tl.where((offs_v1 == HEAD_DIM)[None, :], acc1, 0.0), 1)

@@ -41,17 +41,17 @@ except ImportError:  # CPU-only installs, or a Triton without Gluon
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """Query rows and keys a tile, warps (4: one warpgroup; 8: two, each with half the rows), K/V ring stages, and
-    the schedule (scores_ahead)."""
+    """Query rows and keys a tile, warps (4: one warpgroup; 8: two, each with half the rows), K/V ring stages."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
     stages: int = 2
-    scores_ahead: bool = False  # a tile's scores issued before the previous tile's softmax (two score tiles live)
 
 
-DEFAULT_GLUON_CONFIG = GluonConfig()
+# run94 (benchmarks/README.md): 423 useful TFLOP/s at 62,500 patches with 8 warps, 406.7 with 4; 127 registers a
+# thread, so two 256-thread programs share an SM
+DEFAULT_GLUON_CONFIG = GluonConfig(128, 64, 8, 2)
 HEAD_PART, TAIL = 64, 16  # head_dim as a 64-wide part (128-byte rows) and a 16-wide tail (the MMA's k-step)
 
 
@@ -99,7 +99,7 @@ def attention_gluon(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor,
         rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
         scale * math.log2(math.e),
         HEAD_DIM=dim, V_COLS=values_ones.shape[2], BLOCK_M=bm, BLOCK_N=bn, STAGES=config.stages,
-        SCORES_AHEAD=config.scores_ahead, num_warps=config.num_warps,
+        num_warps=config.num_warps,
     )
     return out
 
@@ -153,7 +153,7 @@ if gluon is not None:
     def _gluon_vision_attention_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
                                        stride_on, qk_scale, HEAD_DIM: gl.constexpr, V_COLS: gl.constexpr,
                                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                       SCORES_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                                       num_warps: gl.constexpr):
         """Program (table row, head): BLOCK_M query rows of one frame against all its keys."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 16
@@ -196,11 +196,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q0_desc, [q_start, k_col], q_bar, q0_s)
         tma.async_copy_global_to_shared(q1_desc, [q_start, k_col + D0], q_bar, q1_s)
         for i in gl.static_range(STAGES):
-            if SCORES_AHEAD:  # one tile of keys past the frame as well
-                key_pred = i <= n_tiles
-            else:
-                key_pred = i < n_tiles
-            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, k_col, key_pred, STAGES, BLOCK_N)
+            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, k_col, i < n_tiles, STAGES, BLOCK_N)
             _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, i, start, v_col, i < n_tiles, STAGES, BLOCK_N)
 
         # q's tail past head_dim holds the next head's columns: zeroed once, in registers (the scores' A operand)
@@ -215,60 +211,31 @@ if gluon is not None:
         acc1 = gl.zeros([BLOCK_M, D1], gl.float32, o1_layout)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
-        if SCORES_AHEAD:
-            # a tile's scores are issued before the previous tile's softmax, so that they and the previous P @ V
-            # run beneath it; the frame's last iteration issues one tile of scores past the frame, never read
-            s_next = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
-            s = warpgroup_mma_wait(0, deps=(s_next,))
-            s_next = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 1, zero_s, STAGES)
-            p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
-            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES <= n_tiles, STAGES,
-                       BLOCK_N)
-            for tile in range(1, n_tiles):
-                prev = tile - 1
-                v_stage = prev % STAGES
-                mbarrier.wait(v_bars.index(v_stage), (prev // STAGES) & 1)
-                p0 = gl.convert_layout(p, p0_layout)
-                p1 = gl.convert_layout(p, p1_layout)
-                acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-                acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
-                s = warpgroup_mma_wait(2, deps=(s_next,))  # this tile's scores; P @ V in flight
-                _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, k_col,
-                           tile + STAGES <= n_tiles, STAGES, BLOCK_N)
-                s_next = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile + 1, zero_s, STAGES)
-                p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
-                acc0, acc1, p0, p1 = warpgroup_mma_wait(2, deps=(acc0, acc1, p0, p1))  # the next scores in flight
-                acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-                _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
-                             prev + STAGES < n_tiles, STAGES, BLOCK_N)
-            s_next = warpgroup_mma_wait(0, deps=(s_next,))
-        else:
-            s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
-            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
-                       BLOCK_N)
-            for tile in range(1, n_tiles):
-                s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
-                prev = tile - 1
-                v_stage = prev % STAGES
-                mbarrier.wait(v_bars.index(v_stage), (prev // STAGES) & 1)
-                p0 = gl.convert_layout(p, p0_layout)
-                p1 = gl.convert_layout(p, p1_layout)
-                acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-                acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
-                # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
-                s = warpgroup_mma_wait(2, deps=(s,))
-                p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
-                acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-                acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-                # this tile's K stage and the previous tile's V stage are free again
-                _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, k_col,
-                           tile + STAGES < n_tiles, STAGES, BLOCK_N)
-                _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
-                             prev + STAGES < n_tiles, STAGES, BLOCK_N)
+        s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
+        _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
+                   BLOCK_N)
+        for tile in range(1, n_tiles):
+            s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
+            prev = tile - 1
+            v_stage = prev % STAGES
+            mbarrier.wait(v_bars.index(v_stage), (prev // STAGES) & 1)
+            p0 = gl.convert_layout(p, p0_layout)
+            p1 = gl.convert_layout(p, p1_layout)
+            acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
+            acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
+            # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
+            s = warpgroup_mma_wait(2, deps=(s,))
+            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+            acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
+            acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
+            acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
+            # this tile's K stage and the previous tile's V stage are free again
+            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, k_col,
+                       tile + STAGES < n_tiles, STAGES, BLOCK_N)
+            _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
+                         prev + STAGES < n_tiles, STAGES, BLOCK_N)
         last = n_tiles - 1
         v_stage = last % STAGES
         mbarrier.wait(v_bars.index(v_stage), (last // STAGES) & 1)
