@@ -235,6 +235,20 @@ def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, 
     assert relative_error(got, want) < 1e-2
 
 
+def test_the_warm_up_compiles_the_kernel_that_large_frames_take():
+    assert va.large_frame_kernel("auto") == "gluon" and va.large_frame_kernel("triton_fp8") == "triton_fp8"
+    # nothing to compile for SDPA, nor off CUDA
+    assert va.warm_up_kernel("sdpa", 16, 72, torch.device("cuda"), torch.bfloat16) == "none"
+    assert va.warm_up_kernel("auto", 16, 72, torch.device("cpu"), torch.bfloat16) == "none"
+
+
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
+def test_the_warm_up_runs_the_large_frame_kernel_on_cuda(device, impl):
+    expected = va.large_frame_kernel(impl)
+    assert va.warm_up_kernel(impl, 16, 72, torch.device(device), torch.bfloat16) == expected
+
+
 def test_the_gluon_kernel_refuses_shapes_it_was_not_written_for():
     q = torch.zeros(8, 2, 72, dtype=torch.bfloat16)
     check_shapes(q, q, q)

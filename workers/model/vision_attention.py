@@ -176,7 +176,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if q.shape[0] != plan.patches:
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
     if impl == "auto":
-        impl = "gluon" if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
+        impl = large_frame_kernel(impl) if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
@@ -189,6 +189,26 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if impl == "triton":
         return attention_triton(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton"])
     return attention_triton_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton_fp8"])
+
+
+def large_frame_kernel(impl: str) -> str:
+    """The implementation `impl` runs for a frame of AUTO_KERNEL_FROM_PATCHES patches or more."""
+    return "gluon" if impl == "auto" else impl
+
+
+def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> str:
+    """Compile, on one small frame, the kernel that `impl` runs for large frames, so that the first large image does
+    not pay its compile (with "auto", the Gluon kernel's took a lone 4,000 px query from 2.0 to 3.4 s, run95: the
+    warm-up's images are small, and run SDPA). Returns the implementation run, "none" where nothing compiles."""
+    kernel = large_frame_kernel(impl)
+    if kernel == "sdpa" or device.type != "cuda" or triton is None:
+        return "none"
+    frame = 256
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(frame, num_heads, head_dim, device=device, generator=generator).to(dtype)
+               for _ in range(3))
+    vision_attention(q, k, v, AttentionPlan([(frame, 1)]), head_dim**-0.5, kernel)
+    return kernel
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
