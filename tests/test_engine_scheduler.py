@@ -477,6 +477,16 @@ def test_a_request_already_past_saving_does_not_hold_a_pass_back():
     assert big_pass(sched) == [(0, 0)]
 
 
+@pytest.mark.parametrize("deadline,expected", [(100.06, [(0, 4)]), (100.5, [(0, 0)]), (None, [(0, 0)])],
+                         ids=["past-saving-even-whole", "in-time-whole", "no-bound"])
+def test_a_lone_request_that_would_miss_its_bound_even_run_whole_has_its_pass_spread(deadline, expected):
+    # 100.06 s: its own slack (10 ms after its 5 expected decode steps) is shorter than its 32 ms pass, so running
+    # it whole saves nothing of its own and would hold up whoever arrives during it; 100.5 s: whole, as it is alone
+    sched = slack_scheduler()
+    sched.add(bounded(image_seq("big", 40, [(0, 32)]), deadline))
+    assert big_pass(sched) == expected
+
+
 def test_before_any_step_with_tower_work_was_seen_a_pass_is_spread():
     sched = slack_scheduler()
     sched.step_clock = StepClock(decode_s=0.010)
