@@ -7,7 +7,9 @@ budget of its own (prompt rows of images encoded per step) and a cache of encode
 a chunk that reaches an image not encoded yet encodes it in its step, or stops before it when the budget or the
 cache has no room. What budget is left encodes the images of the next step's likely prompts ahead, behind this
 step's sampling. An image costing more than a step's budget is encoded over several steps while other requests
-are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py);
+are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py),
+and also while alone when its own request's slack is shorter than the pass (past saving: others arriving meanwhile
+should not wait for all of it);
 waiting requests with a bound are admitted by deadline. When KV blocks run out the youngest running sequence is
 preempted and later recomputed. Never touches a tensor: SchedulerOutput lists what the model runner does.
 """
