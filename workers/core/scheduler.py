@@ -323,7 +323,7 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
-    def _may_run_whole(self, seq: Sequence, cost: float) -> bool:
+    def _may_run_whole(self, seq: Sequence, cost: float, log_decision: bool = False) -> bool:
         """Whether `cost` of tower work for seq may run in one step rather than spread over steps: seq's own bound
         can still be met that way, and nobody else is there, or everybody else has a latency bound and a slack that
         outlasts that work (as this engine's steps measured it) or is already past saving. Requests without a bound
@@ -334,9 +334,13 @@ class Scheduler:
         seconds = self.step_clock.tower_s(cost)
         now = self.clock()
         own = self.step_clock.slack(seq, now)
+        others = [s for s in (*self.running, *self.waiting) if s is not seq]
+        if log_decision:  # a large image's first pass: what the decision weighs (once an image)
+            log.info("tower pass of %s (cost %.0f): %s s estimated, its own slack %s s, %d other request(s)",
+                     seq.request_id, cost, "?" if seconds is None else f"{seconds:.3f}",
+                     "none" if own is None else f"{own:.3f}", len(others))
         if seconds is not None and own is not None and own < seconds:
             return False
-        others = [s for s in (*self.running, *self.waiting) if s is not seq]
         if not others:
             return True
         if seconds is None:
@@ -381,7 +385,7 @@ class Scheduler:
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
-                    vision.depth == 1 or self._may_run_whole(seq, image_cost))):
+                    vision.depth == 1 or self._may_run_whole(seq, image_cost, log_decision=True))):
                 # (a one-block cost model cannot split: a large image goes alone; and where no other request needs
                 # the steps to keep coming, spreading its pass would only add steps to its own latency)
                 whole.append(image)
