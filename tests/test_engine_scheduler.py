@@ -487,6 +487,17 @@ def test_a_lone_request_that_would_miss_its_bound_even_run_whole_has_its_pass_sp
     assert big_pass(sched) == expected
 
 
+@pytest.mark.parametrize("prefill_s_per_token,expected", [(None, [(0, 0)]), (0.001, [(0, 4)])],
+                         ids=["prefill-unknown", "prefill-counted"])
+def test_a_lone_requests_own_prefill_counts_toward_past_saving(prefill_s_per_token, expected):
+    # 100.1 s: 50 ms of slack after 5 decode steps; the 32 ms pass fits it, the pass and 40 prompt tokens at 1 ms
+    # each (72 ms) do not
+    sched = slack_scheduler()
+    sched.step_clock.prefill_s_per_token = prefill_s_per_token
+    sched.add(bounded(image_seq("big", 40, [(0, 32)]), 100.1))
+    assert big_pass(sched) == expected
+
+
 def test_before_any_step_with_tower_work_was_seen_a_pass_is_spread():
     sched = slack_scheduler()
     sched.step_clock = StepClock(decode_s=0.010)
@@ -525,6 +536,21 @@ def test_the_step_clock_learns_the_engines_steps_and_outputs():
     s = bounded(seq("r", 4, max_tokens=150), deadline=10.0)
     assert clock.slack(s, now=9.0) == pytest.approx(1.0 - 40 * 0.020)  # expected output, not max_tokens
     assert clock.slack(bounded(seq("x", 4), None), now=9.0) is None
+
+
+def test_the_step_clock_learns_the_prompt_tokens_rate_from_steps_without_tower_work():
+    clock = StepClock()
+    clock.observe_step(0.5, tower_cost=0, prompt_tokens=1000)  # no plain step yet to subtract from
+    assert clock.prefill_s_per_token is None and clock.prefill_s(1000) == 0.0
+    clock.decode_s = 0.020
+    clock.observe_step(0.030, tower_cost=0, prompt_tokens=100)  # too few prompt tokens to learn from
+    assert clock.prefill_s_per_token is None
+    clock.decode_s = 0.020
+    clock.observe_step(0.070, tower_cost=0, prompt_tokens=1000)
+    assert clock.prefill_s_per_token == pytest.approx(0.05 / 1000)
+    assert clock.prefill_s(16000) == pytest.approx(0.8)
+    clock.observe_step(0.500, tower_cost=100, prompt_tokens=1000)  # a step with tower work teaches no prefill rate
+    assert clock.prefill_s_per_token == pytest.approx(0.05 / 1000)
 
 
 def test_the_scheduler_learns_from_the_steps_the_engine_reports():

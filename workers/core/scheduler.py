@@ -328,18 +328,20 @@ class Scheduler:
         can still be met that way, and nobody else is there, or everybody else has a latency bound and a slack that
         outlasts that work (as this engine's steps measured it) or is already past saving. Requests without a bound
         (Offline) keep passes spread: a whole pass would stall their decodes for no bound of theirs. A request whose
-        slack is shorter than its own pass misses its bound even run whole: its pass is spread even while it is
-        alone, so that requests arriving meanwhile wait for one share of it, not all of it (Interactive on one H200,
-        run96: a 4,000 px image's 1.66 s step held three later queries past 1.5 s)."""
+        slack is shorter than its own pass and its prompt's prefill misses its bound even run whole: its pass is
+        spread even while it is alone, so that requests arriving meanwhile wait for one share of it, not all of it
+        (Interactive on one H200, run96-97: a 4,000 px image's 1.66 s step held three later queries past 1.5 s;
+        the tower alone, about 1.1 s estimated, was within that image's ~1.2 s of slack, its 16k-token prefill not)."""
         seconds = self.step_clock.tower_s(cost)
         now = self.clock()
         own = self.step_clock.slack(seq, now)
         others = [s for s in (*self.running, *self.waiting) if s is not seq]
+        own_work = None if seconds is None else seconds + self.step_clock.prefill_s(seq.num_uncomputed_tokens)
         if log_decision:  # a large image's first pass: what the decision weighs (once an image)
-            log.info("tower pass of %s (cost %.0f): %s s estimated, its own slack %s s, %d other request(s)",
-                     seq.request_id, cost, "?" if seconds is None else f"{seconds:.3f}",
+            log.info("tower pass of %s (cost %.0f): %s s estimated with its prefill, its own slack %s s, "
+                     "%d other request(s)", seq.request_id, cost, "?" if own_work is None else f"{own_work:.3f}",
                      "none" if own is None else f"{own:.3f}", len(others))
-        if seconds is not None and own is not None and own < seconds:
+        if own_work is not None and own is not None and own < own_work:
             return False
         if not others:
             return True
@@ -357,7 +359,8 @@ class Scheduler:
         cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else
                    e.num_blocks * vision.block_cost(e.image.num_tokens) for e in (*out.encode_now, *out.encode_ahead))
         if out.chunks or cost:
-            self.step_clock.observe_step(seconds, cost)
+            prompt_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
+            self.step_clock.observe_step(seconds, cost, prompt_tokens)
 
     def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
                      ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
