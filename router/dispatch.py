@@ -229,10 +229,11 @@ class Dispatcher:
             functools.partial(self._migrate, request, active, deadline, migration),
         )
         ended, last_chunk_at = False, None
+        timed = not request.final_chunk_only  # tokens held back to the final chunk say nothing of TTFT or ITL
         try:
             async for chunk in attempts:
-                now = time.monotonic()
-                if chunk.token_ids:
+                if timed and chunk.token_ids:
+                    now = time.monotonic()
                     if last_chunk_at is None:
                         self.metrics.ttft.observe(now - arrival)
                     else:

@@ -122,6 +122,19 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_at_least
     run(body())
 
 
+def test_final_chunk_only_sends_every_token_in_the_final_chunk_and_nothing_before():
+    async def body():
+        async with Worker(InstantEngine(step_delay_s=0.002)) as w:
+            for interval in (0, 8):  # stream_interval is moot then
+                rid = f"whole{interval}"
+                tokens, chunks = await collect(w.stub.Generate(
+                    request(rid, max_tokens=20, stream_interval=interval, final_chunk_only=True)))
+                assert len(chunks) == 1 and len(tokens) == 20
+                assert chunks[0].finish_reason == pb.LENGTH and chunks[0].completion_tokens == 20
+
+    run(body())
+
+
 def test_cancelled_call_aborts_the_engine_request():
     async def body():
         async with Worker(InstantEngine(step_delay_s=0.02)) as w:

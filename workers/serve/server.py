@@ -101,7 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
         try:
-            async for chunk in s.coalesce(rid, outputs, request.stream_interval):
+            async for chunk in s.coalesce(rid, outputs, request.stream_interval, request.final_chunk_only):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
                 yield chunk
@@ -212,11 +212,12 @@ class WorkerServer:
                               max_tokens=s.max_tokens or self.generation_defaults.max_tokens, **common)
 
     async def coalesce(
-        self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1
+        self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1, final_only: bool = False
     ) -> AsyncIterator[pb.GenerateChunk]:
         """One chunk per send: whatever the engine produced while the previous chunk was being written. With
-        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends). A
-        request the engine ended PREEMPTED raises Preempted once the tokens it had are sent."""
+        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends); with
+        final_only, every token waits for the final chunk. A request the engine ended PREEMPTED raises Preempted
+        once the tokens it had are sent."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
@@ -256,7 +257,8 @@ class WorkerServer:
                         chunk.completion_tokens = item.num_generated_tokens
                         break
                 finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                if finished or (chunk.token_ids and (not sent_any or len(chunk.token_ids) >= interval)):
+                if finished or (chunk.token_ids and not final_only
+                                and (not sent_any or len(chunk.token_ids) >= interval)):
                     yield chunk
                     if finished:
                         return
