@@ -423,8 +423,9 @@ class Dispatcher:
         entry.calls.add(call)
         active.entry, active.upstream_id = entry, upstream.request_id
         finished = False
+        messages = aiter(call)
         try:
-            async for chunk in call:
+            async for chunk in messages:
                 if chunk.token_ids:
                     booking.prefill_done()
                 chunk.request_id = active.request_id
@@ -452,7 +453,9 @@ class Dispatcher:
             raise
         finally:
             entry.calls.discard(call)
-            if not finished:
+            if finished:  # gRPC's reader of the call, closed here rather than by the loop's finalizer (a task)
+                await messages.aclose()
+            else:
                 call.cancel()  # the caller went away or gave up: the worker aborts the engine request
             booking.release()
             if active.entry is entry:

@@ -166,6 +166,10 @@ class HttpFrontend:
         finally:
             if reply.stopped:
                 self.dispatcher.complete_early(request_id)  # counted as STOP, not as a caller gone away
+            elif reply.ended:
+                # Run the stream out: each generator under it then returns. Closed at its final chunk instead, it
+                # leaves the generators it was iterating to the event loop's finalizer, one task each.
+                await anext(chunks, None)
             await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
@@ -266,6 +270,11 @@ class _Reply:
             if finished or self.stopped:
                 return
             chunk = await anext(self._rest)
+
+    @property
+    def ended(self) -> bool:
+        """The final chunk has been read."""
+        return self.last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     @property
     def failed(self) -> bool:
