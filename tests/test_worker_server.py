@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from contract.transport import open_channel
+from contract.types import FinishReason, RequestOutput
 from contract.wire import pb, pb_grpc
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
@@ -131,6 +132,48 @@ def test_final_chunk_only_sends_every_token_in_the_final_chunk_and_nothing_befor
                     request(rid, max_tokens=20, stream_interval=interval, final_chunk_only=True)))
                 assert len(chunks) == 1 and len(tokens) == 20
                 assert chunks[0].finish_reason == pb.LENGTH and chunks[0].completion_tokens == 20
+
+    run(body())
+
+
+class EndingEngine(InstantEngine):
+    """An instant engine whose stream ends its own way after `after` tokens: it raises, it stops without a finished
+    output, or it ends the request PREEMPTED."""
+
+    def __init__(self, how: str, after: int = 3):
+        super().__init__()
+        self.how, self.after = how, after
+
+    async def generate(self, request_id, prompt, sampling, *options):
+        async for out in super().generate(request_id, prompt, sampling, *options):
+            if out.num_generated_tokens < self.after:
+                yield out
+                continue
+            if self.how == "raises":
+                raise RuntimeError("the GPU fell off")
+            if self.how == "preempted":
+                yield RequestOutput(request_id, out.new_token_ids, True, FinishReason.PREEMPTED, "no KV left",
+                                    out.num_prompt_tokens, out.num_generated_tokens)
+            return
+
+
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final_chunk_only"])
+def test_an_engine_stream_that_fails_or_stops_short_ends_the_call_with_its_tokens_so_far(final_only):
+    async def body():
+        for how, error in (("raises", "engine error: the GPU fell off"), ("stops", "engine stream ended without finishing")):
+            async with Worker(EndingEngine(how)) as w:
+                tokens, chunks = await collect(w.stub.Generate(request(how, max_tokens=20, final_chunk_only=final_only)))
+                assert len(tokens) == 2 and (chunks[-1].finish_reason, chunks[-1].error) == (pb.ERROR, error)
+                assert len(chunks) == 1 or not final_only
+        async with Worker(EndingEngine("preempted")) as w:
+            call = w.stub.Generate(request("p", max_tokens=20, final_chunk_only=final_only))
+            chunks = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for chunk in call:
+                    chunks.append(chunk)
+            assert err.value.code() == grpc.StatusCode.ABORTED and "no KV left" in err.value.details()
+            assert sum(len(c.token_ids) for c in chunks) == 3  # the router resumes after them
+            assert len(chunks) == 1 or not final_only
 
     run(body())
 

@@ -76,6 +76,29 @@ def role_value(role: int | str) -> int:
     return int(role)
 
 
+def _fold(chunk: pb.GenerateChunk, item: RequestOutput | Exception | object) -> bool:
+    """Adds one item of an engine's stream (an output, the exception the stream failed with, or _END where it
+    ended) to `chunk`; True when that makes it the final chunk. A PREEMPTED output raises Preempted, its tokens
+    added."""
+    if item is _END:
+        if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            chunk.finish_reason, chunk.error = pb.ERROR, "engine stream ended without finishing"
+        return True
+    if isinstance(item, Exception):
+        chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
+        return True
+    chunk.token_ids.extend(item.new_token_ids)
+    if item.finish_reason is FinishReason.PREEMPTED:
+        raise Preempted(item.error or "preempted")
+    if item.finished:
+        chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
+        chunk.error = item.error or ""
+        chunk.prompt_tokens = item.num_prompt_tokens
+        chunk.completion_tokens = item.num_generated_tokens
+        return True
+    return False
+
+
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, server: WorkerServer):
         self.s = server
@@ -218,6 +241,10 @@ class WorkerServer:
         interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends); with
         final_only, every token waits for the final chunk. A request the engine ended PREEMPTED raises Preempted
         once the tokens it had are sent."""
+        if final_only:
+            async for chunk in self._final_only(rid, outputs):
+                yield chunk
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
@@ -237,28 +264,17 @@ class WorkerServer:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
+                finished = False
                 for item in items:
-                    if item is _END:
-                        if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                            chunk.finish_reason, chunk.error = pb.ERROR, "engine stream ended without finishing"
-                        break
-                    if isinstance(item, Exception):
-                        chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
-                        break
-                    chunk.token_ids.extend(item.new_token_ids)
-                    if item.finish_reason is FinishReason.PREEMPTED:
+                    try:
+                        finished = _fold(chunk, item)
+                    except Preempted:
                         if chunk.token_ids:
                             yield chunk
-                        raise Preempted(item.error or "preempted")
-                    if item.finished:
-                        chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
-                        chunk.error = item.error or ""
-                        chunk.prompt_tokens = item.num_prompt_tokens
-                        chunk.completion_tokens = item.num_generated_tokens
+                        raise
+                    if finished:
                         break
-                finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                if finished or (chunk.token_ids and not final_only
-                                and (not sent_any or len(chunk.token_ids) >= interval)):
+                if finished or (chunk.token_ids and (not sent_any or len(chunk.token_ids) >= interval)):
                     yield chunk
                     if finished:
                         return
@@ -268,6 +284,25 @@ class WorkerServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _final_only(self, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateChunk]:
+        """coalesce's final_only: nothing is sent before the end, so the engine's outputs are read as they come, with
+        no task pumping them into a queue."""
+        chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
+        finished = False
+        try:
+            async for out in outputs:  # to its end, which follows the final output
+                finished = finished or _fold(chunk, out)
+        except Preempted:
+            if chunk.token_ids:
+                yield chunk
+            raise
+        except Exception as exc:  # surfaces as an ERROR chunk, as coalesce's
+            log.exception("engine failed on request %s", rid)
+            finished = finished or _fold(chunk, exc)
+        if not finished:
+            _fold(chunk, _END)
+        yield chunk
 
     async def hold_kv(self, rid: str, first_token_id: int, num_tokens: int) -> pb.KvHandle:
         """The handle of a finished prefill's KV: sent over the kv link now (its blocks freed), or held for PullKv."""
