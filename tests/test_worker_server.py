@@ -178,6 +178,22 @@ def test_an_engine_stream_that_fails_or_stops_short_ends_the_call_with_its_token
     run(body())
 
 
+def test_generate_whole_answers_with_the_final_chunk_and_a_request_handed_back_ends_aborted_without_tokens():
+    async def body():
+        async with Worker() as w:
+            reply = await w.stub.GenerateWhole(request("whole", max_tokens=20))
+            assert reply.finish_reason == pb.LENGTH and len(reply.token_ids) == reply.completion_tokens == 20
+        async with Worker(EndingEngine("raises")) as w:
+            reply = await w.stub.GenerateWhole(request("fails", max_tokens=20))
+            assert (reply.finish_reason, len(reply.token_ids)) == (pb.ERROR, 2)
+        async with Worker(EndingEngine("preempted")) as w:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await w.stub.GenerateWhole(request("p", max_tokens=20))
+            assert err.value.code() == grpc.StatusCode.ABORTED and "no KV left" in err.value.details()
+
+    run(body())
+
+
 def test_cancelled_call_aborts_the_engine_request():
     async def body():
         async with Worker(InstantEngine(step_delay_s=0.02)) as w:

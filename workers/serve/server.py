@@ -136,6 +136,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         finally:
             s.running.discard(rid)
 
+    async def GenerateWhole(self, request, context):
+        request.final_chunk_only = True
+        async for chunk in self.Generate(request, context):
+            pass  # one chunk; before it only the tokens of a request handed back, which then ends ABORTED
+        return chunk
+
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.s.abort(request.request_id))
 
