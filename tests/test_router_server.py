@@ -311,7 +311,8 @@ def test_a_request_read_whole_is_one_generate_whole_reply_from_its_worker_and_on
             req = request("whole", prompt_len=40, max_tokens=12, final_chunk_only=True)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req) and len(chunks) == 1
-            assert (chunks[0].finish_reason, chunks[0].prompt_tokens, chunks[0].completion_tokens) == (pb.LENGTH, 40, 12)
+            final = chunks[0]
+            assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == (pb.LENGTH, 40, 12)
             assert replies == ["whole#1"]
             await collect(c.client.generate(request("streamed")))
             assert replies == ["whole#1"]  # a stream is still Generate's

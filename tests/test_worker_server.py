@@ -160,9 +160,11 @@ class EndingEngine(InstantEngine):
 @pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final_chunk_only"])
 def test_an_engine_stream_that_fails_or_stops_short_ends_the_call_with_its_tokens_so_far(final_only):
     async def body():
-        for how, error in (("raises", "engine error: the GPU fell off"), ("stops", "engine stream ended without finishing")):
+        endings = (("raises", "engine error: the GPU fell off"), ("stops", "engine stream ended without finishing"))
+        for how, error in endings:
             async with Worker(EndingEngine(how)) as w:
-                tokens, chunks = await collect(w.stub.Generate(request(how, max_tokens=20, final_chunk_only=final_only)))
+                call = w.stub.Generate(request(how, max_tokens=20, final_chunk_only=final_only))
+                tokens, chunks = await collect(call)
                 assert len(tokens) == 2 and (chunks[-1].finish_reason, chunks[-1].error) == (pb.ERROR, error)
                 assert len(chunks) == 1 or not final_only
         async with Worker(EndingEngine("preempted")) as w:
