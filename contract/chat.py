@@ -128,10 +128,13 @@ def decode_data_url(url: str, at: str = "image_url") -> bytes:
 
 
 def expand_image_pads(token_ids: list[int], visual_tokens: Sequence[int]) -> list[int]:
-    """Replaces the k-th <|image_pad|> with visual_tokens[k] copies of it."""
+    """Replaces the k-th <|image_pad|> with visual_tokens[k] copies of it (a prompt without images: token_ids
+    itself)."""
     pads = [i for i, t in enumerate(token_ids) if t == IMAGE_PAD_ID] if IMAGE_PAD_ID in token_ids else []
     if len(pads) != len(visual_tokens):
         raise ValueError(f"prompt has {len(pads)} <|image_pad|> tokens but {len(visual_tokens)} images")
+    if not pads:
+        return token_ids
     out: list[int] = []
     start = 0
     for pos, count in zip(pads, visual_tokens):

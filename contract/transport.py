@@ -140,38 +140,52 @@ class _Malformed:
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """A request whose bytes are not the method's message is answered INVALID_ARGUMENT naming the method (grpc
-    itself answers UNKNOWN), before the servicer sees it."""
+    itself answers UNKNOWN), before the servicer sees it. gRPC asks an interceptor for every call; each method's
+    handler is looked up and wrapped at its first call, and kept (a server's methods are fixed once it serves)."""
+
+    def __init__(self):
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
-            return handler
-        parse, method = handler.request_deserializer, handler_call_details.method
+        method = handler_call_details.method
+        wrapped = self._handlers.get(method)
+        if wrapped is None:
+            wrapped = _refusing_malformed(await continuation(handler_call_details), method)
+            if wrapped is not None:  # an unknown method is looked up again next time
+                self._handlers[method] = wrapped
+        return wrapped
 
-        def tolerant_parse(data: bytes):
-            try:
-                return parse(data)
-            except DecodeError as exc:
-                return _Malformed(str(exc))
 
-        async def refuse(request: _Malformed, context) -> None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: request is not a valid message: {request.error}")
+def _refusing_malformed(handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
+    """`handler`, answering a request whose bytes do not parse INVALID_ARGUMENT (MalformedRequestInterceptor)."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
 
-        if handler.response_streaming:
+    def tolerant_parse(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Malformed(str(exc))
 
-            async def stream(request, context):
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                async for response in handler.unary_stream(request, context):
-                    yield response
+    async def refuse(request: _Malformed, context) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: request is not a valid message: {request.error}")
 
-            return grpc.unary_stream_rpc_method_handler(stream, tolerant_parse, handler.response_serializer)
+    if handler.response_streaming:
 
-        async def unary(request, context):
+        async def stream(request, context):
             if isinstance(request, _Malformed):
                 await refuse(request, context)
-            return await handler.unary_unary(request, context)
+            async for response in handler.unary_stream(request, context):
+                yield response
 
-        return grpc.unary_unary_rpc_method_handler(unary, tolerant_parse, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(stream, tolerant_parse, handler.response_serializer)
+
+    async def unary(request, context):
+        if isinstance(request, _Malformed):
+            await refuse(request, context)
+        return await handler.unary_unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, tolerant_parse, handler.response_serializer)

@@ -28,8 +28,8 @@ class CompletionText:
         """whole: the caller takes the text only once it is final (a reply sent whole); without stop strings the
         tokens are then decoded once, at the end, instead of twice a chunk and once more at the end."""
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer)
         self._whole = whole and not stop
+        self._detok = None if self._whole else IncrementalDetokenizer(tokenizer)
         self._ids: list[int] = []
         self._stop = list(stop)
         self._stop_token_ids = frozenset(stop_token_ids)

@@ -87,6 +87,7 @@ class _Upstream:
     request_id: str
     payload: bytes
     timeout: float | None
+    whole: bool  # the caller reads the answer only whole: WorkerService.GenerateWhole, one reply
 
 
 class Dispatcher:
@@ -229,10 +230,11 @@ class Dispatcher:
             functools.partial(self._migrate, request, active, deadline, migration),
         )
         ended, last_chunk_at = False, None
+        timed = not request.final_chunk_only  # tokens held back to the final chunk say nothing of TTFT or ITL
         try:
             async for chunk in attempts:
-                now = time.monotonic()
-                if chunk.token_ids:
+                if timed and chunk.token_ids:
+                    now = time.monotonic()
                     if last_chunk_at is None:
                         self.metrics.ttft.observe(now - arrival)
                     else:
@@ -347,7 +349,7 @@ class Dispatcher:
         if deadline is not None:
             timeout = patch.deadline_s = max(deadline - time.monotonic(), 1e-3)
         base = active.wire if base is None else base
-        return _Upstream(patch.request_id, base + patch.SerializeToString(), timeout)
+        return _Upstream(patch.request_id, base + patch.SerializeToString(), timeout, request.final_chunk_only)
 
     async def _aggregated(self, request, active: _Active, deadline, patch: pb.GenerateRequest
                           ) -> AsyncIterator[pb.GenerateChunk]:
@@ -417,13 +419,19 @@ class Dispatcher:
     async def _stream(
         self, entry: WorkerEntry, upstream: _Upstream, booking: Booking, active: _Active, stage: str
     ) -> AsyncIterator[pb.GenerateChunk]:
-        """Stream one upstream call; worker failures become _WorkerFailed, the booking is always released."""
-        call = entry.generate(upstream.payload, timeout=upstream.timeout, metadata=self._metadata)
+        """Stream one upstream call (for a whole answer, GenerateWhole's one reply); worker failures become
+        _WorkerFailed, the booking is always released."""
+        method = entry.generate_whole if upstream.whole else entry.generate
+        call = method(upstream.payload, timeout=upstream.timeout, metadata=self._metadata)
+        messages = None if upstream.whole else aiter(call)
         entry.calls.add(call)
         active.entry, active.upstream_id = entry, upstream.request_id
         finished = False
         try:
-            async for chunk in call:
+            while not finished:
+                chunk = await (call if messages is None else anext(messages, None))
+                if chunk is None or (messages is None and chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED):
+                    raise _WorkerFailed(stage, f"worker {entry.worker_id} ended the stream without a final chunk")
                 if chunk.token_ids:
                     booking.prefill_done()
                 chunk.request_id = active.request_id
@@ -432,9 +440,6 @@ class Dispatcher:
                 if finished:  # the worker's slot is free once its answer is complete, before anyone reads it
                     booking.release()
                 yield chunk
-                if finished:
-                    return
-            raise _WorkerFailed(stage, f"worker {entry.worker_id} ended the stream without a final chunk")
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -453,6 +458,8 @@ class Dispatcher:
             entry.calls.discard(call)
             if not finished:
                 call.cancel()  # the caller went away or gave up: the worker aborts the engine request
+            elif messages is not None:  # gRPC's reader of the call, closed here rather than by the loop's finalizer
+                await messages.aclose()
             booking.release()
             if active.entry is entry:
                 active.entry = None

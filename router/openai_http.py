@@ -55,12 +55,12 @@ def _model_not_found(model: str) -> web.Response:
     return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
 
-def _stream_interval(chat: ChatRequest) -> int:
-    """GenerateRequest.stream_interval for a chat request: a reply sent whole needs the tokens only at the end, so the
-    worker sends the first token and then the rest in one chunk (two messages per hop instead of one per engine
-    step); a stream (its client times each delta) or stop strings (matched as text arrives, to cancel the worker's
-    request at the match) take every step's tokens."""
-    return 0 if chat.stream or chat.stop else chat.sampling.max_tokens
+def _final_chunk_only(chat: ChatRequest) -> bool:
+    """GenerateRequest.final_chunk_only for a chat request: a reply sent whole needs the tokens only at the end, so
+    the worker sends them all in its final chunk (one message per hop instead of one per engine step); a stream (its
+    client times each delta) or stop strings (matched as text arrives, to cancel the worker's request at the match)
+    take every step's tokens."""
+    return not (chat.stream or chat.stop)
 
 
 class HttpFrontend:
@@ -149,7 +149,7 @@ class HttpFrontend:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen_request = pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt.token_ids, images=prompt.images, sampling=chat.sampling,
-            stream_interval=_stream_interval(chat),
+            final_chunk_only=_final_chunk_only(chat),
         )
         chunks = self.dispatcher.generate(gen_request)
         try:
@@ -166,6 +166,10 @@ class HttpFrontend:
         finally:
             if reply.stopped:
                 self.dispatcher.complete_early(request_id)  # counted as STOP, not as a caller gone away
+            elif reply.ended:
+                # Run the stream out: each generator under it then returns. Closed at its final chunk instead, it
+                # leaves the generators it was iterating to the event loop's finalizer, one task each.
+                await anext(chunks, None)
             await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
@@ -266,6 +270,11 @@ class _Reply:
             if finished or self.stopped:
                 return
             chunk = await anext(self._rest)
+
+    @property
+    def ended(self) -> bool:
+        """The final chunk has been read."""
+        return self.last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     @property
     def failed(self) -> bool:

@@ -21,7 +21,9 @@ from router.policies import WorkerSnapshot
 log = logging.getLogger(__name__)
 
 SERVING_ROLES = (pb.AGGREGATED, pb.DECODE)  # workers that can serve a whole request
-GENERATE_METHOD = "/{}/Generate".format(pb.DESCRIPTOR.services_by_name["WorkerService"].full_name)
+_WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+GENERATE_METHOD = f"/{_WORKER_SERVICE}/Generate"
+GENERATE_WHOLE_METHOD = f"/{_WORKER_SERVICE}/GenerateWhole"
 
 
 class WorkerEntry:
@@ -34,9 +36,12 @@ class WorkerEntry:
         self.role = info.role
         self.channel = channel
         self.stub = pb_grpc.WorkerServiceStub(channel)
-        # WorkerService.Generate taking the request already serialized (router.dispatch builds it from bytes)
+        # WorkerService.Generate and GenerateWhole taking the request already serialized (router.dispatch builds it
+        # from bytes)
         self.generate = channel.unary_stream(GENERATE_METHOD, request_serializer=None,
                                              response_deserializer=pb.GenerateChunk.FromString)
+        self.generate_whole = channel.unary_unary(GENERATE_WHOLE_METHOD, request_serializer=None,
+                                                  response_deserializer=pb.GenerateChunk.FromString)
         self.healthy = True
         self.down_reason = ""
         self.last_seen = now

@@ -128,10 +128,11 @@ def test_the_router_figures_the_readme_quotes_are_those_bench_router_printed():
     bullet = prose[prose.index("`scripts/bench_router.py` — "):prose.index("`scripts/bench_router_burst.py` — ")]
     [path] = re.findall(r"`(benchmarks/[\w.-]+\.json)`", bullet)
     run = json.loads((REPO / path).read_text())
-    [quoted] = re.findall(r"carried (\d+) / (\d+) req/s over gRPC streaming every step's tokens, (\d+) / (\d+) with "
-                          r"the SUT's 16-token chunks and (\d+) / (\d+) over HTTP", bullet)
+    n = r"([\d,]+)"  # 1,406 or 820
+    [quoted] = re.findall(rf"carried {n} / {n} req/s over gRPC streaming every step's tokens, {n} / {n} with "
+                          rf"the SUT's 16-token chunks and {n} / {n} over HTTP", bullet)
     printed = [round(run[policy][point]["requests_per_s"]) for point in ("grpc", "grpc_sut_chunks", "http")
                for policy in ("round_robin", "least_loaded")]
-    assert [int(n) for n in quoted] == printed
+    assert [int(q.replace(",", "")) for q in quoted] == printed
     [vllm] = re.findall(r"vllm-router ([\d,]+) \(", bullet)
     assert int(vllm.replace(",", "")) == round(run["vllm_router"]["http"]["requests_per_s"])

@@ -1,14 +1,17 @@
 """The router's hot path (issue 35, item 1): no gRPC retry filter on the workers' channels, start-up objects frozen
-out of the collector and the young generation collected less often, a reply sent whole decoded once."""
+out of the collector and the young generation collected less often, a reply sent whole decoded once, the
+dispatcher's stream run out rather than closed at its final chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import grpc.aio
 
 from contract import transport
@@ -16,6 +19,7 @@ from contract.tokenizer import load_tokenizer
 from router.completion_text import CompletionText
 from router.config import parse_router_config
 from router.server import RouterServer
+from tests.helpers.router_fixtures import Cluster, run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,3 +102,30 @@ def test_a_reply_taken_whole_still_drops_a_final_stop_token_and_still_matches_st
     stopping = CompletionText(counting.tok, stop=["three"], whole=True)
     assert stopping.add(ids, False) is True
     assert (stopping.text, stopping.stop_reason) == ("one two ", "three")
+
+
+def test_an_http_reply_runs_the_dispatchers_stream_out_leaving_no_generator_to_the_loops_finalizer():
+    """Closed at its final chunk, the dispatcher's stream would leave each generator under it (serving, resending,
+    the attempt, the worker's call) to the event loop's async-generator finalizer, a task each."""
+
+    async def body():
+        async with Cluster(config={"http_listen": "127.0.0.1:0"}) as c:
+            finalized = []
+            firstiter, finalizer = sys.get_asyncgen_hooks()
+
+            def record(agen):
+                finalized.append(agen.ag_code.co_qualname)
+                finalizer(agen)
+
+            sys.set_asyncgen_hooks(firstiter, record)  # generators first iterated from here on report to it
+            url = f"http://127.0.0.1:{c.router.http_port}/v1/chat/completions"
+            async with aiohttp.ClientSession() as session:
+                for stream in (False, True, False):
+                    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": stream}
+                    async with session.post(url, json=body) as resp:
+                        assert resp.status == 200 and await resp.read()
+            await asyncio.sleep(0.1)  # the finalizer runs when a generator is collected
+            ours = [name for name in finalized if name.startswith(("Dispatcher.", "resend_with_resume", "_Reply."))]
+            assert ours == []
+
+    run(body())

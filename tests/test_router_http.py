@@ -118,10 +118,51 @@ def test_health_and_prometheus_metrics_endpoints():
                     assert {w["worker_id"] for w in (await resp.json())["workers"]} == {"w0", "w1"}
                 async with session.get(f"{base}/metrics") as resp:
                     text = await resp.text()
-            for name in ("q3vl_router_time_to_first_token_seconds_count 1.0", "q3vl_router_queue_depth",
+            for name in ("q3vl_router_time_to_first_token_seconds_count", "q3vl_router_queue_depth",
                          "q3vl_router_worker_inflight{", 'q3vl_router_requests_total{outcome="LENGTH"} 1.0',
                          "q3vl_router_routing_decisions_total{"):
                 assert name in text, name
+            await client.close()
+
+    run(body())
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value in the Prometheus text format (the line that starts with `name `)."""
+    (value,) = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    return float(value)
+
+
+def test_a_reply_sent_whole_comes_in_one_worker_chunk_and_only_streamed_replies_time_their_first_token():
+    async def body():
+        async with Cluster(config=HTTP, step_delay_s=0.002) as c:
+            chunks = []  # the tokens of every chunk a worker sent the router
+            coalesce = type(c.workers[0]).coalesce
+
+            async def counted(self, rid, outputs, interval=1, final_only=False):
+                async for chunk in coalesce(self, rid, outputs, interval, final_only):
+                    chunks.append(len(chunk.token_ids))
+                    yield chunk
+
+            for worker in c.workers:
+                worker.coalesce = counted.__get__(worker)
+            client = openai_client(c)
+            whole = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=12, temperature=0)
+            assert chunks == [12] and whole.usage.completion_tokens == 12
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{http_base(c)}/metrics") as resp:
+                    text = await resp.text()
+            assert metric(text, "q3vl_router_time_to_first_token_seconds_count") == 0
+            assert metric(text, "q3vl_router_request_duration_seconds_count") == 1
+            stream = await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=12, temperature=0,
+                                                          stream=True)
+            streamed = "".join([e.choices[0].delta.content or "" async for e in stream if e.choices])
+            assert streamed == whole.choices[0].message.content
+            assert chunks[0] == 12 and len(chunks) >= 3 and sum(chunks[1:]) == 12  # the stream's in several
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{http_base(c)}/metrics") as resp:
+                    text = await resp.text()
+            assert metric(text, "q3vl_router_time_to_first_token_seconds_count") == 1
             await client.close()
 
     run(body())

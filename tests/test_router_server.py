@@ -18,6 +18,7 @@ from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from tests.helpers.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
 from workers.request_options import NO_OPTIONS
+from workers.serve.server import WorkerServicer
 from workers.sim.instant_engine import InstantEngine, next_token
 
 
@@ -91,6 +92,19 @@ def test_client_cancel_aborts_the_engine_request_upstream(mode):
             stream = c.client.generate(request("gone", max_tokens=100))
             await stream.__anext__()
             await stream.aclose()  # the caller goes away
+            await wait_until(lambda: "gone#1" in c.engines[0].aborted)
+            await wait_until(lambda: c.router.registry.entries()[0].inflight == 0)
+
+    run(body())
+
+
+def test_a_caller_that_goes_away_from_a_request_read_whole_aborts_it_upstream(mode):
+    async def body():
+        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
+            answer = asyncio.create_task(collect(c.client.generate(request("gone", max_tokens=100,
+                                                                           final_chunk_only=True))))
+            await wait_until(lambda: c.engines[0].load().running_requests == 1)
+            answer.cancel()  # the caller goes away
             await wait_until(lambda: "gone#1" in c.engines[0].aborted)
             await wait_until(lambda: c.router.registry.entries()[0].inflight == 0)
 
@@ -281,6 +295,49 @@ def test_hung_engine_is_marked_down_and_its_request_migrates(mode):
     run(body())
 
 
+def test_a_request_read_whole_is_one_generate_whole_reply_from_its_worker_and_one_chunk_to_its_caller(
+        mode, monkeypatch):
+    replies = []
+    generate_whole = WorkerServicer.GenerateWhole
+
+    async def counted(self, request, context):
+        replies.append(request.request_id)
+        return await generate_whole(self, request, context)
+
+    monkeypatch.setattr(WorkerServicer, "GenerateWhole", counted)
+
+    async def body():
+        async with Cluster(mode=mode) as c:
+            req = request("whole", prompt_len=40, max_tokens=12, final_chunk_only=True)
+            tokens, chunks = await collect(c.client.generate(req))
+            assert tokens == expected_tokens(req) and len(chunks) == 1
+            final = chunks[0]
+            assert (final.finish_reason, final.prompt_tokens, final.completion_tokens) == (pb.LENGTH, 40, 12)
+            assert replies == ["whole#1"]
+            await collect(c.client.generate(request("streamed")))
+            assert replies == ["whole#1"]  # a stream is still Generate's
+            for entry in c.router.registry.entries():
+                assert (entry.inflight, entry.booked_prefill_tokens, entry.booked_blocks) == (0, 0, 0)
+
+    run(body())
+
+
+def test_a_request_read_whole_whose_worker_is_killed_is_replayed_from_the_start_elsewhere(mode):
+    async def body():
+        async with Cluster(mode=mode, step_delay_s=0.02) as c:
+            req = request("whole-mig", max_tokens=40, final_chunk_only=True)
+            answer = asyncio.create_task(collect(c.client.generate(req)))
+            await wait_until(lambda: any(e.load().running_requests for e in c.engines))
+            victim = next(w for w, e in zip(c.workers, c.engines) if e.load().running_requests)
+            await victim.stop(0)
+            tokens, chunks = await answer
+            assert tokens == expected_tokens(req) and len(chunks) == 1
+            assert chunks[0].worker_id != victim.worker_id and chunks[0].completion_tokens == 40
+            assert b'q3vl_router_migrations_total{kind="new_request"} 1.0' in c.router.dispatcher.metrics.render()
+
+    run(body())
+
+
 def test_worker_killed_mid_stream_loses_no_token_and_repeats_none(mode):
     async def body():
         async with Cluster(mode=mode, step_delay_s=0.02) as c:
@@ -354,10 +411,11 @@ def test_restarted_worker_replaces_its_old_entry(mode):
 DISAGG = {"disaggregation": {"enabled": True}}
 
 
-def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv(mode):
+@pytest.mark.parametrize("whole", [False, True], ids=["streamed", "final_chunk_only"])
+def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv(mode, whole):
     async def body():
         async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
-            req = request("pd", prompt_len=64, max_tokens=10)
+            req = request("pd", prompt_len=64, max_tokens=10, final_chunk_only=whole)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)  # the decode engine rebuilt the prompt from the pulled KV
             assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
@@ -394,12 +452,14 @@ class PreemptingEngine(InstantEngine):
             yield out
 
 
-def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images(mode):
+@pytest.mark.parametrize("whole", [False, True], ids=["streamed", "final_chunk_only"])
+def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images(
+        mode, whole):
     async def body():
         async with Cluster(mode=mode, roles=("prefill",), config=DISAGG) as c:
             await c.add_worker("w1", "decode", engine=PreemptingEngine())
             await c.client.wait_for_workers(2)
-            req = request("pre", prompt_len=64, max_tokens=8, images=[b"an encoded image"])
+            req = request("pre", prompt_len=64, max_tokens=8, images=[b"an encoded image"], final_chunk_only=whole)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)  # no token lost or repeated across the hand-back
             assert chunks[-1].completion_tokens == 8

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from contract.transport import open_channel
+from contract.types import FinishReason, RequestOutput
 from contract.wire import pb, pb_grpc
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
@@ -118,6 +119,79 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_at_least
             assert chunks[0].token_ids  # the first token is not held back
             assert all(len(c.token_ids) >= 8 for c in chunks[1:-1])
             assert len(chunks) <= 4  # first, then at most two full chunks of 8, then the rest with the finish
+
+    run(body())
+
+
+def test_final_chunk_only_sends_every_token_in_the_final_chunk_and_nothing_before():
+    async def body():
+        async with Worker(InstantEngine(step_delay_s=0.002)) as w:
+            for interval in (0, 8):  # stream_interval is moot then
+                rid = f"whole{interval}"
+                tokens, chunks = await collect(w.stub.Generate(
+                    request(rid, max_tokens=20, stream_interval=interval, final_chunk_only=True)))
+                assert len(chunks) == 1 and len(tokens) == 20
+                assert chunks[0].finish_reason == pb.LENGTH and chunks[0].completion_tokens == 20
+
+    run(body())
+
+
+class EndingEngine(InstantEngine):
+    """An instant engine whose stream ends its own way after `after` tokens: it raises, it stops without a finished
+    output, or it ends the request PREEMPTED."""
+
+    def __init__(self, how: str, after: int = 3):
+        super().__init__()
+        self.how, self.after = how, after
+
+    async def generate(self, request_id, prompt, sampling, *options):
+        async for out in super().generate(request_id, prompt, sampling, *options):
+            if out.num_generated_tokens < self.after:
+                yield out
+                continue
+            if self.how == "raises":
+                raise RuntimeError("the GPU fell off")
+            if self.how == "preempted":
+                yield RequestOutput(request_id, out.new_token_ids, True, FinishReason.PREEMPTED, "no KV left",
+                                    out.num_prompt_tokens, out.num_generated_tokens)
+            return
+
+
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final_chunk_only"])
+def test_an_engine_stream_that_fails_or_stops_short_ends_the_call_with_its_tokens_so_far(final_only):
+    async def body():
+        endings = (("raises", "engine error: the GPU fell off"), ("stops", "engine stream ended without finishing"))
+        for how, error in endings:
+            async with Worker(EndingEngine(how)) as w:
+                call = w.stub.Generate(request(how, max_tokens=20, final_chunk_only=final_only))
+                tokens, chunks = await collect(call)
+                assert len(tokens) == 2 and (chunks[-1].finish_reason, chunks[-1].error) == (pb.ERROR, error)
+                assert len(chunks) == 1 or not final_only
+        async with Worker(EndingEngine("preempted")) as w:
+            call = w.stub.Generate(request("p", max_tokens=20, final_chunk_only=final_only))
+            chunks = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for chunk in call:
+                    chunks.append(chunk)
+            assert err.value.code() == grpc.StatusCode.ABORTED and "no KV left" in err.value.details()
+            assert sum(len(c.token_ids) for c in chunks) == 3  # the router resumes after them
+            assert len(chunks) == 1 or not final_only
+
+    run(body())
+
+
+def test_generate_whole_answers_with_the_final_chunk_and_a_request_handed_back_ends_aborted_without_tokens():
+    async def body():
+        async with Worker() as w:
+            reply = await w.stub.GenerateWhole(request("whole", max_tokens=20))
+            assert reply.finish_reason == pb.LENGTH and len(reply.token_ids) == reply.completion_tokens == 20
+        async with Worker(EndingEngine("raises")) as w:
+            reply = await w.stub.GenerateWhole(request("fails", max_tokens=20))
+            assert (reply.finish_reason, len(reply.token_ids)) == (pb.ERROR, 2)
+        async with Worker(EndingEngine("preempted")) as w:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await w.stub.GenerateWhole(request("p", max_tokens=20))
+            assert err.value.code() == grpc.StatusCode.ABORTED and "no KV left" in err.value.details()
 
     run(body())
 

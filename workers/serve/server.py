@@ -76,6 +76,29 @@ def role_value(role: int | str) -> int:
     return int(role)
 
 
+def _fold(chunk: pb.GenerateChunk, item: RequestOutput | Exception | object) -> bool:
+    """Adds one item of an engine's stream (an output, the exception the stream failed with, or _END where it
+    ended) to `chunk`; True when that makes it the final chunk. A PREEMPTED output raises Preempted, its tokens
+    added."""
+    if item is _END:
+        if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            chunk.finish_reason, chunk.error = pb.ERROR, "engine stream ended without finishing"
+        return True
+    if isinstance(item, Exception):
+        chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
+        return True
+    chunk.token_ids.extend(item.new_token_ids)
+    if item.finish_reason is FinishReason.PREEMPTED:
+        raise Preempted(item.error or "preempted")
+    if item.finished:
+        chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
+        chunk.error = item.error or ""
+        chunk.prompt_tokens = item.num_prompt_tokens
+        chunk.completion_tokens = item.num_generated_tokens
+        return True
+    return False
+
+
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, server: WorkerServer):
         self.s = server
@@ -101,7 +124,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
         try:
-            async for chunk in s.coalesce(rid, outputs, request.stream_interval):
+            async for chunk in s.coalesce(rid, outputs, request.stream_interval, request.final_chunk_only):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
                 yield chunk
@@ -112,6 +135,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise
         finally:
             s.running.discard(rid)
+
+    async def GenerateWhole(self, request, context):
+        request.final_chunk_only = True
+        async for chunk in self.Generate(request, context):
+            pass  # one chunk; before it only the tokens of a request handed back, which then ends ABORTED
+        return chunk
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.s.abort(request.request_id))
@@ -212,11 +241,16 @@ class WorkerServer:
                               max_tokens=s.max_tokens or self.generation_defaults.max_tokens, **common)
 
     async def coalesce(
-        self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1
+        self, rid: str, outputs: AsyncIterator[RequestOutput], interval: int = 1, final_only: bool = False
     ) -> AsyncIterator[pb.GenerateChunk]:
         """One chunk per send: whatever the engine produced while the previous chunk was being written. With
-        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends). A
-        request the engine ended PREEMPTED raises Preempted once the tokens it had are sent."""
+        interval N > 1, after the first token a chunk waits until N tokens are pending (or the request ends); with
+        final_only, every token waits for the final chunk. A request the engine ended PREEMPTED raises Preempted
+        once the tokens it had are sent."""
+        if final_only:
+            async for chunk in self._final_only(rid, outputs):
+                yield chunk
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
@@ -236,26 +270,16 @@ class WorkerServer:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
+                finished = False
                 for item in items:
-                    if item is _END:
-                        if chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                            chunk.finish_reason, chunk.error = pb.ERROR, "engine stream ended without finishing"
-                        break
-                    if isinstance(item, Exception):
-                        chunk.finish_reason, chunk.error = pb.ERROR, f"engine error: {item}"
-                        break
-                    chunk.token_ids.extend(item.new_token_ids)
-                    if item.finish_reason is FinishReason.PREEMPTED:
+                    try:
+                        finished = _fold(chunk, item)
+                    except Preempted:
                         if chunk.token_ids:
                             yield chunk
-                        raise Preempted(item.error or "preempted")
-                    if item.finished:
-                        chunk.finish_reason = _FINISH[item.finish_reason or FinishReason.STOP]
-                        chunk.error = item.error or ""
-                        chunk.prompt_tokens = item.num_prompt_tokens
-                        chunk.completion_tokens = item.num_generated_tokens
+                        raise
+                    if finished:
                         break
-                finished = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 if finished or (chunk.token_ids and (not sent_any or len(chunk.token_ids) >= interval)):
                     yield chunk
                     if finished:
@@ -266,6 +290,25 @@ class WorkerServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _final_only(self, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateChunk]:
+        """coalesce's final_only: nothing is sent before the end, so the engine's outputs are read as they come, with
+        no task pumping them into a queue."""
+        chunk = pb.GenerateChunk(request_id=rid, worker_id=self.worker_id)
+        finished = False
+        try:
+            async for out in outputs:  # to its end, which follows the final output
+                finished = finished or _fold(chunk, out)
+        except Preempted:
+            if chunk.token_ids:
+                yield chunk
+            raise
+        except Exception as exc:  # surfaces as an ERROR chunk, as coalesce's
+            log.exception("engine failed on request %s", rid)
+            finished = finished or _fold(chunk, exc)
+        if not finished:
+            _fold(chunk, _END)
+        yield chunk
 
     async def hold_kv(self, rid: str, first_token_id: int, num_tokens: int) -> pb.KvHandle:
         """The handle of a finished prefill's KV: sent over the kv link now (its blocks freed), or held for PullKv."""

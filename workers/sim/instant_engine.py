@@ -22,7 +22,12 @@ VOCAB = 150_000
 
 def next_token(context: Sequence[int]) -> int:
     """Deterministic in the full context; never one of Qwen's special ids (>= 151643)."""
-    return (sum(context) * 7919 + len(context) * 104_729) % VOCAB
+    return _next_token(sum(context), len(context))
+
+
+def _next_token(context_sum: int, context_len: int) -> int:
+    """next_token of a context with that sum and length (what generate keeps, instead of summing every step)."""
+    return (context_sum * 7919 + context_len * 104_729) % VOCAB
 
 
 class InstantEngine:
@@ -67,8 +72,9 @@ class InstantEngine:
             context = list(prompt.token_ids)
         num_prompt = len(prompt.token_ids)
         context += list(options.resume_token_ids)
+        context_sum, context_len = sum(context), len(context)
         max_new = 1 if prefill_only else sampling.max_tokens
-        self._running[request_id] = len(context)
+        self._running[request_id] = context_len
         self._queued_prompt_tokens += num_prompt
         generated = 0
         prefilled = False
@@ -85,8 +91,8 @@ class InstantEngine:
                     yield self._output(request_id, [], FinishReason.ABORT, num_prompt, generated)
                     return
                 self.steps += 1
-                token = next_token(context)
-                context.append(token)
+                token = _next_token(context_sum, context_len)
+                context_sum, context_len = context_sum + token, context_len + 1
                 generated += 1
                 finish = None
                 if token == self.eos_token_id or token in sampling.stop_token_ids:
