@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workers.model import vision_attention as va
-from workers.model.vision_attention_gluon import GluonConfig, check_shapes
+from workers.model.vision_attention_gluon import GluonConfig, check_shapes, takes
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
 ON_INTERPRETER = pytest.mark.skipif(not INTERPRETER, reason="needs triton and TRITON_INTERPRET=1")
@@ -259,6 +259,8 @@ def test_the_gluon_kernel_refuses_shapes_it_was_not_written_for():
     with pytest.raises(ValueError, match="rows"):
         strided = torch.zeros(8, 2, 80, dtype=torch.bfloat16)[:, :, :72]
         check_shapes(strided, q, q)
+    # where it refuses, "gluon" runs Triton's kernel instead (an fp16 engine, say)
+    assert takes(q, q, q) and not takes(*(torch.zeros(8, 2, 72, dtype=torch.float16),) * 3)
 
 
 def test_the_engine_runs_the_tower_with_the_configured_attention(tiny_moe_checkpoint):

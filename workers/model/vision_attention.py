@@ -1,7 +1,7 @@
 """The vision tower's attention: bidirectional, within each frame, over the packed patches of a step's images
 (varlen), at the tower's head_dim 72.
 
-Three implementations, and a rule between two of them, chosen by EngineConfig.vision_attention:
+Four implementations, and a rule among them, chosen by EngineConfig.vision_attention:
 - "sdpa": torch's scaled_dot_product_attention, one call per run of equal-size frames (cuDNN on the H200; it runs
   head_dim 72 as fast as 128, so it does 128/72 of the useful work);
 - "triton": our flash-attention forward in Triton. One launch covers every frame of the call: a table lists each
@@ -55,7 +55,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from workers.model.vision_attention_gluon import (
-    DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, check_shapes, supports_gluon,
+    DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, supports_gluon, takes,
 )
 
 IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon")
@@ -169,8 +169,8 @@ class AttentionPlan:
 def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
                      impl: str = "sdpa", config: KernelConfig | GluonConfig | None = None) -> torch.Tensor:
     """q, k, v [N, heads, head_dim] (any strides with unit stride along head_dim) -> out [N, heads * head_dim] in
-    q's dtype: softmax(q k^T * scale) v within each frame of the plan. "gluon" (a GluonConfig) runs on sm_90
-    only; elsewhere on CUDA it takes "triton"'s kernel."""
+    q's dtype: softmax(q k^T * scale) v within each frame of the plan. "gluon" (a GluonConfig) runs on sm_90, for
+    bf16 q and k at head_dim 65-79 in [N, heads * head_dim] rows; elsewhere on CUDA it takes "triton"'s kernel."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
     if q.shape[0] != plan.patches:
@@ -180,9 +180,8 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
-        if supports_gluon(q):
+        if supports_gluon(q) and takes(q, k, v):
             gluon_config = config or DEFAULT_CONFIGS["gluon"]
-            check_shapes(q, k, v)
             table = plan.table(gluon_config.block_m, q.device)
             return attention_gluon(q, k, values_with_ones(v, HEAD_PART + TAIL), table, scale, gluon_config)
         impl, config = "triton", None
@@ -208,6 +207,8 @@ def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.devic
     q, k, v = (torch.randn(frame, num_heads, head_dim, device=device, generator=generator).to(dtype)
                for _ in range(3))
     vision_attention(q, k, v, AttentionPlan([(frame, 1)]), head_dim**-0.5, kernel)
+    if kernel == "gluon" and not (supports_gluon(q) and takes(q, k, v)):
+        return "triton"  # what "gluon" runs where the Gluon kernel does not
     return kernel
 
 

@@ -79,6 +79,15 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int
     return seq, heads, dim
 
 
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether check_shapes accepts q, k, v (else the caller runs another kernel)."""
+    try:
+        check_shapes(q, k, v)
+    except ValueError:
+        return False
+    return True
+
+
 def attention_gluon(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, scale: float,
                     config: GluonConfig = DEFAULT_GLUON_CONFIG) -> torch.Tensor:
     """q, k bf16 [N, heads, dim]; values_ones fp16 [N, heads, 80] (vision_attention.values_with_ones); table: the
