@@ -122,23 +122,15 @@ if gluon is not None:
                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _load_keys(k0_desc, k1_desc, k0_s, k1_s, bars, tile, start, k_col, pred, STAGES: gl.constexpr,
+    def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
                    BLOCK_N: gl.constexpr):
+        """One key tile of K or V (its 64-wide part and 16-wide tail) into its ring stage, through TMA."""
         stage = tile % STAGES
         bar = bars.index(stage)
-        mbarrier.expect(bar, k0_desc.block_type.nbytes + k1_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k0_desc, [start + tile * BLOCK_N, k_col], bar, k0_s.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(k1_desc, [start + tile * BLOCK_N, k_col + 64], bar, k1_s.index(stage),
+        mbarrier.expect(bar, part_desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(part_desc, [start + tile * BLOCK_N, col], bar, part_s.index(stage),
                                         pred=pred)
-
-    @gluon.jit
-    def _load_values(v0_desc, v1_desc, v0_s, v1_s, bars, tile, start, v_col, pred, STAGES: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
-        stage = tile % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, v0_desc.block_type.nbytes + v1_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(v0_desc, [start + tile * BLOCK_N, v_col], bar, v0_s.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(v1_desc, [start + tile * BLOCK_N, v_col + 64], bar, v1_s.index(stage),
+        tma.async_copy_global_to_shared(tail_desc, [start + tile * BLOCK_N, col + 64], bar, tail_s.index(stage),
                                         pred=pred)
 
     @gluon.jit
@@ -205,8 +197,8 @@ if gluon is not None:
         tma.async_copy_global_to_shared(q0_desc, [q_start, k_col], q_bar, q0_s)
         tma.async_copy_global_to_shared(q1_desc, [q_start, k_col + D0], q_bar, q1_s)
         for i in gl.static_range(STAGES):
-            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, k_col, i < n_tiles, STAGES, BLOCK_N)
-            _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, i, start, v_col, i < n_tiles, STAGES, BLOCK_N)
+            _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, k_col, i < n_tiles, STAGES, BLOCK_N)
+            _load_tile(v0_desc, v1_desc, v0_s, v1_s, v_bars, i, start, v_col, i < n_tiles, STAGES, BLOCK_N)
 
         # q's tail past head_dim holds the next head's columns: zeroed once, in registers (the scores' A operand)
         mbarrier.wait(q_bar, 0)
@@ -223,7 +215,7 @@ if gluon is not None:
         s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
-        _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
+        _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
                    BLOCK_N)
         for tile in range(1, n_tiles):
             s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
@@ -241,10 +233,10 @@ if gluon is not None:
             acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
             # this tile's K stage and the previous tile's V stage are free again
-            _load_keys(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, k_col,
+            _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, k_col,
                        tile + STAGES < n_tiles, STAGES, BLOCK_N)
-            _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
-                         prev + STAGES < n_tiles, STAGES, BLOCK_N)
+            _load_tile(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
+                       prev + STAGES < n_tiles, STAGES, BLOCK_N)
         last = n_tiles - 1
         v_stage = last % STAGES
         mbarrier.wait(v_bars.index(v_stage), (last // STAGES) & 1)
