@@ -180,7 +180,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if impl == "sdpa" or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
-        if supports_gluon(q) and takes(q, k, v):
+        if gluon_runs(q, k, v):
             gluon_config = config or DEFAULT_CONFIGS["gluon"]
             table = plan.table(gluon_config.block_m, q.device)
             return attention_gluon(q, k, values_with_ones(v, HEAD_PART + TAIL), table, scale, gluon_config)
@@ -188,6 +188,11 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
     if impl == "triton":
         return attention_triton(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton"])
     return attention_triton_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton_fp8"])
+
+
+def gluon_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether "gluon" runs the Gluon kernel for these inputs (else Triton's)."""
+    return supports_gluon(q) and takes(q, k, v)
 
 
 def large_frame_kernel(impl: str) -> str:
@@ -207,7 +212,7 @@ def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.devic
     q, k, v = (torch.randn(frame, num_heads, head_dim, device=device, generator=generator).to(dtype)
                for _ in range(3))
     vision_attention(q, k, v, AttentionPlan([(frame, 1)]), head_dim**-0.5, kernel)
-    if kernel == "gluon" and not (supports_gluon(q) and takes(q, k, v)):
+    if kernel == "gluon" and not gluon_runs(q, k, v):
         return "triton"  # what "gluon" runs where the Gluon kernel does not
     return kernel
 
