@@ -14,6 +14,7 @@ from tests.helpers.engine_equivalence import (IM_START, IMAGE_PAD, NEW_TOKENS, V
                                               run_to_completion, transformers_reference)
 from tests.helpers.image_fixtures import png
 from tests.helpers.scheduler_spies import record_encodes
+from workers.core.slack import StepClock
 
 
 @pytest.fixture(scope="module", params=["moe", "dense"])
@@ -111,6 +112,7 @@ def test_warm_up_runs_throw_away_requests_and_leaves_the_engine_as_new_and_match
     assert encoded == [(0, "warm-up-0", "now"), (1, "warm-up-1", "now"), (1, "warm-up-2", "now")]
     assert not engine.has_unfinished() and engine.load().steps == 0 and engine.scheduler.num_preemptions == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.step_clock == StepClock()  # the warm-up's steps (compiling) teach the clock nothing
     got = run_to_completion(engine, {0: [(rid, prompt) for rid, (prompt, _) in cases.items()]})
     assert got == {rid: toks for rid, (_, toks) in cases.items()}
 

@@ -15,7 +15,7 @@ from PIL import Image
 from contract.types import PromptInput, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.host_copy import HostCopy
+from workers.host_copy import HostCopy, QueuedWork
 
 pytestmark = pytest.mark.gpu
 
@@ -43,22 +43,30 @@ def sync_debug_mode(mode: str):
         torch.cuda.set_sync_debug_mode(before)
 
 
-def erring_on_any_sync(monkeypatch, obj, name: str, record) -> None:
-    """obj.name raises on any synchronising CUDA call but HostCopy.wait's (the one wait a step may make); record sees
-    each call's arguments first."""
-    method, wait = getattr(obj, name), HostCopy.wait
+def erring_on_any_sync(monkeypatch, obj, name: str, record) -> list[str]:
+    """obj.name raises on any synchronising CUDA call but the two waits a step may make: HostCopy.wait (its sampled
+    tokens' read-back) and QueuedWork.wait (a step that samples nothing: its own work). record sees each call's
+    arguments first. Returns the waits made, in order ("tokens", "work")."""
+    method, waits = getattr(obj, name), []
 
     def erring(*args, **kwargs):
         record(*args, **kwargs)
         with sync_debug_mode("error"):
             return method(*args, **kwargs)
 
-    def wait_allowed_to_sync(copy):
-        with sync_debug_mode("default"):
-            return wait(copy)
+    def allowed_to_sync(cls, kind):
+        wait = cls.wait
+
+        def wait_allowed_to_sync(self):
+            waits.append(kind)
+            with sync_debug_mode("default"):
+                return wait(self)
+        monkeypatch.setattr(cls, "wait", wait_allowed_to_sync)
 
     monkeypatch.setattr(obj, name, erring)
-    monkeypatch.setattr(HostCopy, "wait", wait_allowed_to_sync)
+    allowed_to_sync(HostCopy, "tokens")
+    allowed_to_sync(QueuedWork, "work")
+    return waits
 
 
 def warm_cuda_engine(checkpoint, **settings) -> LLMEngine:
@@ -99,6 +107,21 @@ def test_steps_wait_for_the_gpu_only_to_read_the_sampled_tokens(tiny_moe_checkpo
     assert [1, 1, 14] in steps
     assert [1, 1, 1] in steps  # decodes alone (a CUDA graph)
     assert all(outputs[rid] for rid in ("text", "image", "image-2"))
+
+
+def test_a_step_that_samples_nothing_waits_for_its_own_work(tiny_moe_checkpoint, monkeypatch):
+    """A prompt longer than a step's 16 tokens: its first chunk samples nothing, and its step returns only once its
+    work has run (else the steps behind it would queue unseen, and their time would count as the next step's)."""
+    engine = warm_cuda_engine(tiny_moe_checkpoint)
+    steps = []
+    waits = erring_on_any_sync(monkeypatch, engine.executor, "execute",
+                               lambda out: steps.append(sorted(c.num_tokens for c in out.chunks)))
+    engine.add_request("long", PromptInput([151644, 872, 198] + [3838, 374, 419] * 6 + [151645, 198]),
+                       SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert steps == [[16], [7], [1]]
+    assert waits == ["work", "tokens", "tokens"]
 
 
 def test_overlapped_steps_queue_the_next_step_without_waiting_for_the_running_one(tiny_moe_checkpoint, monkeypatch):

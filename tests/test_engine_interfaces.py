@@ -74,3 +74,16 @@ def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
         assert isinstance(served, ServingEngine) and isinstance(InstantEngine(), ServingEngine)
     finally:
         served.shutdown()
+
+
+def test_a_launched_step_that_samples_nothing_returns_once_the_work_it_queued_has_run():
+    class Work:
+        waited = 0
+
+        def wait(self):
+            self.waited += 1
+
+    work = Work()
+    assert LaunchedTokens([], None, None, work).wait() == {}
+    assert work.waited == 1
+    assert LaunchedTokens([], None, None).wait() == {}  # nothing queued (a CPU engine's work has run)

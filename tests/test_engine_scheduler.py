@@ -553,6 +553,12 @@ def test_the_step_clock_learns_the_prompt_tokens_rate_from_steps_without_tower_w
     assert clock.prefill_s_per_token == pytest.approx(0.05 / 1000)
 
 
+def test_the_step_clock_counts_a_steps_prompt_tokens_out_of_its_tower_work():
+    clock = StepClock(decode_s=0.020, prefill_s_per_token=0.05 / 1000)
+    clock.observe_step(0.170, tower_cost=100, prompt_tokens=1000)  # 0.05 s of it the prompt's, 0.1 s the tower's
+    assert clock.tower_s(100) == pytest.approx(0.100)
+
+
 def test_the_scheduler_learns_from_the_steps_the_engine_reports():
     sched = slack_scheduler()
     sched.step_clock = StepClock()

@@ -30,6 +30,7 @@ from workers.executor.model_runner import ModelRunner
 from workers.inputs.request_inputs import WARM_UP_OUTPUT_TOKENS, ModelInputs
 from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.sequence import Sequence
+from workers.core.slack import StepClock
 from workers.core.step_trace import StepTrace
 from workers.core.step_work import StepPhases, step_work
 from workers.request_options import NO_OPTIONS, RequestOptions
@@ -147,6 +148,7 @@ class LLMEngine:
             raise RuntimeError(f"engine warm-up: request {failed[0].request_id} failed: {failed[0].error}")
         self._arrivals, self._steps = itertools.count(), 0
         self.scheduler.num_preemptions = 0
+        self.scheduler.step_clock = StepClock()  # the warm-up's steps compiled kernels: not what steps take
         self._step_trace = trace
         report = {"requests": len(prompts), "steps": steps, "seconds": round(time.perf_counter() - t0, 2)}
         log.info("warm-up: %d throw-away requests in %d steps, %.1f s", len(prompts), steps, report["seconds"])

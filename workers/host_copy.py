@@ -60,3 +60,18 @@ class HostCopy:
         if self._done is not None:
             self._done.synchronize()
         return self._host
+
+
+class QueuedWork:
+    """The work queued so far on device's current stream, marked by an event: wait() returns once it has run (at
+    once off CUDA, where work has run by the time it is queued). What a step that reads nothing back waits on."""
+
+    def __init__(self, device: torch.device):
+        self._done = None
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()

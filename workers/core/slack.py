@@ -41,8 +41,9 @@ class StepClock:
                 rate = max(seconds - self.decode_s, 0.0) / prompt_tokens
                 self.prefill_s_per_token = _mean(self.prefill_s_per_token, rate)
             self.decode_s = _mean(self.decode_s, seconds)
-        elif self.decode_s is not None:
-            self.tower_s_per_cost = _mean(self.tower_s_per_cost, max(seconds - self.decode_s, 0.0) / tower_cost)
+        elif self.decode_s is not None:  # beyond a step without tower work and the prompt tokens computed beside it
+            rest = seconds - self.decode_s - self.prefill_s(prompt_tokens)
+            self.tower_s_per_cost = _mean(self.tower_s_per_cost, max(rest, 0.0) / tower_cost)
 
     def observe_output(self, tokens: int) -> None:
         """A request that finished after generating `tokens`."""

@@ -19,7 +19,7 @@ import torch
 
 from workers.core.block_manager import cdiv
 from workers.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
-from workers.host_copy import HostCopy, to_device
+from workers.host_copy import HostCopy, QueuedWork, to_device
 from workers.kv_cache import KvCache, KvExport, cache_dtype
 from workers.inputs.image_processing import merge_block_patches, normalise_patches
 from workers.executor.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
@@ -102,17 +102,26 @@ def num_deepstack(model_config: ModelConfig) -> int:
 @dataclass
 class LaunchedTokens:
     """A step on the device (the engine_api.LaunchedStep protocol): its sampled tokens in request_ids' order, and their
-    copy to the host, begun (None: the step samples nothing)."""
+    copy to the host, begun (None: the step samples nothing); or, for a step that samples nothing, the work it
+    queued (done). wait() returns once the step's own work has run, sampled or not: a step that returned before
+    its work ran would let the next ones queue behind it unseen, so a large image's tower pass spread over steps
+    would be queued whole in a few milliseconds and later arrivals would wait for all of it (Interactive on one
+    H200, run99: 27 one-block steps of 1 ms each, then a prompt step of 1.66 s), and the step clock would learn
+    the pass's time as the next prompt step's."""
 
     request_ids: list[str]
     tokens: torch.Tensor | None
     copy: HostCopy | None
+    done: QueuedWork | None = None
     waited_s: float = 0.0  # how long wait() blocked
 
     def wait(self) -> dict[str, int]:
-        if self.copy is None:
-            return {}
         started = time.perf_counter()
+        if self.copy is None:
+            if self.done is not None:
+                self.done.wait()
+                self.waited_s = time.perf_counter() - started
+            return {}
         host = self.copy.wait()
         self.waited_s = time.perf_counter() - started
         return dict(zip(self.request_ids, host.tolist()))
@@ -240,8 +249,9 @@ class ModelRunner:
         self.last_wait_s = 0.0
         if not out.chunks:  # vision-tower work alone (the blocks of a pass every prompt waits for)
             self._encode(out.encode_now)
+            done = QueuedWork(self.device)
             self._encode(out.encode_ahead)
-            return LaunchedTokens([], None, None)
+            return LaunchedTokens([], None, None, done)
         imports = [(seq.block_table, self.kv.import_rows(seq.kv_import, self.device)) for seq in out.kv_imports]
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # single-row chunks (decodes) first
         batch = self._prepare(chunks, after)
@@ -258,8 +268,9 @@ class ModelRunner:
             logits, ids, [seq.sampling for _, seq in sampling], [seq.grammar for _, seq in sampling]
         ) if sampling else None
         copy = HostCopy(tokens) if tokens is not None else None
-        self._encode(out.encode_ahead)  # behind the sampled tokens: not waited for by their read-back
-        return LaunchedTokens(ids, tokens, copy)
+        done = None if copy is not None else QueuedWork(self.device)  # a prompt chunk that samples nothing
+        self._encode(out.encode_ahead)  # behind the step's own work: not waited for
+        return LaunchedTokens(ids, tokens, copy, done)
 
     @property
     def can_overlap(self) -> bool:
