@@ -89,15 +89,12 @@ def name_of(impl: str, c) -> str:
 
 
 def gluon_name(c: GluonConfig) -> str:
-    flags = ("e" if c.exp_f32 else "") + ("l" if c.loader_warp else "") + (f"r{c.maxnreg}" if c.maxnreg else "")
-    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{flags}]"
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
 
 
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
-    """'M:N:W:S[:E:L:R]' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel; then 1/0 for the
-    float32 exponential and the loader warp, and a register cap (0: none)."""
-    items = [[int(x) for x in item.split(":")] for item in filter(None, text.split(","))]
-    return [GluonConfig(*v[:4], *(bool(x) for x in v[4:6]), *v[6:7]) for v in items]
+    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
+    return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
@@ -207,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", default="128:64:4:3,128:64:8:3,128:64:4:4,128:128:8:3,128:64:4:3:0",
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
-    p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S[:E:L:R] (parse_gluon_configs)")
+    p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
     p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
     p.add_argument("--accuracy-side", type=int, default=128)

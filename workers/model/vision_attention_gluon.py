@@ -19,6 +19,10 @@ accumulates each row's sum of P (vision_attention.values_with_ones), the exponen
 (ex2.approx.f16x2), K and V tiles in a ring of STAGES buffers filled by TMA, frames of any length (the tile that
 crosses a frame's end masks its keys; keys past the tensor come back as zeros).
 
+Measured and removed (benchmarks/README.md, run94-run100): the next tile's scores issued a tile ahead (more registers
+than two programs an SM allow), the exponential on float32 arguments (fewer instructions, slower), and the TMA loads
+in a warp of their own (warp specialisation: as fast with two programs an SM, 20% slower with one).
+
 CUDA on sm_90 only: Gluon runs no interpreter, so on the CPU the tests check this kernel's host side and the GPU tests
 its numbers against float32 attention.
 """
@@ -47,9 +51,6 @@ class GluonConfig:
     block_n: int = 64
     num_warps: int = 4
     stages: int = 2
-    exp_f32: bool = False  # the exponential on float32 arguments (ex2.approx.ftz.f32), packed after, not before
-    loader_warp: bool = False  # TMA loads from a warp of their own (warp specialisation), no CTA barriers a tile
-    maxnreg: int = 0  # the registers a thread may use (0: the compiler's choice)
 
 
 # run94 (benchmarks/README.md): 423 useful TFLOP/s at 62,500 patches with 8 warps, 406.7 with 4; 127 registers a
@@ -106,14 +107,12 @@ def attention_gluon(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor,
         layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return TensorDescriptor(t, [seq, heads * t.shape[2]], [t.stride(0), 1], block, layout)
 
-    kernel = _gluon_vision_attention_ws_kernel if config.loader_warp else _gluon_vision_attention_kernel
-    extra = {"maxnreg": config.maxnreg} if config.maxnreg else {}
-    kernel[(table.shape[0], heads)](
+    _gluon_vision_attention_kernel[(table.shape[0], heads)](
         rows(q, [bm, HEAD_PART]), rows(q, [bm, TAIL]), rows(k, [bn, HEAD_PART]), rows(k, [bn, TAIL]),
         rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
         scale * math.log2(math.e),
         HEAD_DIM=dim, V_COLS=values_ones.shape[2], BLOCK_M=bm, BLOCK_N=bn, STAGES=config.stages,
-        EXP_F32=config.exp_f32, num_warps=config.num_warps, **extra,
+        num_warps=config.num_warps,
     )
     return out
 
@@ -125,13 +124,6 @@ if gluon is not None:
         """2^x for float32 x as fp16, two values an instruction (x rounded to f16 first)."""
         return gl.inline_asm_elementwise("{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }",
                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-
-    @gluon.jit
-    def _exp2_f32_to_f16(x):
-        """2^x for float32 x as fp16: the exponential on the float32 argument, two results packed an instruction."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .f32 a, b; ex2.approx.ftz.f32 a, $1; ex2.approx.ftz.f32 b, $2; cvt.rn.f16x2.f32 $0, b, a; }",
-            "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
     def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
@@ -153,24 +145,20 @@ if gluon is not None:
         return warpgroup_mma(q1, k1_s.index(stage).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                 EXP_F32: gl.constexpr):
+    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
         if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if EXP_F32:
-            p = _exp2_f32_to_f16(s * qk_scale - gl.expand_dims(m_new, 1))
-        else:
-            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
         return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit
     def _gluon_vision_attention_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
                                        stride_on, qk_scale, HEAD_DIM: gl.constexpr, V_COLS: gl.constexpr,
                                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                       EXP_F32: gl.constexpr, num_warps: gl.constexpr):
+                                       num_warps: gl.constexpr):
         """Program (table row, head): BLOCK_M query rows of one frame against all its keys."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 16
@@ -230,7 +218,7 @@ if gluon is not None:
 
         s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
+        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
         _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
                    BLOCK_N)
         for tile in range(1, n_tiles):
@@ -244,7 +232,7 @@ if gluon is not None:
             acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
             # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
             s = warpgroup_mma_wait(2, deps=(s,))
-            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
+            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
@@ -279,134 +267,3 @@ if gluon is not None:
         base0 = o_ptr + gl.expand_dims(rows0.to(gl.int64) * stride_on + head * HEAD_DIM, 1)
         out0 = (acc0 / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)).to(gl.bfloat16)
         gl.store(base0 + gl.expand_dims(cols0, 0), out0, mask=gl.expand_dims(rows0 < end, 1))
-
-
-if gluon is not None:
-
-    @gluon.jit
-    def _ws_loader(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, q0_s, q1_s, k0_s, k1_s, v0_s, v1_s, q_bar,
-                   k_ready, k_empty, v_ready, v_empty, q_start, start, n_tiles, k_col, v_col, STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """The loader warp: Q once, then each key tile's K and V into the ring as the compute warps free stages."""
-        mbarrier.expect(q_bar, q0_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q0_desc, [q_start, k_col], q_bar, q0_s)
-        tma.async_copy_global_to_shared(q1_desc, [q_start, k_col + 64], q_bar, q1_s)
-        for tile in range(n_tiles):
-            free_phase = ((tile // STAGES) & 1) ^ 1  # a fresh barrier counts as freed once
-            mbarrier.wait(k_empty.index(tile % STAGES), free_phase)
-            _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_ready, tile, start, k_col, True, STAGES, BLOCK_N)
-            mbarrier.wait(v_empty.index(tile % STAGES), free_phase)
-            _load_tile(v0_desc, v1_desc, v0_s, v1_s, v_ready, tile, start, v_col, True, STAGES, BLOCK_N)
-
-    @gluon.jit
-    def _ws_compute(q0_s, q1_s, k0_s, k1_s, v0_s, v1_s, q_bar, k_ready, k_empty, v_ready, v_empty, o_ptr, stride_on,
-                    qk_scale, q_start, start, end, n_tiles, head, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP_F32: gl.constexpr, WARPS: gl.constexpr):
-        """The compute warps: scores, softmax and P @ V as in _gluon_vision_attention_kernel, K and V stages handed
-        back to the loader warp once their MMAs are done."""
-        D0: gl.constexpr = 64
-        D1: gl.constexpr = 16
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o0_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                            instr_shape=[16, D0, 16])
-        o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                            instr_shape=[16, D1, 16])
-        q1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        p0_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o0_layout, k_width=2)
-        p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
-        tail_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2],
-                                                     warps_per_cta=[WARPS, 1], order=[1, 0])
-
-        mbarrier.wait(q_bar, 0)
-        q1 = q1_s.load(tail_layout)
-        tail_cols = gl.arange(0, D1, layout=gl.SliceLayout(0, tail_layout))
-        q1 = gl.where(gl.expand_dims(tail_cols < HEAD_DIM - D0, 0), q1, gl.zeros_like(q1))
-        q1 = gl.convert_layout(q1, q1_layout)
-
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        acc0 = gl.zeros([BLOCK_M, D0], gl.float32, o0_layout)
-        acc1 = gl.zeros([BLOCK_M, D1], gl.float32, o1_layout)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-
-        s = _issue_scores(q0_s, q1, k0_s, k1_s, k_ready, 0, zero_s, STAGES)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
-        for tile in range(1, n_tiles):
-            s = _issue_scores(q0_s, q1, k0_s, k1_s, k_ready, tile, zero_s, STAGES)
-            prev = tile - 1
-            v_stage = prev % STAGES
-            mbarrier.wait(v_ready.index(v_stage), (prev // STAGES) & 1)
-            p0 = gl.convert_layout(p, p0_layout)
-            p1 = gl.convert_layout(p, p1_layout)
-            acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-            acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
-            s = warpgroup_mma_wait(2, deps=(s,))
-            mbarrier.arrive(k_empty.index(tile % STAGES), count=1)
-            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
-            acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-            mbarrier.arrive(v_empty.index(v_stage), count=1)
-            acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-            acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-        last = n_tiles - 1
-        v_stage = last % STAGES
-        mbarrier.wait(v_ready.index(v_stage), (last // STAGES) & 1)
-        p0 = gl.convert_layout(p, p0_layout)
-        p1 = gl.convert_layout(p, p1_layout)
-        acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-        acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
-        acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-
-        cols1 = gl.arange(0, D1, layout=gl.SliceLayout(0, o1_layout))
-        l_i = gl.sum(gl.where(gl.expand_dims(cols1 == HEAD_DIM - D0, 0), acc1, gl.zeros_like(acc1)), 1)
-        rows1 = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o1_layout))
-        base1 = o_ptr + gl.expand_dims(rows1.to(gl.int64) * stride_on + head * HEAD_DIM + D0, 1)
-        out1 = (acc1 / gl.expand_dims(l_i, 1)).to(gl.bfloat16)
-        gl.store(base1 + gl.expand_dims(cols1, 0), out1,
-                 mask=gl.expand_dims(rows1 < end, 1) & gl.expand_dims(cols1 < HEAD_DIM - D0, 0))
-        cols0 = gl.arange(0, D0, layout=gl.SliceLayout(0, o0_layout))
-        rows0 = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o0_layout))
-        base0 = o_ptr + gl.expand_dims(rows0.to(gl.int64) * stride_on + head * HEAD_DIM, 1)
-        out0 = (acc0 / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)).to(gl.bfloat16)
-        gl.store(base0 + gl.expand_dims(cols0, 0), out0, mask=gl.expand_dims(rows0 < end, 1))
-
-    @gluon.jit
-    def _gluon_vision_attention_ws_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
-                                          stride_on, qk_scale, HEAD_DIM: gl.constexpr, V_COLS: gl.constexpr,
-                                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                          EXP_F32: gl.constexpr, num_warps: gl.constexpr):
-        """_gluon_vision_attention_kernel with its TMA loads in a warp of their own (warp specialisation)."""
-        row = gl.program_id(0)
-        head = gl.program_id(1)
-        q_start = gl.load(table_ptr + row * 4)
-        start = gl.load(table_ptr + row * 4 + 1)
-        end = gl.load(table_ptr + row * 4 + 2)
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-
-        q0_s = gl.allocate_shared_memory(q0_desc.dtype, [BLOCK_M, 64], q0_desc.layout)
-        q1_s = gl.allocate_shared_memory(q1_desc.dtype, [BLOCK_M, 16], q1_desc.layout)
-        k0_s = gl.allocate_shared_memory(k0_desc.dtype, [STAGES, BLOCK_N, 64], k0_desc.layout)
-        k1_s = gl.allocate_shared_memory(k1_desc.dtype, [STAGES, BLOCK_N, 16], k1_desc.layout)
-        v0_s = gl.allocate_shared_memory(v0_desc.dtype, [STAGES, BLOCK_N, 64], v0_desc.layout)
-        v1_s = gl.allocate_shared_memory(v1_desc.dtype, [STAGES, BLOCK_N, 16], v1_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
-
-        gl.warp_specialize([
-            (_ws_compute, (q0_s, q1_s, k0_s, k1_s, v0_s, v1_s, q_bar, k_ready, k_empty, v_ready, v_empty, o_ptr,
-                           stride_on, qk_scale, q_start, start, end, n_tiles, head, HEAD_DIM, BLOCK_M, BLOCK_N,
-                           STAGES, EXP_F32, num_warps)),
-            (_ws_loader, (q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, q0_s, q1_s, k0_s, k1_s, v0_s, v1_s,
-                          q_bar, k_ready, k_empty, v_ready, v_empty, q_start, start, n_tiles, head * HEAD_DIM,
-                          head * V_COLS, STAGES, BLOCK_N)),
-        ], [1], [24])
