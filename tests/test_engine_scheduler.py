@@ -498,6 +498,48 @@ def test_a_lone_requests_own_prefill_counts_toward_past_saving(prefill_s_per_tok
     assert big_pass(sched) == expected
 
 
+def test_a_pass_past_saving_yields_its_blocks_while_another_request_can_still_meet_its_bound():
+    # "big" misses its bound whatever happens (10 ms of slack after its 3 decode steps, a 32 ms pass, 16 ms after
+    # its first half); "small" has ~100 s to spare. Steps
+    # that carry one of big's blocks would make small wait for all of them, one a step: none while small runs.
+    sched = slack_scheduler()
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+    assert big_pass(sched) == [(0, 4)]  # alone: spread, so that an arrival waits for one share of it
+    sched.add(bounded(seq("small", 4, max_tokens=2), 200.0))
+    out = step(sched)
+    assert ("small", 0, 4) in chunks(out) and not [e for e in out.encode_now if e.seq.request_id == "big"]
+    out = step(sched)  # small's decode, its last token
+    assert sched.find("small") is None and not [e for e in out.encode_now if e.seq.request_id == "big"]
+    assert big_pass(sched)[0][0] == 4  # small gone: the pass goes on where it stopped
+
+
+def test_a_pass_past_saving_is_not_started_while_another_request_can_still_meet_its_bound():
+    sched = slack_scheduler()
+    sched.add(bounded(seq("small", 4, max_tokens=2), 200.0))
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+    out = step(sched)
+    assert not out.encode_now  # big's prompt stops before its image, small's runs
+    assert sorted(chunks(out)) == [("big", 0, 4), ("small", 0, 4)]
+
+
+@pytest.mark.parametrize("now,yields", [(103.0, True), (103.1, False)], ids=["overdue-2.96-s", "overdue-3.06-s"])
+def test_a_pass_past_saving_yields_only_until_its_request_is_yield_overdue_s_past_its_deadline(now, yields):
+    sched = slack_scheduler(now)
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+    assert big_pass(sched) == [(0, 4)]
+    sched.add(bounded(seq("small", 4, max_tokens=2), 200.0))
+    assert bool(big_pass(sched)) is not yields
+
+
+def test_a_pass_does_not_yield_to_requests_without_a_bound_or_already_past_theirs():
+    for other_deadline in (None, 99.0):
+        sched = slack_scheduler()
+        sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+        assert big_pass(sched) == [(0, 4)]
+        sched.add(bounded(seq("other", 4, max_tokens=2), other_deadline))
+        assert big_pass(sched)[0][0] == 4
+
+
 def test_before_any_step_with_tower_work_was_seen_a_pass_is_spread():
     sched = slack_scheduler()
     sched.step_clock = StepClock(decode_s=0.010)

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ROOT_HASH = b"q3vl-prefix-root"
+# A pass whose request is past saving yields its blocks to requests that can still meet their bounds, until that
+# request is this many seconds past its own deadline (then it goes on whatever the others' slack).
+YIELD_OVERDUE_S = 3.0
 
 
 @dataclass
@@ -329,19 +332,19 @@ class Scheduler:
         outlasts that work (as this engine's steps measured it) or is already past saving. Requests without a bound
         (Offline) keep passes spread: a whole pass would stall their decodes for no bound of theirs. A request whose
         slack is shorter than its own pass and its prompt's prefill misses its bound even run whole: its pass is
-        spread even while it is alone, so that requests arriving meanwhile wait for one share of it, not all of it
-        (Interactive on one H200, run96-97: a 4,000 px image's 1.66 s step held three later queries past 1.5 s;
-        the tower alone, about 1.1 s estimated, was within that image's ~1.2 s of slack, its 16k-token prefill not)."""
+        spread even while it is alone, so that requests arriving meanwhile are not held behind all of it, and its
+        blocks then yield to them (_yields). (Interactive on one H200, run96-97: a 4,000 px image's 1.66 s step held
+        three later queries past 1.5 s; the tower alone, about 1.1 s estimated, was within that image's ~1.2 s of
+        slack, its 16k-token prefill not.)"""
         seconds = self.step_clock.tower_s(cost)
         now = self.clock()
-        own = self.step_clock.slack(seq, now)
         others = [s for s in (*self.running, *self.waiting) if s is not seq]
-        own_work = None if seconds is None else seconds + self.step_clock.prefill_s(seq.num_uncomputed_tokens)
         if log_decision:  # a large image's first pass: what the decision weighs (once an image)
+            own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
             log.info("tower pass of %s (cost %.0f): %s s estimated with its prefill, its own slack %s s, "
                      "%d other request(s)", seq.request_id, cost, "?" if own_work is None else f"{own_work:.3f}",
                      "none" if own is None else f"{own:.3f}", len(others))
-        if own_work is not None and own is not None and own < own_work:
+        if self._past_saving(seq, cost, now):
             return False
         if not others:
             return True
@@ -352,6 +355,32 @@ class Scheduler:
             if slack is None or 0.0 <= slack < seconds:
                 return False
         return True
+
+    def _own_work_s(self, seq: Sequence, cost: float) -> float | None:
+        """Seconds of seq's own remaining work before its first token: `cost` of tower work and its prompt's
+        uncomputed tokens (None before any step with tower work was seen)."""
+        seconds = self.step_clock.tower_s(cost)
+        return None if seconds is None else seconds + self.step_clock.prefill_s(seq.num_uncomputed_tokens)
+
+    def _past_saving(self, seq: Sequence, cost: float, now: float) -> bool:
+        """Whether seq misses its bound even if `cost` of its tower work and its prompt ran at once (False without
+        a bound or before the step clock has seen tower work)."""
+        own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
+        return own is not None and own_work is not None and own < own_work
+
+    def _yields(self, seq: Sequence, cost: float) -> bool:
+        """Whether seq's pass (`cost` of tower work left) runs no block in this step: seq is past saving, less than
+        YIELD_OVERDUE_S past its deadline, and another request can still meet its bound. Such a request's steps
+        would otherwise each carry a block (a 4,000 px image's is ~46 ms on one H200, 27 of them) and it would miss
+        its bound too; the pass goes on in the steps without one."""
+        now = self.clock()
+        if seq.deadline is None or now > seq.deadline + YIELD_OVERDUE_S or not self._past_saving(seq, cost, now):
+            return False
+        for other in (*self.running, *self.waiting):
+            slack = None if other is seq else self.step_clock.slack(other, now)
+            if slack is not None and slack >= 0.0:
+                return True
+        return False
 
     def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
         """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take."""
@@ -395,6 +424,8 @@ class Scheduler:
                 cost, rows = cost + image_cost, rows + image.num_tokens
                 continue
             if image_cost > encoder.total and vision.depth > 1:  # never fits one step: its first blocks now
+                if self._yields(seq, image_cost):
+                    return whole, split, cut
                 blocks = min(vision.depth - 1, int((encoder.left - cost) // vision.block_cost(image.num_tokens)))
                 if blocks == 0 and first and not encoder.used:
                     blocks = 1
@@ -420,6 +451,8 @@ class Scheduler:
         reserved = encoder.total * (1 - self.limits.encoder_pass_share)  # for whole images
         for key, (seq, image, done) in list(self._passes.items()):
             per_block = vision.block_cost(image.num_tokens)
+            if self._yields(seq, (vision.depth - done) * per_block):
+                continue
             blocks = min(vision.depth - done, int((encoder.left - reserved) // per_block))
             if not encoder.used and self._may_run_whole(seq, (vision.depth - done) * per_block):
                 blocks = vision.depth - done  # those it was spread for have gone, or can wait for the rest now
