@@ -411,6 +411,23 @@ def test_encoder_pass_share_bounds_what_passes_take_from_whole_images():
     assert big_parts(0.0) == [4, 1, 1]  # the oldest pass's guaranteed block
 
 
+@pytest.mark.parametrize("max_image_tokens,encoded", [(0, False), (32, True)], ids=["cache-twice-the-budget", "default"])
+def test_the_encoder_cache_keeps_room_for_other_images_beside_a_pass_over_the_largest_image(max_image_tokens, encoded):
+    # the cache holds twice the 16-row budget and the largest image's rows: big's 32 rows leave 32 for the others;
+    # without the largest image's share, big fills it and small's 4-row image waits for the whole pass
+    limits = SchedulerLimits(8, 64, 1000, max_num_encoder_tokens=16, vision=VisionCost(depth=8),
+                             max_image_tokens=max_image_tokens)
+    assert limits.cache_tokens == 32 + max_image_tokens
+    sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))
+    sched.add(seq("other", 4, max_tokens=50))  # another request: big's pass is spread
+    sched.add(image_seq("big", 40, [(4, 32)]))
+    step(sched)
+    sched.add(image_seq("small", 8, [(2, 4)]))
+    out = step(sched)
+    assert (("small", 0) in [e.key for e in out.encode_now]) is encoded
+    assert (("small", 0, 8) in chunks(out)) is encoded
+
+
 def test_the_only_requests_large_image_is_encoded_in_one_go_and_a_spread_pass_finishes_once_alone():
     limits = SchedulerLimits(8, 64, 1000, max_num_encoder_tokens=16, vision=VisionCost(depth=8))
     sched = Scheduler(limits, BlockManager(64, 4), frozenset({EOS}))

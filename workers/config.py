@@ -110,7 +110,8 @@ class EngineConfig(BaseModel):
         "steps may take beyond the oldest one's one block a step; the rest is kept for whole images."
     )
     encoder_cache_tokens: int | None = Field(
-        None, ge=1, description="Image rows of encoded images held between steps (None: twice the encoder budget)."
+        None, ge=1, description="Image rows of encoded images held between steps (None: twice the encoder budget and "
+        "the largest image's rows, max_pixels / 32^2, so that a pass over the largest image leaves room for others)."
     )
     encode_ahead: bool = Field(
         True, description="Spend a step's unused encoder budget on the images of the prompts the next step will "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract.types import FinishReason
+from contract.vision_geometry import FACTOR
 from workers.core.block_manager import BlockManager, block_hash, cdiv
 from workers.core.encoder_cache import EncoderCache, ImageKey, ImageSpan, VisionCost
 from workers.core.slack import StepClock
@@ -113,8 +114,11 @@ class SchedulerLimits:
     `vision` costs them (None: the token budget); an image costing more is encoded over several steps a few tower
     blocks at a time (with a one-block cost model, alone in its step). encoder_pass_share: the share of a step's
     encoder budget those passes may take beyond the oldest one's one block a step. encoder_cache_tokens: rows of
-    encoded images held at once (None: twice the encoder budget). encode_ahead: spend the step's unused encoder
-    budget on the next step's prompts."""
+    encoded images held at once (None: twice the encoder budget and the largest image's rows, max_image_tokens, so
+    that while a pass over the largest image holds its rows the other prompts' images still find room: with twice
+    the budget alone, 16,384 rows, a 4,000 px image's 15,625 left no room for a 1,024-row image, and the prompts
+    behind it stalled for its whole pass, Interactive on one H200, run101). encode_ahead: spend the step's unused
+    encoder budget on the next step's prompts."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -125,6 +129,7 @@ class SchedulerLimits:
     encode_ahead: bool = True
     vision: VisionCost = VisionCost()
     encoder_pass_share: float = 0.5
+    max_image_tokens: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, vision: VisionCost = VisionCost()) -> SchedulerLimits:
@@ -132,7 +137,7 @@ class SchedulerLimits:
         alike)."""
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                    config.max_num_prefill_tokens, config.max_num_encoder_tokens, config.encoder_cache_tokens,
-                   config.encode_ahead, vision, config.encoder_pass_share)
+                   config.encode_ahead, vision, config.encoder_pass_share, config.max_pixels // FACTOR**2)
 
     @property
     def prefill_tokens(self) -> int:
@@ -144,7 +149,7 @@ class SchedulerLimits:
 
     @property
     def cache_tokens(self) -> int:
-        return self.encoder_cache_tokens or 2 * self.encoder_tokens
+        return self.encoder_cache_tokens or 2 * self.encoder_tokens + self.max_image_tokens
 
 
 class _EncoderBudget:
