@@ -618,6 +618,16 @@ def test_the_step_clock_counts_a_steps_prompt_tokens_out_of_its_tower_work():
     assert clock.tower_s(100) == pytest.approx(0.100)
 
 
+def test_the_step_clocks_tower_rate_weighs_each_step_by_its_tower_work():
+    # a small image's step is mostly fixed costs (10 ms for 1 unit); a large one's 100 ms for 100 units. The rate
+    # is the ratio of the running means, so the large image's step counts for its size: 100 units take ~0.13 s,
+    # where a running mean of the two rates (0.0082 s a unit) would say 0.82 s
+    clock = StepClock(decode_s=0.010)
+    clock.observe_step(0.020, tower_cost=1)
+    clock.observe_step(0.110, tower_cost=100)
+    assert clock.tower_s(100) == pytest.approx(100 * (0.010 + 0.2 * 0.090) / (1 + 0.2 * 99))
+
+
 def test_the_scheduler_learns_from_the_steps_the_engine_reports():
     sched = slack_scheduler()
     sched.step_clock = StepClock()

@@ -32,18 +32,28 @@ class StepClock:
     tower_s_per_cost: float | None = None
     prefill_s_per_token: float | None = None
     output_tokens: float | None = None
+    # The rates are ratios of running means (seconds beyond a plain step over cost or tokens), not running means of
+    # ratios: a small image's step is mostly fixed costs, and averaging its per-unit rate with a large image's made
+    # the 4,000 px image's tower 4 s, three times what it took (Interactive on one H200, run101)
+    _tower_excess_s: float | None = None
+    _tower_cost: float | None = None
+    _prefill_excess_s: float | None = None
+    _prefill_tokens: float | None = None
 
     def observe_step(self, seconds: float, tower_cost: float, prompt_tokens: int = 0) -> None:
         """A step that took `seconds`, ran `tower_cost` of tower work (VisionCost units; 0 for none) and computed
         `prompt_tokens` of prompts (chunks longer than one token)."""
         if tower_cost <= 0:
             if prompt_tokens >= PREFILL_SAMPLE_TOKENS and self.decode_s is not None:
-                rate = max(seconds - self.decode_s, 0.0) / prompt_tokens
-                self.prefill_s_per_token = _mean(self.prefill_s_per_token, rate)
+                self._prefill_excess_s = _mean(self._prefill_excess_s, max(seconds - self.decode_s, 0.0))
+                self._prefill_tokens = _mean(self._prefill_tokens, float(prompt_tokens))
+                self.prefill_s_per_token = self._prefill_excess_s / self._prefill_tokens
             self.decode_s = _mean(self.decode_s, seconds)
         elif self.decode_s is not None:  # beyond a step without tower work and the prompt tokens computed beside it
             rest = seconds - self.decode_s - self.prefill_s(prompt_tokens)
-            self.tower_s_per_cost = _mean(self.tower_s_per_cost, max(rest, 0.0) / tower_cost)
+            self._tower_excess_s = _mean(self._tower_excess_s, max(rest, 0.0))
+            self._tower_cost = _mean(self._tower_cost, float(tower_cost))
+            self.tower_s_per_cost = self._tower_excess_s / self._tower_cost
 
     def observe_output(self, tokens: int) -> None:
         """A request that finished after generating `tokens`."""
