@@ -539,6 +539,16 @@ def test_a_pass_past_saving_is_not_started_while_another_request_can_still_meet_
     assert sorted(chunks(out)) == [("big", 0, 4), ("small", 0, 4)]
 
 
+def test_a_large_images_first_decision_is_logged_once_however_often_it_is_taken_again(caplog):
+    sched = slack_scheduler()
+    sched.add(bounded(seq("small", 4, max_tokens=5), 200.0))
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+    with caplog.at_level("INFO", logger="workers.core.scheduler"):
+        for _ in range(3):  # the pass is not started while small runs: the decision is taken each step
+            assert not step(sched).encode_now
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["tower pass of big (cost 32)"]
+
+
 @pytest.mark.parametrize("now,yields", [(103.0, True), (103.1, False)], ids=["overdue-2.96-s", "overdue-3.06-s"])
 def test_a_pass_past_saving_yields_only_until_its_request_is_yield_overdue_s_past_its_deadline(now, yields):
     sched = slack_scheduler(now)

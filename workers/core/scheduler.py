@@ -185,6 +185,7 @@ class Scheduler:
         self.encoder_cache = EncoderCache(limits.cache_tokens)
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
+        self._logged: set[ImageKey] = set()  # images whose first whole-or-spread decision was logged
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
         # Sequences apply() finished by length whose last token resolve() has still to put in place.
         self._ending: dict[str, Sequence] = {}
@@ -331,7 +332,7 @@ class Scheduler:
 
     # ---- image encoding ---------------------------------------------------------------------------
 
-    def _may_run_whole(self, seq: Sequence, cost: float, log_decision: bool = False) -> bool:
+    def _may_run_whole(self, seq: Sequence, cost: float, log_key: ImageKey | None = None) -> bool:
         """Whether `cost` of tower work for seq may run in one step rather than spread over steps: seq's own bound
         can still be met that way, and nobody else is there, or everybody else has a latency bound and a slack that
         outlasts that work (as this engine's steps measured it) or is already past saving. Requests without a bound
@@ -344,7 +345,8 @@ class Scheduler:
         seconds = self.step_clock.tower_s(cost)
         now = self.clock()
         others = [s for s in (*self.running, *self.waiting) if s is not seq]
-        if log_decision:  # a large image's first pass: what the decision weighs (once an image)
+        if log_key is not None and log_key not in self._logged:  # what a large image's first decision weighs
+            self._logged.add(log_key)
             own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
             log.info("tower pass of %s (cost %.0f): %s s estimated with its prefill, its own slack %s s, "
                      "%d other request(s)", seq.request_id, cost, "?" if own_work is None else f"{own_work:.3f}",
@@ -422,7 +424,7 @@ class Scheduler:
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
-                    vision.depth == 1 or self._may_run_whole(seq, image_cost, log_decision=True))):
+                    vision.depth == 1 or self._may_run_whole(seq, image_cost, log_key=key))):
                 # (a one-block cost model cannot split: a large image goes alone; and where no other request needs
                 # the steps to keep coming, spreading its pass would only add steps to its own latency)
                 whole.append(image)
@@ -477,6 +479,7 @@ class Scheduler:
     def _forget_images(self, request_id: str) -> list[ImageKey]:
         for key in [k for k in self._passes if k[0] == request_id]:
             del self._passes[key]
+        self._logged -= {k for k in self._logged if k[0] == request_id}
         return self.encoder_cache.free_request(request_id)
 
     def _commit(self, chunk: ScheduledChunk, need: list[ImageSpan], encoder: _EncoderBudget,
