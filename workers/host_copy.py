@@ -43,6 +43,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned(t, device).to(device, non_blocking=True)
 
 
+def _queued_so_far(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded behind the work queued so far on device's current stream; None off CUDA, where work has run
+    by the time it is queued."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class HostCopy:
     """A device tensor's copy to page-locked host memory, started at construction. wait() returns the host tensor
     once that copy has run: it waits for the GPU work queued before the copy, not for what is queued after it."""
@@ -53,8 +63,7 @@ class HostCopy:
             return
         self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self._host.copy_(t, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record()
+        self._done = _queued_so_far(t.device)
 
     def wait(self) -> torch.Tensor:
         if self._done is not None:
@@ -63,14 +72,11 @@ class HostCopy:
 
 
 class QueuedWork:
-    """The work queued so far on device's current stream, marked by an event: wait() returns once it has run (at
-    once off CUDA, where work has run by the time it is queued). What a step that reads nothing back waits on."""
+    """The work queued so far on device's current stream: wait() returns once it has run (at once off CUDA). What a
+    step that reads nothing back waits on."""
 
     def __init__(self, device: torch.device):
-        self._done = None
-        if device.type == "cuda":
-            self._done = torch.cuda.Event()
-            self._done.record()
+        self._done = _queued_so_far(device)
 
     def wait(self) -> None:
         if self._done is not None:
