@@ -3,7 +3,7 @@
 Nothing is timed here: `ncu --kernel-name regex:... python3 scripts/profile_vision_attention.py ...` reads the
 hardware counters of each launch (benchmarks/README.md records the commands).
 Usage: python3 scripts/profile_vision_attention.py [--patches 62500] [--launches 2]
-                                                   [--gluon-configs M:N:W:S[:ordered_wait[:exp_f32]],...] [--sdpa]
+                                                   [--gluon-configs M:N:W:S,...] [--sdpa]
 """
 
 from __future__ import annotations

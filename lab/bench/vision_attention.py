@@ -89,13 +89,11 @@ def name_of(impl: str, c) -> str:
 
 
 def gluon_name(c: GluonConfig) -> str:
-    flags = ("-ordered" if c.ordered_wait else "") + ("-exp32" if c.exp_f32 else "")
-    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{flags}]"
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
 
 
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
-    """'M:N:W:S[:O[:E]]' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel; O: ordered_wait, E:
-    exp_f32 (0 or 1)."""
+    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
     return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 

@@ -19,9 +19,16 @@ accumulates each row's sum of P (vision_attention.values_with_ones), the exponen
 (ex2.approx.f16x2), K and V tiles in a ring of STAGES buffers filled by TMA, frames of any length (the tile that
 crosses a frame's end masks its keys; keys past the tensor come back as zeros).
 
-Measured and removed (benchmarks/README.md, run94-run100): the next tile's scores issued a tile ahead (more registers
-than two programs an SM allow), the exponential on float32 arguments (fewer instructions, slower), and the TMA loads
-in a warp of their own (warp specialisation: as fast with two programs an SM, 20% slower with one).
+What the machine code does (run104, benchmarks/README.md): ptxas schedules P @ V's wait (WARPGROUP.DEPBAR) at the top
+of the softmax's block, so each warpgroup's exponentials run after its P @ V, not beneath it; the overlap comes from
+the other three warpgroups on the SM (two programs of two). Forcing the written order (the wait behind a loop of one
+pass, which ptxas does not reorder across) was slower: 343 against 435 useful TFLOP/s at 62,500 patches, tensor pipe
+active 47% against 55% (ncu).
+
+Measured and removed (benchmarks/README.md, run94-run105): the next tile's scores issued a tile ahead (more registers
+than two programs an SM allow), the exponential on float32 arguments (fewer instructions, slower), the TMA loads in a
+warp of their own (warp specialisation: as fast with two programs an SM, 20% slower with one), the wait kept after
+the softmax (above), and 256-row tiles of 16 warps (half the L2 traffic, 344 TFLOP/s: one program an SM).
 
 CUDA on sm_90 only: Gluon runs no interpreter, so on the CPU the tests check this kernel's host side and the GPU tests
 its numbers against float32 attention.
@@ -45,16 +52,12 @@ except ImportError:  # CPU-only installs, or a Triton without Gluon
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """Query rows and keys a tile, warps (4: one warpgroup; 8: two, each with half the rows), K/V ring stages;
-    ordered_wait: P @ V's wait kept after the softmax (module docstring); exp_f32: the exponentials on float32
-    (MUFU.EX2, packed to fp16 pairs by one conversion) rather than on fp16 pairs."""
+    """Query rows and keys a tile, warps (4: one warpgroup; 8: two, each with half the rows), K/V ring stages."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
     stages: int = 2
-    ordered_wait: int = 0
-    exp_f32: int = 0
 
 
 # run94 (benchmarks/README.md): 423 useful TFLOP/s at 62,500 patches with 8 warps, 406.7 with 4; 127 registers a
@@ -125,7 +128,7 @@ def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, tab
             rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
             scale * math.log2(math.e))
     constants = dict(HEAD_DIM=dim, V_COLS=values_ones.shape[2], BLOCK_M=bm, BLOCK_N=bn, STAGES=config.stages,
-                     ORDERED_WAIT=bool(config.ordered_wait), EXP_F32=bool(config.exp_f32), num_warps=config.num_warps)
+                     num_warps=config.num_warps)
     return args, constants
 
 
@@ -136,14 +139,6 @@ if gluon is not None:
         """2^x for float32 x as fp16, two values an instruction (x rounded to f16 first)."""
         return gl.inline_asm_elementwise("{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }",
                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-
-    @gluon.jit
-    def _exp2_f32_to_f16(x):
-        """2^x for float32 x, on float32 (one MUFU.EX2 each), as fp16 (inline assembly, as _exp2_f16: the compiler
-        moved gl.exp2 past ORDERED_WAIT's loop)."""
-        e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                      pack=1)
-        return e.to(gl.float16)
 
     @gluon.jit
     def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
@@ -165,24 +160,20 @@ if gluon is not None:
         return warpgroup_mma(q1, k1_s.index(stage).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                 EXP_F32: gl.constexpr):
+    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
         if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if EXP_F32:
-            p = _exp2_f32_to_f16(s * qk_scale - gl.expand_dims(m_new, 1))
-        else:
-            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
         return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit
     def _gluon_vision_attention_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
                                        stride_on, qk_scale, HEAD_DIM: gl.constexpr, V_COLS: gl.constexpr,
                                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                       ORDERED_WAIT: gl.constexpr, EXP_F32: gl.constexpr, num_warps: gl.constexpr):
+                                       num_warps: gl.constexpr):
         """Program (table row, head): BLOCK_M query rows of one frame against all its keys."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 16
@@ -192,7 +183,6 @@ if gluon is not None:
         start = gl.load(table_ptr + row * 4 + 1)
         end = gl.load(table_ptr + row * 4 + 2)
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        ones = (end >= start).to(gl.int32)  # 1, from the table at run time (ORDERED_WAIT's loop count)
         k_col = head * HEAD_DIM
         v_col = head * V_COLS
 
@@ -243,7 +233,7 @@ if gluon is not None:
 
         s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
+        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
         _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
                    BLOCK_N)
         for tile in range(1, n_tiles):
@@ -257,12 +247,7 @@ if gluon is not None:
             acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
             # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
             s = warpgroup_mma_wait(2, deps=(s,))
-            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N, EXP_F32)
-            if ORDERED_WAIT:
-                # a loop of one pass (ptxas cannot see its count) keeps the wait after the softmax: in one block
-                # ptxas schedules the wait first, and the softmax runs after P @ V rather than beneath it
-                for _ in range(ones):
-                    p0, p1 = warpgroup_mma_wait(0, deps=(p0, p1))
+            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)

@@ -1,0 +1,122 @@
+"""The Gluon vision attention compiled for sm_90 on any machine, GPU or not: its registers, spills and the machine
+code's counts, read off the cubin with the tools Triton ships (cuobjdump).
+
+Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
+current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
+Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--sass-dir DIR]   (prints one JSON object)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+HEADS, HEAD_DIM, V_COLS = 16, 72, 80
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    registers: int
+    stack_bytes: int
+    spill_instructions: int  # LDL/STL in the SASS
+    sass_instructions: int
+    hgmma: int
+    bar_sync: int
+    sass: str
+
+
+class _Sm90Target:
+    """What Triton's launcher asks of the active driver before it compiles, answered for an sm_90 device."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def _tool(name: str) -> str:
+    import triton
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} is not in this Triton install ({path})")
+    return str(path)
+
+
+def compile_attention(config) -> CompiledKernel:
+    """Compile the Gluon kernel for config (a GluonConfig) for sm_90, at the tower's shapes."""
+    from triton.runtime.driver import driver
+
+    from workers.model import vision_attention_gluon as vag
+    if vag.gluon is None:
+        raise RuntimeError("this Triton has no Gluon (triton.experimental.gluon)")
+    seq = 4096
+    q = torch.empty(seq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    values = torch.empty(seq, HEADS, V_COLS, dtype=torch.float16)
+    table = torch.empty(seq // config.block_m, 4, dtype=torch.int32)
+    out = torch.empty(seq, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    args, constants = vag.kernel_args(q, q, values, table, out, HEAD_DIM**-0.5, config)
+    previous = driver._active  # None until something asked for a driver (none can be made without a GPU)
+    driver.set_active(_Sm90Target())
+    try:
+        kernel = vag._gluon_vision_attention_kernel.warmup(*args, grid=(1,), **constants)
+    finally:
+        driver._active = previous
+    return read_cubin(kernel.asm["cubin"])
+
+
+def read_cubin(cubin: bytes) -> CompiledKernel:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    if not found:
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count: {usage[:400]}")
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return CompiledKernel(
+        registers=int(found.group(1)), stack_bytes=int(found.group(2)),
+        spill_instructions=sum(op.startswith(("LDL", "STL")) for op in ops), sass_instructions=len(ops),
+        hgmma=sum(op.startswith("HGMMA") for op in ops), bar_sync=sum(op.startswith("BAR.SYNC") for op in ops),
+        sass=sass)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from lab.bench.vision_attention import gluon_name, parse_gluon_configs
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="128:64:8:2", help="Gluon tiles, M:N:W:S")
+    p.add_argument("--sass-dir", type=Path, help="write each kernel's SASS here")
+    args = p.parse_args(argv)
+    result = {}
+    for config in parse_gluon_configs(args.configs):
+        compiled = compile_attention(config)
+        name = gluon_name(config)
+        if args.sass_dir:
+            args.sass_dir.mkdir(parents=True, exist_ok=True)
+            (args.sass_dir / f"{name}.sass").write_text(compiled.sass)
+        result[name] = {k: v for k, v in asdict(compiled).items() if k != "sass"}
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The Gluon vision attention as ptxas builds it for sm_90, checked on any machine (lab/kernels/sm90_compile.py,
+with the Triton that scripts/bootstrap.sh puts in .kernel-interpreter): its default tiles take the tensor cores'
+wgmma path and fit the registers that let two of its 256-thread programs share a multiprocessor (run94's choice)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / ".kernel-interpreter"
+REGISTERS_PER_SM = 65536
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
+    code = ("import json; from lab.kernels.sm90_compile import compile_attention; "
+            "from workers.model.vision_attention_gluon import DEFAULT_GLUON_CONFIG as c; "
+            "from dataclasses import asdict; k = compile_attention(c); "
+            "print(json.dumps({**{n: v for n, v in asdict(k).items() if n != 'sass'}, 'threads': 32 * c.num_warps}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["hgmma"] > 0  # wgmma, not the mma.sync path
+    assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
+    assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
