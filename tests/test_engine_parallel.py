@@ -20,6 +20,8 @@ from workers.kv_cache import KvExport
 from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink
 from workers.executor.rank_group import RankStartupError
+from workers.model_config import CheckpointError
+from tests.helpers.scheduler_spies import record_encodes
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -86,6 +88,45 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
         assert [kv.first_token_id] + out[: len(tokens["image"]) - 1] == tokens["image"]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["tower-split", "tower-on-rank-0"])
+def test_the_vision_tower_split_over_two_ranks_gives_the_single_process_tokens_whole_and_spread(
+        tiny_moe_checkpoint, single, split):
+    """engine.vision_tensor_parallel (the default): each rank holds its half of the tower's heads and MLP and runs
+    every tower call beside rank 0, whole images and a pass spread over steps alike (an encoder budget below the
+    image's cost while other requests run: one block a step); False keeps the whole tower on rank 0."""
+    tokens, _ = single
+    engine = make(tiny_moe_checkpoint, tensor_parallel_size=2, max_num_encoder_tokens=2, vision_tensor_parallel=split)
+    try:
+        tower = engine.executor.vision.tower
+        heads = tower.module.config.num_heads
+        assert tower.num_heads == (heads // 2 if split else heads)
+        assert tower.module.blocks[0].attn.qkv.weight.shape[0] == 3 * tower.num_heads * tower.head_dim
+        encoded = record_encodes(engine)
+        assert generate(engine) == tokens
+        depth = engine.scheduler.limits.vision.depth
+        assert [what for _, rid, what in encoded if rid == "image"] == [f"blocks {b}-{b}" for b in range(depth)]
+        # a request aborted mid-pass (every rank drops its pass), then the same image again from its first block
+        engine.add_request("again", PROMPTS["image"], GREEDY)
+        engine.add_request("other", PROMPTS["text"], GREEDY)
+        while not any(rid == "again" and what == "blocks 0-0" for _, rid, what in encoded):
+            engine.step()
+        engine.abort("again")
+        engine.add_request("again", PROMPTS["image"], GREEDY)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert out["again"] == tokens["image"]
+    finally:
+        engine.close()
+
+
+def test_a_tower_split_the_ranks_cannot_divide_fails_naming_the_key_before_any_rank_starts(tiny_moe_checkpoint):
+    with pytest.raises(CheckpointError, match=r"vision_config.num_heads = 2 is not divisible by tensor_parallel_size 4"):
+        make(tiny_moe_checkpoint, tensor_parallel_size=4)
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_parallel_layout_that_cannot_split_the_kv_heads_fails_naming_the_key(tiny_moe_checkpoint):

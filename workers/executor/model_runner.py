@@ -3,7 +3,8 @@
 Loads the model and the KV pool, turns a SchedulerOutput into a flat batch (positions, slot mapping,
 block tables, visual rows), runs the vision tower and the text tower, and samples the next tokens.
 In a multi-GPU instance there is one runner per rank: rank 0's prepares each step, sends it to the
-others (workers/executor/rank_group.py) and samples; every rank runs the text tower on its shard.
+others (workers/executor/rank_group.py) and samples; every rank runs the text tower on its shard, and with
+EngineConfig.vision_tensor_parallel its shard of every vision-tower call too (rank 0 keeps the outputs).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from workers.model import fused_moe
 from workers.inputs.mm_inputs import MultiModalInput
 from workers.model.moe import SparseMoeBlock
 from workers.model.text import Qwen3VLTextForEngine, VisualRows
-from workers.model.vision import TowerState, VisionEncoder
+from workers.model.vision import TowerState, VisionEncoder, check_vision_split
 from workers.model.vision_attention import warm_up_kernel
 from workers.parallel import TensorParallel
-from workers.executor.rank_group import RankGroup, StepInputs
+from workers.executor.rank_group import PassBlocks, RankGroup, StepInputs, TowerWork
 from workers.sampler import Sampler
 from workers.core.encoder_cache import ImageKey
 from workers.core.scheduler import ImageEncode, ScheduledChunk, SchedulerOutput
@@ -135,6 +136,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.ranks: RankGroup | None = None
+        if tp is None and config.tensor_parallel_size > 1 and config.vision_tensor_parallel:
+            check_vision_split(model_config.hf_config.vision_config, config.tensor_parallel_size)  # before any spawn
         if tp is None and config.tensor_parallel_size > 1:
             self.ranks = RankGroup(config, ModelRunner)
             tp = self.ranks.tp
@@ -146,11 +149,15 @@ class ModelRunner:
         text = model_config.text
         self.model = build_text_model(config, model_config, self.device, self.dtype, self.tp)
         checkpoint = None if config.load_format == "random" else config.checkpoint
-        self.vision: VisionEncoder | None = None  # rank 0's (the engine's); the other ranks run the text tower alone
-        if self.tp.rank == 0:
+        # rank 0's, and with vision_tensor_parallel every rank's shard of it (the other ranks keep no outputs)
+        self.vision: VisionEncoder | None = None
+        tower_tp = self.tp if self.tp.size > 1 and config.vision_tensor_parallel else None
+        if self.tp.rank == 0 or tower_tp is not None:
             tower = vision_module(model_config, checkpoint, self.device, self.dtype, config.seed)
             self.vision = VisionEncoder(model_config, tower, self.device, self.dtype,
-                                        fp8_linears=config.vision_precision == "fp8", attention=config.vision_attention)
+                                        fp8_linears=config.vision_precision == "fp8", attention=config.vision_attention,
+                                        tp=tower_tp)
+        self._shares_tower = self.ranks is not None and tower_tp is not None  # rank 0 sends every tower call
         self._kv_shape = (text.num_hidden_layers, config.block_size, text.num_key_value_heads // self.tp.size, text.head_dim)
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._kv_scales = None  # 1.0 each: a random-weight model, or a checkpoint without calibrated scales
@@ -207,8 +214,7 @@ class ModelRunner:
         if self.vision is not None:  # the tower's large-image attention kernel, which the warm-up's images skip
             tower = self.vision.tower
             report["vision_attention_kernel"] = warm_up_kernel(
-                tower.attention, tower.num_heads, tower.module.config.hidden_size // tower.num_heads, self.device,
-                self.dtype)
+                tower.attention, tower.num_heads, tower.head_dim, self.device, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report["text_steps_s"] = round(time.perf_counter() - t0, 2)
@@ -387,34 +393,49 @@ class ModelRunner:
 
     def _encode(self, encodes: list[ImageEncode]) -> None:
         """The listed vision-tower work: whole images in one pass together, then the blocks of passes spread over
-        steps (kept between steps as the tower's state). Outputs wait under their keys until freed."""
+        steps (kept between steps as the tower's state). Outputs wait under their keys until freed. A
+        tensor-parallel tower's other ranks get the same work first (rank_group.send_tower_work)."""
         if not encodes:
             return
         if self.vision is None:
             raise RuntimeError("the scheduler listed images to encode, but this model has no vision tower")
         whole = [e for e in encodes if not e.num_blocks]
-        if whole:
-            patches, grids = zip(*(self._image_patches(e) for e in whole))
-            embeds, deepstack = self.vision.encode(normalise_patches(torch.cat(patches), self.vision.dtype),
-                                                   torch.cat(grids))
-            sizes = [e.image.num_tokens for e in whole]
-            for n, (emb, *ds) in enumerate(zip(embeds.split(sizes), *(d.split(sizes) for d in deepstack))):
-                self._encoded[whole[n].key] = (emb, list(ds))
-        for e in encodes:
-            if not e.num_blocks:
-                continue
-            if e.first_block == 0:
-                patches, grid = self._image_patches(e)
-                self._passes[e.key] = self.vision.begin(normalise_patches(patches, self.vision.dtype), grid)
-            state = self._passes.get(e.key)
-            if state is None or state.next_block != e.first_block:
-                raise RuntimeError(f"image {e.image.index} of request {e.seq.request_id}: the scheduler listed blocks "
-                                   f"from {e.first_block}, the pass is at {None if state is None else state.next_block}")
-            self.vision.run_blocks(state, e.num_blocks)
+        patches, grids = zip(*(self._image_patches(e) for e in whole)) if whole else ((), ())
+        passes = [PassBlocks(e.key, e.first_block, e.num_blocks, *(self._image_patches(e) if e.first_block == 0
+                                                                    else (None, None)))
+                  for e in encodes if e.num_blocks]
+        work = TowerWork([(e.key, e.image.num_tokens) for e in whole], torch.cat(patches) if whole else None,
+                         torch.cat(grids) if whole else None, passes)
+        if self._shares_tower:
+            self.ranks.send_tower_work(work)
+        self.run_tower(work)
+
+    def run_tower(self, work: TowerWork) -> None:
+        """Runs one call's tower work on this rank (rank 0 keeps the outputs under their keys; the other ranks of a
+        tensor-parallel tower run their shard for its all-reduces and keep only the passes' states)."""
+        if work.whole_patches is not None:
+            out = self.vision.encode(normalise_patches(work.whole_patches, self.vision.dtype), work.whole_grids)
+            if out is not None:
+                embeds, deepstack = out
+                sizes = [tokens for _, tokens in work.whole]
+                for (key, _), emb, *ds in zip(work.whole, embeds.split(sizes), *(d.split(sizes) for d in deepstack)):
+                    self._encoded[key] = (emb, list(ds))
+        for blocks in work.passes:
+            if blocks.first_block == 0:
+                self._passes[blocks.key] = self.vision.begin(normalise_patches(blocks.patches, self.vision.dtype),
+                                                             blocks.grid)
+            state = self._passes.get(blocks.key)
+            if state is None or state.next_block != blocks.first_block:
+                request_id, index = blocks.key
+                raise RuntimeError(f"image {index} of request {request_id}: the scheduler listed blocks from "
+                                   f"{blocks.first_block}, the pass is at {None if state is None else state.next_block}")
+            self.vision.run_blocks(state, blocks.num_blocks)
             if state.next_block == self.vision.depth:
-                del self._passes[e.key]
-                emb, ds = self.vision.finish(state)
-                self._encoded[e.key] = (emb, list(ds))
+                del self._passes[blocks.key]
+                out = self.vision.finish(state)
+                if out is not None:
+                    emb, ds = out
+                    self._encoded[blocks.key] = (emb, list(ds))
 
     def _image_patches(self, encode: ImageEncode) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's uint8 patches on the device and its grid row: its resized pixels copied there (on CUDA from
@@ -426,7 +447,12 @@ class ModelRunner:
 
     def _drop_image(self, key: ImageKey) -> None:
         self._encoded.pop(key, None)
-        self._passes.pop(key, None)
+        if self.drop_pass(key) and self._shares_tower:
+            self.ranks.send(("vision_drop", key))
+
+    def drop_pass(self, key: ImageKey) -> bool:
+        """Forgets an unfinished tower pass (a dropped or released request's); whether there was one."""
+        return self._passes.pop(key, None) is not None
 
     # ---- request lifecycle ------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The processes of one multi-GPU model instance: rank 0 (the engine's own process: scheduler, vision tower,
-sampling) spawns ranks 1..n-1, each running the text tower only, and sends them every step's inputs.
+"""The processes of one multi-GPU model instance: rank 0 (the engine's own process: scheduler, sampling) spawns ranks
+1..n-1, each running its shard of the text tower (and, with EngineConfig.vision_tensor_parallel, of the vision
+tower), and sends them every step's inputs and every tower call's work, in the order rank 0 runs them.
 
-Control messages (small: the flat batch's host arrays, block tables) go down one pipe per rank, pickled;
-large tensors (visual embeddings, imported KV) follow as broadcasts on the instance's torch.distributed
-group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs. Ranks are spawned
+Control messages (small: the flat batch's host arrays, block tables, image grids) go down one pipe per rank,
+pickled; large tensors (visual embeddings, imported KV, the images' uint8 patches) follow as broadcasts on the
+instance's torch.distributed group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs. Ranks are spawned
 with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor that
 owns the instance's GPUs this is the same (the actor is rank 0).
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.config import EngineConfig
+from workers.core.encoder_cache import ImageKey
 from workers.executor.decode_graphs import StepBatch
 from workers.model.text import VisualRows
 from workers.parallel import TensorParallel
@@ -53,6 +55,29 @@ class StepInputs:
     batch: StepBatch
     visual: VisualRows | None
     imports: list[tuple[list[int], torch.Tensor]]  # (block table, KV [layers, 2, tokens, all kv heads, head_dim])
+
+
+@dataclass
+class PassBlocks:
+    """Blocks [first_block, first_block + num_blocks) of an image's tower pass spread over steps; patches (uint8
+    [n, 3, 256] on the device) and grid ([1, 3]) where the pass begins (first_block 0), else None."""
+
+    key: ImageKey
+    first_block: int
+    num_blocks: int
+    patches: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
+
+
+@dataclass
+class TowerWork:
+    """One call's vision-tower work, as every rank of a tensor-parallel tower runs it: whole images in one pass
+    together (their uint8 patches concatenated, grids [n, 3]), then the blocks of passes spread over steps."""
+
+    whole: list[tuple[ImageKey, int]]  # (key, visual tokens) of each whole image, in patch order
+    whole_patches: torch.Tensor | None
+    whole_grids: torch.Tensor | None
+    passes: list[PassBlocks]
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -177,6 +202,17 @@ class RankGroup:
         for _, kv in inputs.imports:  # FP8 rows as bytes: the collectives need not know float8
             dist.broadcast(kv.view(torch.uint8) if kv.dtype.itemsize == 1 else kv, 0, group=self.tp.group)
 
+    def send_tower_work(self, work: TowerWork) -> None:
+        """Rank 0 of a tensor-parallel tower: the call's keys, block ranges and patch shapes down the pipes, then
+        the patches by broadcast (whole images' first, then each beginning pass's, in list order)."""
+        shape = None if work.whole_patches is None else tuple(work.whole_patches.shape)
+        passes = [(p.key, p.first_block, p.num_blocks, p.grid, None if p.patches is None else tuple(p.patches.shape))
+                  for p in work.passes]
+        self.send(("encode", work.whole, shape, work.whole_grids, passes))
+        for patches in (work.whole_patches, *(p.patches for p in work.passes)):
+            if patches is not None:
+                dist.broadcast(patches.contiguous(), 0, group=self.tp.group)
+
     def close(self) -> None:
         self._closing.set()
         try:
@@ -226,6 +262,22 @@ def receive_step(
     return StepInputs(batch, visual, imports)
 
 
+def receive_tower_work(message: tuple, tp: TensorParallel, device: torch.device) -> TowerWork:
+    """Ranks 1..n-1: the tower work rank 0 sent (send_tower_work), its patches received by broadcast."""
+    _, whole, shape, grids, passes = message
+
+    def patches(shape: tuple[int, ...] | None) -> torch.Tensor | None:
+        if shape is None:
+            return None
+        out = torch.empty(shape, dtype=torch.uint8, device=device)
+        dist.broadcast(out, 0, group=tp.group)
+        return out
+
+    whole_patches = patches(shape)
+    return TowerWork(whole, whole_patches, grids,
+                     [PassBlocks(key, first, count, patches(pshape), grid) for key, first, count, grid, pshape in passes])
+
+
 def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe, build_runner: Callable) -> None:
     """Body of rank r >= 1: build this rank's shard of the model, then serve rank 0's messages until told to stop
     (or until rank 0's end of the pipe closes)."""
@@ -248,6 +300,10 @@ def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe, build_ru
             break
         if kind == "step":
             runner.forward(receive_step(message, tp, runner.device, runner.dtype, runner.kv_dtype, runner.model_config.text.hidden_size), [])
+        elif kind == "encode":
+            runner.run_tower(receive_tower_work(message, tp, runner.device))
+        elif kind == "vision_drop":
+            runner.drop_pass(message[1])
         elif kind == "gather_kv":
             runner.gather_kv(message[1], message[2])
         else:

@@ -6,6 +6,13 @@ equal-size frames, the patch-embedding Conv3d as a GEMM, position and rotary tab
 VisionEncoder.encode() turns pixel patches of several images into main embeddings plus the DeepStack features.
 With fp8_linears (EngineConfig.vision_precision "fp8") the blocks' four linears hold e4m3 weights with one scale per
 output row, quantised at load, and run W8A8 with per-token activations (workers/model/fp8_gemm.py).
+
+Tensor parallel (a TensorParallel of size n > 1, EngineConfig.vision_tensor_parallel): each rank keeps its n-th of
+the blocks' attention heads and MLP columns (shard_vision_blocks), as Megatron-LM splits a transformer layer and
+vLLM's Qwen2.5-VL vision blocks do (qkv and fc1 column-parallel, proj and fc2 row-parallel, their partial outputs
+summed by one all-reduce each, the bias added after it). A rank does 1/n of the attention, the tower's cost on a
+large image, so a lone image's pass takes about 1/n of the time. Every rank holds the whole residual stream; the
+mergers (DeepStack and final) run where the outputs are kept, rank 0.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from workers.checkpoint_quant import BlockShape
 from workers.model.fp8 import quantize_weight_blocks
 from workers.model.vision_attention import IMPLEMENTATIONS, AttentionPlan, vision_attention
 from workers.model.vision_kernels import add_layer_norm, rotary_qk
-from workers.model_config import ModelConfig
+from workers.model_config import CheckpointError, ModelConfig
+from workers.parallel import TensorParallel
 
 TABLE_CACHE_BYTES = 256 << 20  # per-grid position/rotary tables kept on the device (~2.7 MB per 1024-patch grid)
 
@@ -135,22 +143,29 @@ class TowerState:
 class VisionTower:
     """Our forward over a transformers Qwen3-VL vision module's parameters (the module itself is not run).
     gelu_epilogue: on CUDA, the blocks' fc1 + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (one rounding
-    instead of two; elsewhere the unfused pair, since the CPU kernel's epilogue is the erf GELU)."""
+    instead of two; elsewhere the unfused pair, since the CPU kernel's epilogue is the erf GELU).
+    tp: with size n > 1, the module's blocks are cut to this rank's shard here (shard_vision_blocks) and every rank
+    of the group runs the same calls in the same order (their all-reduces); only rank 0 returns outputs."""
 
     def __init__(self, module: nn.Module, gelu_epilogue: bool = False, fp8_linears: bool = False,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", tp: TensorParallel | None = None):
         config = module.config
         if attention not in IMPLEMENTATIONS:
             raise ValueError(f"vision attention {attention!r}: expected one of {IMPLEMENTATIONS}")
         self.attention = attention  # EngineConfig.vision_attention
         if gelu_epilogue and config.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"gelu_epilogue computes gelu_pytorch_tanh, the config's hidden_act is {config.hidden_act!r}")
+        self.tp = tp or TensorParallel()
+        if self.tp.size > 1:
+            shard_vision_blocks(module, self.tp)  # before quantising: the FP8 row scales are the shard's
         self.module = module
         self.gelu_epilogue = gelu_epilogue
         # the blocks' linears in e4m3 (one scale per output row), keyed by module; their float weights are dropped
         self.fp8: dict[nn.Module, Fp8Weight] = quantize_block_linears(module) if fp8_linears else {}
         self.patch = PatchLinear(module.patch_embed.proj)
-        self.num_heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        self.num_heads = config.num_heads // self.tp.size  # this rank's
+        self.keeps_outputs = self.tp.rank == 0  # the mergers run on rank 0 alone
         self.merge_unit = config.spatial_merge_size**2
         self.deepstack = dict(zip(config.deepstack_visual_indexes, module.deepstack_merger_list))
         self.tables = GridTables(module.pos_embed, module.rotary_pos_emb.inv_freq, config.spatial_merge_size)
@@ -159,9 +174,11 @@ class VisionTower:
     def depth(self) -> int:
         return len(self.module.blocks)
 
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """pixel_values [patches, C*T*P*P] (activation dtype, device), grid_thw [n, 3] -> (embeds [patches / 4, out],
-        DeepStack features [[patches / 4, out], ...]) as transformers' module returns them."""
+        DeepStack features [[patches / 4, out], ...]) as transformers' module returns them (None where finish
+        keeps no outputs)."""
         state = self.begin(pixel_values, grid_thw)
         self.run_blocks(state, self.depth)
         return self.finish(state)
@@ -194,13 +211,17 @@ class VisionTower:
                     merger.norm.bias, merger.norm.eps,
                 )
                 state.residual, state.pending = residual.view(state.pending.shape), None
-                state.features.append(self._merger_mlp(merger, normed))
+                if self.keeps_outputs:
+                    state.features.append(self._merger_mlp(merger, normed))
             state.next_block = index + 1
 
-    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The final merger over the last block's output (every block must have run)."""
+    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The final merger over the last block's output (every block must have run); None on a rank that keeps no
+        outputs (ranks 1..n-1 of a tensor-parallel tower)."""
         if state.next_block != self.depth:
             raise RuntimeError(f"vision tower state at block {state.next_block} of {self.depth}: not finished")
+        if not self.keeps_outputs:
+            return None
         merger = self.module.merger
         normed, _ = add_layer_norm(state.residual, state.pending, merger.norm.weight, merger.norm.bias, merger.norm.eps)
         return self._merger_mlp(merger, normed.view(-1, normed.shape[1] * self.merge_unit)), state.features
@@ -209,7 +230,7 @@ class VisionTower:
                    plan: AttentionPlan) -> torch.Tensor:
         """Bidirectional attention within each frame (workers/model/vision_attention.py)."""
         q, k, v = rotary_qk(self._linear(attn.qkv, x), cos, sin, self.num_heads)
-        return self._linear(attn.proj, vision_attention(q, k, v, plan, attn.scaling, self.attention))
+        return self._row_parallel(attn.proj, vision_attention(q, k, v, plan, attn.scaling, self.attention))
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
@@ -217,17 +238,64 @@ class VisionTower:
             h = torch._addmm_activation(fc1.bias, x, fc1.weight.t(), use_gelu=True)
         else:
             h = mlp.act_fn(self._linear(fc1, x))
-        return self._linear(fc2, h)
+        return self._row_parallel(fc2, h)
 
-    def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj and fc2: this rank's input columns, the ranks' partial sums added by an all-reduce, then the bias."""
+        if self.tp.size == 1:
+            return self._linear(linear, x)
+        out = self.tp.all_reduce(self._linear(linear, x, bias=False))
+        return out if linear.bias is None else out.add_(linear.bias)
+
+    def _linear(self, linear: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        b = linear.bias if bias else None
         quantised = self.fp8.get(linear)
         if quantised is None:
-            return F.linear(x, linear.weight, linear.bias)
-        return fp8_gemm.fp8_linear(x, quantised.weight, quantised.scale, quantised.block, linear.bias)
+            return F.linear(x, linear.weight, b)
+        return fp8_gemm.fp8_linear(x, quantised.weight, quantised.scale, quantised.block, b)
 
     @staticmethod
     def _merger_mlp(merger: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         return merger.linear_fc2(merger.act_fn(merger.linear_fc1(normed)))
+
+
+def check_vision_split(vision_config, size: int) -> None:
+    """Raises naming the vision_config key that `size` ranks cannot split (heads, MLP columns)."""
+    for key in ("num_heads", "intermediate_size"):
+        value = getattr(vision_config, key)
+        if value % size:
+            raise CheckpointError(f"vision_config.{key} = {value} is not divisible by tensor_parallel_size {size} "
+                                  "(engine.vision_tensor_parallel splits the tower's heads and MLP)")
+
+
+@torch.no_grad()
+def shard_vision_blocks(module: nn.Module, tp: TensorParallel) -> None:
+    """Cuts each block's linears to rank tp.rank's shard, in place: qkv's rows and bias to this rank's heads (the
+    rows are [q | k | v] x heads x head_dim), proj's input columns to the same heads, fc1's rows and bias and fc2's
+    input columns to this rank's n-th of the MLP. proj's and fc2's biases stay whole (added once, after the
+    all-reduce). Raises naming the vision_config key that tp.size does not divide."""
+    config = module.config
+    check_vision_split(config, tp.size)
+    heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
+    lo, hi = tp.part(heads)
+    inter_lo, inter_hi = tp.part(config.intermediate_size)
+
+    def keep(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+        linear.out_features, linear.in_features = linear.weight.shape
+
+    for block in module.blocks:
+        qkv, proj = block.attn.qkv, block.attn.proj
+        rows = qkv.weight.view(3, heads, head_dim, -1)[:, lo:hi].reshape(-1, qkv.in_features)
+        bias = None if qkv.bias is None else qkv.bias.view(3, heads, head_dim)[:, lo:hi].reshape(-1)
+        keep(qkv, rows, bias)
+        keep(proj, proj.weight[:, lo * head_dim : hi * head_dim], None)
+        fc1, fc2 = block.mlp.linear_fc1, block.mlp.linear_fc2
+        keep(fc1, fc1.weight[inter_lo:inter_hi], None if fc1.bias is None else fc1.bias[inter_lo:inter_hi])
+        keep(fc2, fc2.weight[:, inter_lo:inter_hi], None)
+        block.attn.num_heads = hi - lo
 
 
 @dataclass(frozen=True)
@@ -274,14 +342,14 @@ class VisionEncoder:
 
     def __init__(
         self, model_config: ModelConfig, module: nn.Module, device: torch.device, dtype: torch.dtype,
-        fp8_linears: bool = False, attention: str = "sdpa",
+        fp8_linears: bool = False, attention: str = "sdpa", tp: TensorParallel | None = None,
     ):
         # Built in dtype on the device (.to(dtype) would also round the float32 inv_freq); inference only.
         self.model = module.eval().requires_grad_(False)
         # fc1 + GELU as one cuBLASLt epilogue on CUDA: 3% faster, and as close to float32 as transformers' bf16 module
         # (scripts/bench_vision.py, 2026-11-30 H200: relative error 0.0137 vs its 0.0140, 2.16 vs 2.23 ms per image).
         self.tower = VisionTower(self.model, gelu_epilogue=self.model.config.hidden_act == "gelu_pytorch_tanh",
-                                 fp8_linears=fp8_linears, attention=attention)
+                                 fp8_linears=fp8_linears, attention=attention, tp=tp)
         self.device = device
         self.dtype = dtype
         self.spatial_merge_unit = model_config.spatial_merge_size**2
@@ -291,8 +359,10 @@ class VisionEncoder:
         return self.tower.depth
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """pixel_values [patches, C*T*P*P], grid_thw [n, 3] -> (embeds [tokens, H], DeepStack [[tokens, H], ...])."""
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+               ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """pixel_values [patches, C*T*P*P], grid_thw [n, 3] -> (embeds [tokens, H], DeepStack [[tokens, H], ...]);
+        None on ranks 1..n-1 of a tensor-parallel tower."""
         return self.tower(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw)
 
     @torch.inference_mode()
@@ -305,5 +375,5 @@ class VisionEncoder:
         self.tower.run_blocks(state, count)
 
     @torch.inference_mode()
-    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def finish(self, state: TowerState) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         return self.tower.finish(state)
