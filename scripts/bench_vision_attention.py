@@ -1,7 +1,8 @@
 """The vision tower's attention, every implementation side by side (lab/bench/vision_attention.py); prints one
 JSON object.
 Usage: python -m scripts.bench_vision_attention [--patches 4096,16384,35344,62500] [--reps N] [--configs ...]
-                                                [--fp8-configs ...] [--tower-side 250] [--accuracy-side 128] [--out FILE]
+                                                [--fp8-configs ...] [--tower-side 250] [--tower-shards 2,4,8]
+                                                [--accuracy-side 128] [--out FILE]
 """
 
 import sys

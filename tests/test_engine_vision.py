@@ -4,16 +4,19 @@ size are planned into one attention run, and the per-grid tables are built once 
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 from tests.helpers.vision_reference import GRIDS, pixels_for, randomized_module, relative_error, transformers_output
-from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, frame_runs
-from workers.model_config import load_model_config
+from workers.model.vision import GridTables, PatchLinear, VisionEncoder, VisionTower, frame_runs, shard_vision_blocks
+from workers.model_config import CheckpointError, load_model_config
+from workers.parallel import TensorParallel
 from workers.tiny_checkpoint import released_config, transformers_config
 
 
@@ -180,3 +183,70 @@ def test_the_gelu_epilogue_is_refused_for_another_activation(tiny_vision):
     module.config.hidden_act = "silu"
     with pytest.raises(ValueError, match="hidden_act is 'silu'"):
         VisionTower(module, gelu_epilogue=True)
+
+
+class ThreadRanks:
+    """n ranks of a tensor-parallel group as threads of this process: all_reduce sums every rank's tensor (in rank
+    order, the same sum on each) once all have reached it, as torch.distributed's would."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.parts: list[torch.Tensor | None] = [None] * size
+
+    def rank(self, rank: int) -> TensorParallel:
+        ranks = self
+
+        class Rank(TensorParallel):
+            def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+                ranks.parts[self.rank] = x.clone()
+                ranks.barrier.wait()
+                total = torch.stack(ranks.parts).sum(0)
+                ranks.barrier.wait()  # every rank has read the parts before the next all-reduce writes them
+                return x.copy_(total)
+
+        return Rank(rank, ranks.size)
+
+    def run(self, fn):
+        """fn(rank) on every rank at once, in inference mode; their results in rank order."""
+        def body(rank):
+            with torch.inference_mode():
+                return fn(rank)
+
+        with concurrent.futures.ThreadPoolExecutor(self.size) as pool:
+            return list(pool.map(body, range(self.size)))
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["whole", "spread-over-steps"])
+def test_a_tower_split_over_two_ranks_gives_transformers_output_on_rank_0(tiny_vision, spread):
+    """engine.vision_tensor_parallel: each rank holds its half of every block's heads and MLP columns; with the two
+    all-reduces a block, rank 0's outputs are the whole module's (a pass run whole, or block by block as the
+    engine spreads one over steps); the other rank keeps none."""
+    grid = torch.tensor(GRIDS)
+    pixels = pixels_for(GRIDS, tiny_vision.patch_embed.proj.weight[0].numel())
+    expected, expected_stack = transformers_output(tiny_vision, pixels, grid)
+    ranks = ThreadRanks(2)
+    towers = [VisionTower(copy.deepcopy(tiny_vision), tp=ranks.rank(r)) for r in range(2)]
+    heads = tiny_vision.config.num_heads
+    assert [t.num_heads for t in towers] == [heads // 2] * 2
+    assert towers[0].module.blocks[0].mlp.linear_fc1.weight.shape[0] == tiny_vision.config.intermediate_size // 2
+
+    def encode(rank):
+        tower = towers[rank]
+        if not spread:
+            return tower(pixels, grid)
+        state = tower.begin(pixels, grid)
+        while state.next_block < tower.depth:
+            tower.run_blocks(state, 1)
+        return tower.finish(state)
+
+    (embeds, stack), other = ranks.run(encode)
+    assert other is None
+    torch.testing.assert_close(embeds, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(stack, expected_stack, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_the_ranks_cannot_divide_names_the_vision_config_key(tiny_vision):
+    with pytest.raises(CheckpointError, match=r"vision_config.num_heads = 2 is not divisible by tensor_parallel_size 4"):
+        shard_vision_blocks(copy.deepcopy(tiny_vision), TensorParallel(0, 4))

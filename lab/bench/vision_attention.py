@@ -10,8 +10,13 @@ strided view of the fused qkv), at each --patches count as one frame:
 - `varlen`: one step's mix of images in one call (SDPA: one call per run of equal sizes; ours: one launch).
 - `tower` (--tower-side S): the whole 235B tower (random weights) on one S x S-patch image with each attention, ms
   (median), and the outputs' error against transformers' float32 module on --accuracy-side A.
+- `tower_shards` (--tower-shards 2,4,8): one rank's part of the tower split n ways (engine.vision_tensor_parallel:
+  rank 0's n-th of the heads and MLP, workers/model/vision.py) on the same image, on this one GPU, with the
+  all-reduces left out: what each rank of an n-GPU instance computes. all_reduce_mib_per_pass is what its two
+  all-reduces a block move (each rank's [patches, hidden] bf16 sums), for the interconnect's share.
 Usage: python -m scripts.bench_vision_attention [--patches 4096,16384,35344,62500] [--reps N]
-       [--configs M:N:W:S,...] [--fp8-configs ...] [--tower-side 250] [--accuracy-side 128] [--out FILE]
+       [--configs M:N:W:S,...] [--fp8-configs ...] [--tower-side 250] [--tower-shards 2,4,8] [--accuracy-side 128]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lab.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
 from workers.model.vision_attention_gluon import GluonConfig
 from workers.model.vision import VisionTower, build_vision_module
+from workers.parallel import TensorParallel
 from workers.tiny_checkpoint import released_config, transformers_config
 from workers.weights import init_random_weights
 
@@ -197,6 +203,29 @@ def bench_tower(module, side: int, accuracy_side: int, configs: dict, reps: int,
     return out
 
 
+class OneRankOfN(TensorParallel):
+    """Rank 0 of an n-way split, alone on one GPU: its all-reduces return their input (the bench leaves them out)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def bench_tower_shards(module, side: int, shards: list[int], attention: str, reps: int, device: str) -> dict:
+    """One rank's part of the tower split n ways, for each n in shards, on one side x side image: ms (median)."""
+    in_features = module.patch_embed.proj.weight[0].numel()
+    grid = torch.tensor([[1, side, side]])
+    x = torch.randn(side * side, in_features, device=device).to(torch.bfloat16)
+    config = module.config
+    out: dict = {"patches": side * side, "attention": attention, "all_reduces_left_out": True,
+                 "all_reduce_mib_per_pass": round(2 * config.depth * side * side * config.hidden_size * 2 / 2**20)}
+    for n in shards:
+        tower = VisionTower(copy.deepcopy(module), gelu_epilogue=True, attention=attention, tp=OneRankOfN(0, n))
+        out[f"one_rank_of_{n}_ms"] = round(median_ms(lambda t=tower: t(x, grid), reps), 1)
+        del tower
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--patches", default="4096,16384,35344,62500")
@@ -207,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
     p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
+    p.add_argument("--tower-shards", default="", help="n,...: one rank's part of the tower split n ways (no "
+                   "all-reduces), on the --tower-side image with the chosen attention")
     p.add_argument("--accuracy-side", type=int, default=128)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -239,6 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
             module = tower_module(device, torch.bfloat16)
             result["tower"] = bench_tower(module, args.tower_side, args.accuracy_side, best, max(3, args.reps // 2),
                                           device)
+            if args.tower_shards:
+                result["tower_shards"] = bench_tower_shards(
+                    module, args.tower_side, [int(n) for n in args.tower_shards.split(",")], "auto",
+                    max(3, args.reps // 2), device)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)
