@@ -4,9 +4,9 @@ tower), and sends them every step's inputs and every tower call's work, in the o
 
 Control messages (small: the flat batch's host arrays, block tables, image grids) go down one pipe per rank,
 pickled; large tensors (visual embeddings, imported KV, the images' uint8 patches) follow as broadcasts on the
-instance's torch.distributed group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs. Ranks are spawned
-with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor that
-owns the instance's GPUs this is the same (the actor is rank 0).
+instance's torch.distributed group (NCCL on CUDA, gloo on CPU), so nothing large crosses the host between GPUs.
+Ranks are spawned with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor
+that owns the instance's GPUs this is the same (the actor is rank 0).
 
 Start-up never waits silently: each rank reports its phase up its pipe; rank 0 joins the process group only
 once every rank is up, and a watcher thread names a rank that exits (aborting the group, so a collective
@@ -205,10 +205,14 @@ class RankGroup:
     def send_tower_work(self, work: TowerWork) -> None:
         """Rank 0 of a tensor-parallel tower: the call's keys, block ranges and patch shapes down the pipes, then
         the patches by broadcast (whole images' first, then each beginning pass's, in list order)."""
-        shape = None if work.whole_patches is None else tuple(work.whole_patches.shape)
-        passes = [(p.key, p.first_block, p.num_blocks, p.grid, None if p.patches is None else tuple(p.patches.shape))
-                  for p in work.passes]
-        self.send(("encode", work.whole, shape, work.whole_grids, passes))
+        def listed(t: torch.Tensor | None):  # shapes and grids as plain lists down the pipes
+            return None if t is None else t.tolist()
+
+        def shape(t: torch.Tensor | None):
+            return None if t is None else tuple(t.shape)
+
+        passes = [(p.key, p.first_block, p.num_blocks, listed(p.grid), shape(p.patches)) for p in work.passes]
+        self.send(("encode", work.whole, shape(work.whole_patches), listed(work.whole_grids), passes))
         for patches in (work.whole_patches, *(p.patches for p in work.passes)):
             if patches is not None:
                 dist.broadcast(patches.contiguous(), 0, group=self.tp.group)
@@ -273,9 +277,12 @@ def receive_tower_work(message: tuple, tp: TensorParallel, device: torch.device)
         dist.broadcast(out, 0, group=tp.group)
         return out
 
-    whole_patches = patches(shape)
-    return TowerWork(whole, whole_patches, grids,
-                     [PassBlocks(key, first, count, patches(pshape), grid) for key, first, count, grid, pshape in passes])
+    def grid(rows: list | None) -> torch.Tensor | None:
+        return None if rows is None else torch.tensor(rows)
+
+    whole_patches = patches(shape)  # the broadcasts in send_tower_work's order
+    return TowerWork(whole, whole_patches, grid(grids), [PassBlocks(key, first, count, patches(pshape), grid(rows))
+                                                         for key, first, count, rows, pshape in passes])
 
 
 def _rank_main(config: EngineConfig, rank: int, init_method: str, pipe, build_runner: Callable) -> None:
