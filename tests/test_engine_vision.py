@@ -250,3 +250,16 @@ def test_a_tower_split_over_two_ranks_gives_transformers_output_on_rank_0(tiny_v
 def test_a_split_the_ranks_cannot_divide_names_the_vision_config_key(tiny_vision):
     with pytest.raises(CheckpointError, match=r"vision_config.num_heads = 2 is not divisible by tensor_parallel_size 4"):
         shard_vision_blocks(copy.deepcopy(tiny_vision), TensorParallel(0, 4))
+
+
+def test_bench_vision_tp_runs_two_gloo_ranks_beside_the_whole_tower_and_matches_it(tmp_path, capsys):
+    """scripts/bench_vision_tp.py's CPU smoke mode: two processes with the real collectives; the split tower's
+    outputs are the whole tower's (float32), and the JSON carries both times."""
+    from lab.bench import vision_tp
+
+    out = tmp_path / "tp.json"
+    result = vision_tp.main(["--shape", "tiny", "--ranks", "2", "--reps", "1", "--out", str(out)])
+    assert json.loads(capsys.readouterr().out) == result == json.loads(out.read_text())
+    assert result["ranks"] == 2 and result["patches"] == 64
+    assert result["whole_ms"] > 0 and result["split_ms"] > 0 and result["all_reduces_ms"] > 0
+    assert result["error_vs_whole"] < 1e-5
