@@ -16,7 +16,7 @@ from contract.wire import pb, pb_grpc
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
-from workers.serve.server import WorkerServer
+from workers.serve.server import WorkerServer, WorkerServicer
 from workers.serve.worker_build import WorkerSettings
 from workers.sim.instant_engine import InstantEngine
 
@@ -207,6 +207,64 @@ def test_cancelled_call_aborts_the_engine_request():
                     break
                 await asyncio.sleep(0.02)
             assert "x" in w.engine.aborted
+
+    run(body())
+
+
+class CallContext:
+    """What Generate uses of grpc.aio's ServicerContext; end() runs the done callbacks, as gRPC does when a call
+    ends."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code, details):
+        raise AssertionError(f"{code}: {details}")
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+def test_a_call_that_ends_while_its_chunk_is_written_aborts_the_engine_request_once():
+    """gRPC cancels a call it is writing a chunk of in its own code: the handler stays suspended at its yield
+    (closed only when collected) while its pump reads on. The call's end aborts the engine's request all the same,
+    and closing the handler later does not abort it again (CI, 2026-12-06: a stop string's cancel that landed so
+    left the worker generating to max_tokens)."""
+    async def body():
+        engine = InstantEngine(step_delay_s=0.002)
+        servicer = WorkerServicer(WorkerServer(engine, WorkerSettings("wt")))
+        context = CallContext()
+        stream = servicer.Generate(request("w", max_tokens=2000), context)
+        await anext(stream)  # the first chunk, which gRPC now writes while the caller goes away
+        context.end()
+        for _ in range(200):
+            if "w" in engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == ["w"] and engine.steps < 2000
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        assert engine.aborted == ["w"]
+
+    run(body())
+
+
+def test_a_call_that_ends_after_its_final_chunk_aborts_nothing():
+    async def body():
+        engine = InstantEngine(step_delay_s=0.001)
+        context = CallContext()
+        chunks = [c async for c in WorkerServicer(WorkerServer(engine, WorkerSettings("wt"))).Generate(
+            request("done", max_tokens=5), context)]
+        context.end()
+        await asyncio.sleep(0.05)
+        assert chunks[-1].finish_reason == pb.LENGTH and engine.aborted == []
 
     run(body())
 

@@ -123,15 +123,35 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                  kv_import=kv_import, latency_bound_s=request.latency_bound_s)
         outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
+        ended = aborted = False  # the engine's request ended (its final chunk, or preempted); it was aborted here
+
+        async def abort() -> None:  # the caller went away: free the engine's slot and KV now, once
+            nonlocal aborted
+            if not (ended or aborted):
+                aborted = True
+                await s.engine.abort(rid)
+
+        # A call cancelled while gRPC writes a chunk leaves this generator suspended at its yield, not cancelled: the
+        # CancelledError is gRPC's, and the generator closes whenever it is collected, while coalesce's pump keeps
+        # reading the engine's outputs. So the call's own end aborts a request that has not ended.
+        loop = asyncio.get_running_loop()
+
+        def call_ended(_context) -> None:
+            if not (ended or aborted):
+                loop.call_soon_threadsafe(s.in_background, abort())
+
+        context.add_done_callback(call_ended)
         try:
             async for chunk in s.coalesce(rid, outputs, request.stream_interval, request.final_chunk_only):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
                     chunk.kv_handle.CopyFrom(await s.hold_kv(rid, chunk.token_ids[-1], len(request.prompt_token_ids)))
+                ended = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield chunk
         except Preempted as exc:
+            ended = True
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: {exc}")
         except asyncio.CancelledError:
-            await s.engine.abort(rid)  # the caller went away: free the engine's slot and KV now
+            await abort()
             raise
         finally:
             s.running.discard(rid)
@@ -190,6 +210,13 @@ class WorkerServer:
         self._peers: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self._reporter: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def in_background(self, coro) -> None:
+        """Runs coro as a task this server holds until it is done (the loop keeps only weak references to tasks)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def address(self) -> str:
