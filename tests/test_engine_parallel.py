@@ -93,7 +93,7 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
 @pytest.mark.parametrize("split", [True, False], ids=["tower-split", "tower-on-rank-0"])
 def test_the_vision_tower_split_over_two_ranks_gives_the_single_process_tokens_whole_and_spread(
         tiny_moe_checkpoint, single, split):
-    """engine.vision_tensor_parallel (the default): each rank holds its half of the tower's heads and MLP and runs
+    """engine.vision_tensor_parallel: each rank holds its half of the tower's heads and MLP and runs
     every tower call beside rank 0, whole images and a pass spread over steps alike (an encoder budget below the
     image's cost while other requests run: one block a step); False keeps the whole tower on rank 0."""
     tokens, _ = single
@@ -125,7 +125,7 @@ def test_the_vision_tower_split_over_two_ranks_gives_the_single_process_tokens_w
 
 def test_a_tower_split_the_ranks_cannot_divide_fails_naming_the_key_before_any_rank_starts(tiny_moe_checkpoint):
     with pytest.raises(CheckpointError, match=r"vision_config.num_heads = 2 is not divisible by tensor_parallel_size 4"):
-        make(tiny_moe_checkpoint, tensor_parallel_size=4)
+        make(tiny_moe_checkpoint, tensor_parallel_size=4, vision_tensor_parallel=True)
     assert not torch.distributed.is_initialized()
 
 
@@ -176,8 +176,10 @@ def test_a_rank_that_dies_while_starting_fails_the_instance_naming_the_rank_and_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
-def test_two_gpu_ranks_in_bfloat16_give_the_single_gpu_greedy_tokens(tiny_moe_checkpoint, expert_parallel):
+@pytest.mark.parametrize("expert_parallel,split_tower", [(False, False), (True, False), (False, True)],
+                         ids=["tp2", "ep2", "tp2-split-tower"])
+def test_two_gpu_ranks_in_bfloat16_give_the_single_gpu_greedy_tokens(tiny_moe_checkpoint, expert_parallel,
+                                                                      split_tower):
     # A fixed KV pool: sizing it from free memory would see the reference engine's memory (CUDA graph pools are
     # not returned at once) and differ per rank. Start-up problems of rank 1 surface as RankStartupError or as
     # the rank watcher's log lines (run with -s --log-cli-level=WARNING).
@@ -188,7 +190,8 @@ def test_two_gpu_ranks_in_bfloat16_give_the_single_gpu_greedy_tokens(tiny_moe_ch
     del reference
     gc.collect()
     torch.cuda.empty_cache()
-    engine = make(tiny_moe_checkpoint, **gpu, tensor_parallel_size=2, expert_parallel=expert_parallel)
+    engine = make(tiny_moe_checkpoint, **gpu, tensor_parallel_size=2, expert_parallel=expert_parallel,
+                  vision_tensor_parallel=split_tower)
     try:
         got = generate(engine)
     finally:

@@ -153,9 +153,11 @@ class EngineConfig(BaseModel):
         "its E/n experts for every token) instead of splitting every expert's intermediate dimension."
     )
     vision_tensor_parallel: bool = Field(
-        True, description="With tensor_parallel_size > 1: split the vision tower's attention heads and MLP over the "
+        False, description="With tensor_parallel_size > 1: split the vision tower's attention heads and MLP over the "
         "ranks (each rank runs 1/n of every tower pass, two all-reduces a block; workers/model/vision.py), so a large "
-        "image's pass takes about 1/n of the time. False: rank 0 runs the whole tower while the other ranks wait."
+        "image's pass should take about 1/n of the time. False: rank 0 runs the whole tower while the other ranks "
+        "wait. Off by default until it has run on GPUs (token-exact on CPU with gloo ranks; its NCCL path and speed-up "
+        "unmeasured: benchmarks/README.md, twenty-eighth pass)."
     )
 
     @model_validator(mode="after")

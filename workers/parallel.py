@@ -9,8 +9,8 @@ Layout (one process per rank, TP group = all ranks of the instance):
   expert_parallel=True: experts split whole (rank r owns experts [r*E/size, (r+1)*E/size)), every token
   routed on every rank, each rank computes its local experts only; one all-reduce either way.
 * embeddings, norms, router and lm_head: replicated (sampling runs on rank 0).
-* the vision tower (EngineConfig.vision_tensor_parallel, the default): heads and MLP split as the text layers'
-  are, the mergers on rank 0 (workers/model/vision.py, shard_vision_blocks); else whole on rank 0.
+* the vision tower: whole on rank 0, or with EngineConfig.vision_tensor_parallel its heads and MLP split as the
+  text layers' are, the mergers on rank 0 (workers/model/vision.py, shard_vision_blocks).
 """
 
 from __future__ import annotations
