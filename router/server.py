@@ -34,18 +34,37 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.registry = registry
         self.dispatcher = dispatcher
         self._on_registered = on_registered  # async callback: health must say SERVING as soon as a worker is in
+        self._closing: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
         chunks = 0
+        ended = False  # the final chunk was sent
+        stream = self.dispatcher.generate(request, context.time_remaining())
+        loop = asyncio.get_running_loop()
+
+        def call_ended(_context) -> None:
+            # gRPC cancels a call it is writing a chunk of in its own code: this generator then stays suspended at
+            # its yield, holding the request's admission slot and its worker's call until it is collected. The
+            # call's end closes the dispatcher's stream instead (nothing to do where it has ended).
+            if not ended:
+                loop.call_soon_threadsafe(self._close, stream)
+
+        context.add_done_callback(call_ended)
         try:
-            async for chunk in self.dispatcher.generate(request, context.time_remaining()):
+            async for chunk in stream:
                 chunks += 1
+                ended = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield chunk
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:  # the caller cancelled, or its transport did: say which request, and when
             log.warning("request %s: the caller's call was cancelled after %d chunks", request.request_id, chunks)
             raise
+
+    def _close(self, stream) -> None:
+        task = asyncio.get_running_loop().create_task(_close_stream(stream))
+        self._closing.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._closing.discard)
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.dispatcher.abort(request.request_id))
@@ -64,6 +83,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 
     async def ListWorkers(self, request, context):
         return worker_list(self.registry)
+
+
+async def _close_stream(stream) -> None:
+    """Closes a dispatcher stream left suspended (its finally blocks free the slot and cancel the worker's call);
+    one still running is being cancelled already."""
+    with contextlib.suppress(RuntimeError):
+        await stream.aclose()
 
 
 def worker_list(registry: Registry) -> pb.WorkerList:

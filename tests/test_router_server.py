@@ -16,6 +16,8 @@ from contract.types import FinishReason, RequestOutput
 from contract.wire import pb
 from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
+from router.server import RouterServicer
+from tests.helpers.call_context import CallContext
 from tests.helpers.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
 from workers.request_options import NO_OPTIONS
 from workers.serve.server import WorkerServicer
@@ -94,6 +96,25 @@ def test_client_cancel_aborts_the_engine_request_upstream(mode):
             await stream.aclose()  # the caller goes away
             await wait_until(lambda: "gone#1" in c.engines[0].aborted)
             await wait_until(lambda: c.router.registry.entries()[0].inflight == 0)
+
+    run(body())
+
+
+def test_a_call_that_ends_while_the_router_writes_its_chunk_frees_the_slot_and_aborts_it_upstream():
+    """gRPC cancels a call it is writing a chunk of in its own code, leaving the router's Generate suspended at its
+    yield: the call's end closes the dispatcher's stream all the same (the admission slot back, the worker's call
+    cancelled), where before that waited for the handler to be collected."""
+    async def body():
+        async with Cluster(roles=("aggregated",), step_delay_s=0.01) as c:
+            servicer = RouterServicer(c.router.config, c.router.registry, c.router.dispatcher, None)
+            context = CallContext()
+            stream = servicer.Generate(request("gone", max_tokens=2000), context)
+            await anext(stream)  # the first chunk, which gRPC now writes while the caller goes away
+            assert c.router.dispatcher.inflight == 1
+            context.end()
+            await wait_until(lambda: "gone#1" in c.engines[0].aborted)
+            await wait_until(lambda: c.router.dispatcher.inflight == 0 and c.router.registry.entries()[0].inflight == 0)
+            await stream.aclose()
 
     run(body())
 

@@ -13,6 +13,7 @@ import torch
 from contract.transport import open_channel
 from contract.types import FinishReason, RequestOutput
 from contract.wire import pb, pb_grpc
+from tests.helpers.call_context import CallContext
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
@@ -209,27 +210,6 @@ def test_cancelled_call_aborts_the_engine_request():
             assert "x" in w.engine.aborted
 
     run(body())
-
-
-class CallContext:
-    """What Generate uses of grpc.aio's ServicerContext; end() runs the done callbacks, as gRPC does when a call
-    ends."""
-
-    def __init__(self):
-        self.callbacks = []
-
-    def add_done_callback(self, callback) -> None:
-        self.callbacks.append(callback)
-
-    def time_remaining(self) -> None:
-        return None
-
-    async def abort(self, code, details):
-        raise AssertionError(f"{code}: {details}")
-
-    def end(self) -> None:
-        for callback in self.callbacks:
-            callback(self)
 
 
 def test_a_call_that_ends_while_its_chunk_is_written_aborts_the_engine_request_once():
