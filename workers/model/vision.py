@@ -8,11 +8,12 @@ With fp8_linears (EngineConfig.vision_precision "fp8") the blocks' four linears 
 output row, quantised at load, and run W8A8 with per-token activations (workers/model/fp8_gemm.py).
 
 Tensor parallel (a TensorParallel of size n > 1, EngineConfig.vision_tensor_parallel): each rank keeps its n-th of
-the blocks' attention heads and MLP columns (shard_vision_blocks), as Megatron-LM splits a transformer layer and
-vLLM's Qwen2.5-VL vision blocks do (qkv and fc1 column-parallel, proj and fc2 row-parallel, their partial outputs
-summed by one all-reduce each, the bias added after it). A rank does 1/n of the attention, the tower's cost on a
-large image, so a lone image's pass takes about 1/n of the time. Every rank holds the whole residual stream; the
-mergers (DeepStack and final) run where the outputs are kept, rank 0.
+the blocks' attention heads and MLP columns (shard_vision_blocks), as Megatron-LM splits a transformer layer
+(Shoeybi et al., arXiv:1909.08053) and vLLM's Qwen2.5-VL vision blocks do (vllm/model_executor/models/qwen2_5_vl.py):
+qkv and fc1 column-parallel, proj and fc2 row-parallel, their partial outputs summed by one all-reduce each, the
+bias added after it. A rank does 1/n of the attention, the tower's cost on a large image, so a lone image's pass
+should take about 1/n of the time plus the all-reduces (not yet measured on GPUs). Every rank holds the whole
+residual stream; the mergers (DeepStack and final) run where the outputs are kept, rank 0.
 """
 
 from __future__ import annotations
