@@ -106,11 +106,11 @@ def _rank_body(rank: int, args: argparse.Namespace, port: int, results) -> None:
 
         with torch.inference_mode():
             out: dict = {}
-            whole = VisionTower(copy.deepcopy(module), gelu_epilogue=gelu, attention=args.attention)
             if rank == 0:
+                whole = VisionTower(copy.deepcopy(module), gelu_epilogue=gelu, attention=args.attention)
                 reference = whole(pixels, grid)
                 out["whole_ms"] = round(_median_ms(lambda: whole(pixels, grid), args.reps, device, lambda: None), 2)
-            del whole
+                del whole
             barrier()  # the other ranks waited, as they did for a tower on rank 0
             split = VisionTower(module, gelu_epilogue=gelu, attention=args.attention,
                                 tp=TensorParallel(rank, args.ranks, group=dist.group.WORLD))
@@ -118,7 +118,7 @@ def _rank_body(rank: int, args: argparse.Namespace, port: int, results) -> None:
             out["split_ms"] = round(_median_ms(lambda: split(pixels, grid), args.reps, device, barrier), 2)
             partial = torch.randn(args.side**2, config.hidden_size, device=device, dtype=dtype)
 
-            def all_reduces() -> None:
+            def all_reduces() -> None:  # the sums grow past bf16's range: an all-reduce's time does not depend on them
                 for _ in range(2 * config.depth):
                     dist.all_reduce(partial)
 
