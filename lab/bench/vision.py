@@ -53,6 +53,12 @@ def median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times) * 1e3
 
 
+def preset_vision_config(shape: str):
+    """transformers' vision config of a --shape preset (tiny: the tiny checkpoint's dims)."""
+    overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
+    return transformers_config(released_config(PRESETS[shape], overrides)).vision_config
+
+
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want))
 
@@ -184,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda and not torch.cuda.is_available():
         sys.exit("bench_vision: no CUDA device (use --shape tiny for the CPU smoke mode)")
     dtype = torch.bfloat16 if cuda else torch.float32
-    overrides = dict(TINY_OVERRIDES["moe"]) if args.shape == "tiny" else {}
-    vision_config = transformers_config(released_config(PRESETS[args.shape], overrides)).vision_config
+    vision_config = preset_vision_config(args.shape)
     torch.manual_seed(0)
     module = build_vision_module("moe", vision_config, torch.device(device), dtype)
     init_random_weights(module, seed=0)

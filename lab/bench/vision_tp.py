@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,23 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lab.bench.vision import PRESETS, preset_vision_config, relative_error
 from workers.model.vision import VisionTower, build_vision_module
 from workers.parallel import TensorParallel
-from workers.tiny_checkpoint import TINY_OVERRIDES, released_config, transformers_config
 from workers.weights import init_random_weights
-
-MODELS = {"235b-a22b": "qwen3-vl-235b-a22b", "30b-a3b": "qwen3-vl-30b-a3b", "tiny": "qwen3-vl-30b-a3b"}
-
-
-def vision_config(shape: str):
-    overrides = dict(TINY_OVERRIDES["moe"]) if shape == "tiny" else {}
-    return transformers_config(released_config(MODELS[shape], overrides)).vision_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_ms(fn, reps: int, device: torch.device, group_barrier) -> float:
@@ -91,7 +77,7 @@ def _rank_body(rank: int, args: argparse.Namespace, port: int, results) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=args.ranks)
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
-        config = vision_config(args.shape)
+        config = preset_vision_config(args.shape)
         torch.manual_seed(0)
         module = build_vision_module("moe", config, device, dtype)
         init_random_weights(module, seed=0)
@@ -125,7 +111,7 @@ def _rank_body(rank: int, args: argparse.Namespace, port: int, results) -> None:
             out["all_reduces_ms"] = round(_median_ms(all_reduces, args.reps, device, barrier), 2)
             if rank == 0:
                 (embeds, features), (want_embeds, want_features) = got, reference
-                error = max(_relative(g, w) for g, w in zip([embeds, *features], [want_embeds, *want_features]))
+                error = relative_error([embeds, *features], [want_embeds, *want_features])
                 out["error_vs_whole"] = float(f"{error:.3g}")
                 results.put(out)
             barrier()  # no rank tears the group down while another is still in it
@@ -133,14 +119,10 @@ def _rank_body(rank: int, args: argparse.Namespace, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--shape", choices=sorted(MODELS), default="235b-a22b")
+    p.add_argument("--shape", choices=sorted(PRESETS), default="235b-a22b")
     p.add_argument("--side", type=int, default=None, help="the image's side in patches (default 250, tiny 8)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--attention", default="auto", help="engine.vision_attention")
@@ -152,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         sys.exit(f"bench_vision_tp: {args.ranks} ranks need {args.ranks} CUDA devices, "
                  f"{torch.cuda.device_count()} here (use --shape tiny for the CPU smoke mode)")
-    config = vision_config(args.shape)
+    config = preset_vision_config(args.shape)
     result: dict = {
         "bench": "vision_tp",
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -163,10 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
-    # this process holds the group's store, so that no rank's exit takes it from the others
-    store = dist.TCPStore("127.0.0.1", port, args.ranks + 1, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_rank, args=(rank, args, port, results), name=f"vision-tp-rank-{rank}")
+    # this process holds the group's store (on a port it picks), so that no rank's exit takes it from the others
+    store = dist.TCPStore("127.0.0.1", 0, args.ranks + 1, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_rank, args=(rank, args, store.port, results), name=f"vision-tp-rank-{rank}")
              for rank in range(args.ranks)]
     for proc in procs:
         proc.start()
