@@ -1,13 +1,14 @@
 """gRPC plumbing shared by the router, its client and the workers: channels, listeners, token auth, refusal of
-unparseable requests.
+unparseable requests, clean-up of a streaming call that ends before its last message.
 
 Every call carries `authorization: Bearer <token>` when a token is set; servers reject calls without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import grpc.aio
@@ -16,6 +17,29 @@ from google.protobuf.message import DecodeError
 from contract.network import MIB, KeepaliveConfig, TlsConfig
 
 HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
+
+_CLEAN_UPS: set[asyncio.Task] = set()  # held until done: the event loop keeps only weak references to tasks
+
+
+def when_call_ends_unfinished(context: grpc.aio.ServicerContext, finished: Callable[[], bool],
+                              clean_up: Callable[[], Awaitable[None]]) -> None:
+    """Runs clean_up() on this event loop once the call ends, unless finished() says its handler got to the end.
+
+    A server-streaming handler cannot rely on its own `except asyncio.CancelledError`: gRPC cancels a call it is
+    writing a message of in its own code, and the handler's generator then stays suspended at its yield, its
+    except and finally blocks unrun until the generator is collected. The call's end is reported all the same."""
+    loop = asyncio.get_running_loop()
+
+    def start() -> None:
+        task = loop.create_task(clean_up())
+        _CLEAN_UPS.add(task)
+        task.add_done_callback(_CLEAN_UPS.discard)
+
+    def call_ended(_context) -> None:
+        if not finished():
+            loop.call_soon_threadsafe(start)
+
+    context.add_done_callback(call_ended)
 
 
 def channel_options(max_message_bytes: int = 64 * MIB, keepalive: KeepaliveConfig = KeepaliveConfig(),

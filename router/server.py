@@ -17,7 +17,9 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contract.network import split_host_port
-from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
+from contract.transport import (
+    add_listener, call_metadata, open_channel, server_interceptors, server_options, when_call_ends_unfinished,
+)
 from contract.wire import pb, pb_grpc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
@@ -34,22 +36,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.registry = registry
         self.dispatcher = dispatcher
         self._on_registered = on_registered  # async callback: health must say SERVING as soon as a worker is in
-        self._closing: set[asyncio.Task] = set()
 
     async def Generate(self, request, context):
         chunks = 0
         ended = False  # the final chunk was sent
         stream = self.dispatcher.generate(request, context.time_remaining())
-        loop = asyncio.get_running_loop()
-
-        def call_ended(_context) -> None:
-            # gRPC cancels a call it is writing a chunk of in its own code: this generator then stays suspended at
-            # its yield, holding the request's admission slot and its worker's call until it is collected. The
-            # call's end closes the dispatcher's stream instead (nothing to do where it has ended).
-            if not ended:
-                loop.call_soon_threadsafe(self._close, stream)
-
-        context.add_done_callback(call_ended)
+        # a generator left suspended at its yield would hold the admission slot and the worker's call until collected
+        when_call_ends_unfinished(context, lambda: ended, lambda: _close_stream(stream))
         try:
             async for chunk in stream:
                 chunks += 1
@@ -60,11 +53,6 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         except asyncio.CancelledError:  # the caller cancelled, or its transport did: say which request, and when
             log.warning("request %s: the caller's call was cancelled after %d chunks", request.request_id, chunks)
             raise
-
-    def _close(self, stream) -> None:
-        task = asyncio.get_running_loop().create_task(_close_stream(stream))
-        self._closing.add(task)  # the loop holds tasks weakly
-        task.add_done_callback(self._closing.discard)
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.dispatcher.abort(request.request_id))

@@ -22,7 +22,9 @@ import grpc.aio
 
 from contract import event_loop
 from contract.network import is_loopback, split_host_port
-from contract.transport import add_listener, call_metadata, open_channel, server_interceptors, server_options
+from contract.transport import (
+    add_listener, call_metadata, open_channel, server_interceptors, server_options, when_call_ends_unfinished,
+)
 from contract.types import FinishReason, PromptInput, RequestOutput, SamplingParams
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
@@ -131,16 +133,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 aborted = True
                 await s.engine.abort(rid)
 
-        # A call cancelled while gRPC writes a chunk leaves this generator suspended at its yield, not cancelled: the
-        # CancelledError is gRPC's, and the generator closes whenever it is collected, while coalesce's pump keeps
-        # reading the engine's outputs. So the call's own end aborts a request that has not ended.
-        loop = asyncio.get_running_loop()
-
-        def call_ended(_context) -> None:
-            if not (ended or aborted):
-                loop.call_soon_threadsafe(s.in_background, abort())
-
-        context.add_done_callback(call_ended)
+        # coalesce's pump reads the engine's outputs on while this generator may be left suspended at its yield
+        when_call_ends_unfinished(context, lambda: ended or aborted, abort)
         try:
             async for chunk in s.coalesce(rid, outputs, request.stream_interval, request.final_chunk_only):
                 if request.prefill_only and chunk.finish_reason in (pb.LENGTH, pb.STOP) and chunk.token_ids:
@@ -210,13 +204,6 @@ class WorkerServer:
         self._peers: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self._reporter: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
-
-    def in_background(self, coro) -> None:
-        """Runs coro as a task this server holds until it is done (the loop keeps only weak references to tasks)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     @property
     def address(self) -> str:
