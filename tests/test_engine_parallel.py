@@ -110,8 +110,11 @@ def test_the_vision_tower_split_over_two_ranks_gives_the_single_process_tokens_w
         # a request aborted mid-pass (every rank drops its pass), then the same image again from its first block
         engine.add_request("again", PROMPTS["image"], GREEDY)
         engine.add_request("other", PROMPTS["text"], GREEDY)
-        while not any(rid == "again" and what == "blocks 0-0" for _, rid, what in encoded):
+        for _ in range(20):  # the pass begins in the first step or two
+            if any(rid == "again" and what == "blocks 0-0" for _, rid, what in encoded):
+                break
             engine.step()
+        assert ("again", "blocks 0-0") in {(rid, what) for _, rid, what in encoded}
         engine.abort("again")
         engine.add_request("again", PROMPTS["image"], GREEDY)
         out: dict[str, list[int]] = {}

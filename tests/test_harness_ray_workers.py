@@ -132,17 +132,12 @@ def test_the_embedded_rays_dashboard_process_runs_minimal_with_no_web_ui(fleet):
     exactly one (CI saw none for a moment once, and two once: a dashboard is not always up at a given instant)."""
     ours = f"--gcs-address={ray.get_runtime_context().gcs_address}"
 
-    def dashboards() -> tuple[dict[int, str], list[str]]:
+    def one_dashboard() -> tuple[dict[int, str], str] | None:
         ray_processes = {pid: cmd for pid, cmd in descendants(os.getpid()).items() if "ray" in cmd}
-        return ray_processes, [cmd for cmd in ray_processes.values() if "dashboard/dashboard.py" in cmd and ours in cmd]
+        found = [cmd for cmd in ray_processes.values() if "dashboard/dashboard.py" in cmd and ours in cmd]
+        return (ray_processes, found[0]) if len(found) == 1 else None
 
-    deadline = time.monotonic() + 30
-    ray_processes, found = dashboards()
-    while len(found) != 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        ray_processes, found = dashboards()
-    assert len(found) == 1, f"{len(found)} dashboards with {ours}; Ray's processes: {sorted(ray_processes.values())}"
-    [dashboard] = found
+    ray_processes, dashboard = wait_for(one_dashboard, timeout_s=30)
     assert "--disable-frontend" in dashboard and "--modules-to-load=UsageStatsHead" in dashboard
     assert any("ray::DashboardAgent" in cmd for cmd in ray_processes.values())  # each raylet starts its agents
     assert RAY_DASHBOARD_PORT not in {one.port for one in listening_sockets(ray_processes)}
