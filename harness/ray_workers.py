@@ -312,7 +312,8 @@ def build_simulated_engine(engine_config, simulation, hardware: str, tp: int) ->
     from workers.serve.async_engine import AsyncEngine
     from workers.sim.engine import build_step_model, simulated
 
-    engine = simulated(engine_config, simulation, build_step_model(hardware, simulation, tp))
+    step_model = build_step_model(hardware, simulation, tp, vision_split=engine_config.vision_tensor_parallel)
+    engine = simulated(engine_config, simulation, step_model)
     return ServedEngine(AsyncEngine(engine), engine.generation_defaults)
 
 

@@ -104,6 +104,16 @@ def test_faster_hardware_and_narrower_weights_shorten_steps():
     assert h200 > gb300 > rubin > rubin_fp4
 
 
+def test_the_tower_is_shared_by_the_ranks_only_when_the_engine_splits_it():
+    whole = StepModel.build("h200", "qwen3-vl-235b-a22b", tp=8)
+    split = dataclasses.replace(whole, vision_split=True)
+    one_gpu = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    assert whole.vision_ms(62_500) == pytest.approx(one_gpu.vision_ms(62_500))  # rank 0 runs it alone
+    assert split.vision_ms(62_500) == pytest.approx(whole.vision_ms(62_500) / (8 * whole.tp_efficiency))
+    work = StepWork(num_seqs=1, prefill_tokens=16_000, visual_prefill_tokens=15_625, vision_patches=[62_500])
+    assert split.step_ms(work) < whole.step_ms(work)
+
+
 def test_the_235b_model_does_not_fit_one_h200_but_fits_eight():
     assert StepModel.build("h200", "qwen3-vl-235b-a22b").kv_capacity_tokens() == 0
     assert StepModel.build("h200", "qwen3-vl-235b-a22b", tp=8).kv_capacity_tokens() > 100_000

@@ -138,7 +138,8 @@ def search(request: PlanRequest) -> list[Plan]:
     for tp in request.tp:
         if request.gpus % tp:
             continue
-        model = dataclasses.replace(build_step_model(request.hardware, sim, tp), correction=correction)
+        model = build_step_model(request.hardware, sim, tp, vision_split=engine.vision_tensor_parallel)
+        model = dataclasses.replace(model, correction=correction)
         if model.kv_capacity_tokens() < 4 * (request.prompt_tokens + 150):
             continue  # the weights do not fit with room for a few sequences
         instances = request.gpus // tp

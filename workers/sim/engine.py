@@ -225,7 +225,8 @@ def image_sizes(token_ids: Seq[int]) -> set[int]:
     return {length * 4 for _, length in token_runs(token_ids)}
 
 
-def build_step_model(hardware: str, sim: SimulationConfig, tp: int) -> StepModel:
+def build_step_model(hardware: str, sim: SimulationConfig, tp: int, vision_split: bool = False) -> StepModel:
+    """vision_split: EngineConfig.vision_tensor_parallel (the tower shared by the tp ranks, else whole on one)."""
     model = StepModel.build(hardware, sim.model, sim.weights, sim.kv_dtype, tp)
     return StepModel(model.calibration, model.hardware, model.model, sim.weights, sim.kv_dtype, tp,
-                     sim.tp_efficiency, model.calibration_hardware)
+                     sim.tp_efficiency, model.calibration_hardware, vision_split=vision_split)

@@ -335,6 +335,7 @@ class StepModel:
     tp_efficiency: float = 0.85  # assumed: all-reduce / all-to-all cost of TP+EP is not measured here
     calibration_hardware: HardwareProfile | None = None
     correction: StepCorrection = StepCorrection()
+    vision_split: bool = False  # EngineConfig.vision_tensor_parallel: the tp ranks share the tower (else one runs it)
 
     @classmethod
     def build(cls, hardware: str, model: str = "qwen3-vl-30b-a3b", weights: Precision = "bf16",
@@ -362,8 +363,9 @@ class StepModel:
 
     @property
     def vision_scale(self) -> float:
-        """The vision tower runs in bf16 and is the same tower for every Qwen3-VL size."""
-        return self._ref.tflops("bf16") / self.hardware.tflops("bf16") / self._parallel
+        """The vision tower runs in bf16 and is the same tower for every Qwen3-VL size; on one rank of the instance
+        unless vision_split, where the tp ranks share it as they share the text tower."""
+        return self._ref.tflops("bf16") / self.hardware.tflops("bf16") / (self._parallel if self.vision_split else 1.0)
 
     @property
     def memory_scale(self) -> float:
