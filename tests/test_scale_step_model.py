@@ -280,3 +280,12 @@ def test_the_speedup_replay_judges_issue_19s_targets_on_a_model_with_faster_part
         assert row["server_at_0.85x"]["verdict"] == "INVALID"  # 60 queries: too few for LoadGen's early stopping
     assert faster["interactive_at_1_qps"]["p50_s"] < same["interactive_at_1_qps"]["p50_s"]
     assert result["model"]["calibration_precision"] == "fp8/fp8"
+
+
+def test_a_measured_server_point_is_replayed_with_its_own_prefill_cap():
+    from lab.plan.planner_validation import _replay_engine
+
+    engine = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    assert _replay_engine({"engine": engine}).max_num_prefill_tokens is None
+    capped = _replay_engine({"engine": {**engine, "max_num_prefill_tokens": 4096}})
+    assert (capped.max_num_batched_tokens, capped.max_num_prefill_tokens) == (8192, 4096)

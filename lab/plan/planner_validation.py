@@ -451,8 +451,10 @@ def product_path_model(correction: Path | None = None, weights: Precision = "bf1
 
 def _replay_engine(scenario: dict) -> EngineConfig:
     """The simulated engine with a measured run's scenario engine settings (find_peak's workload JSON)."""
-    return EngineConfig(checkpoint=Path("simulated"), max_num_seqs=scenario["engine"]["max_num_seqs"],
-                        max_num_batched_tokens=scenario["engine"]["max_num_batched_tokens"])
+    engine = scenario["engine"]
+    return EngineConfig(checkpoint=Path("simulated"), max_num_seqs=engine["max_num_seqs"],
+                        max_num_batched_tokens=engine["max_num_batched_tokens"],
+                        max_num_prefill_tokens=engine.get("max_num_prefill_tokens"))
 
 
 def _highest_valid_qps(model: StepModel, requests: list[CatalogueRequest], engine_config: EngineConfig,
@@ -487,7 +489,8 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
     rows = []
     for name, point, scenario, _ in points:
         pool = min(point["performance_sample_count"], len(requests))
-        latencies = server_latencies(model, requests, engine_config, point["target_qps"], point["queries"], pool)
+        latencies = server_latencies(model, requests, _replay_engine(scenario), point["target_qps"], point["queries"],
+                                     pool)
         rows.append({
             "run": f"{name} Server {point['target_qps']} QPS, {point['queries']} queries",
             "p50_s": {"measured": round(point["p50_s"], 2), "predicted": _p(latencies, 0.5)},
