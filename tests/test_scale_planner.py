@@ -126,3 +126,30 @@ def test_a_requests_host_preparation_delays_its_engine_but_not_its_arrival():
         return result.latencies_s[0]
 
     assert latency(1e-3) == pytest.approx(latency(0.0) + 1.024, abs=1e-6)  # 1,024 visual tokens at 1 ms each
+
+
+def test_a_latency_search_tries_each_prefill_cap_and_the_config_carries_the_winners(tmp_path):
+    out = tmp_path / "plan.yaml"
+    main(["--hardware", "h200", "--gpus", "1", "--scenario", "server", "--model", "qwen3-vl-30b-a3b", "--tp", "1",
+          "--layouts", "aggregated", "--policies", "least_loaded", "--requests", "40", "--max-num-seqs", "256",
+          "--prefill-caps", "none,2048", "--out", str(out)])
+    text = out.read_text()
+    ranked = [line.split()[-1] for line in text.splitlines() if line.startswith("#   ")]
+    assert sorted(ranked) == ["2048", "all"]  # one plan per cap
+    config = load_system_config(out)
+    assert config.engine.get("max_num_prefill_tokens") == (None if ranked[0] == "all" else int(ranked[0]))
+
+
+def test_offline_plans_never_cap_a_steps_prompt_tokens():
+    from lab.plan.planner import PlanRequest, search
+
+    plans = search(PlanRequest(gpus=1, scenario="offline", model="qwen3-vl-30b-a3b", tp=(1,), layouts=("aggregated",),
+                               policies=("round_robin",), requests=16, max_num_seqs=64, prefill_caps=(2048, 1024)))
+    assert [p.max_num_prefill_tokens for p in plans] == [None]
+
+
+@pytest.mark.parametrize("caps", ["4096,x", "0", "9000"])
+def test_prefill_caps_outside_a_step_are_refused_before_planning(caps, capsys):
+    with pytest.raises(SystemExit):
+        main(["--scenario", "server", "--max-num-batched-tokens", "8192", "--prefill-caps", caps])
+    assert "--prefill-caps" in capsys.readouterr().err

@@ -35,7 +35,9 @@ def plan_config(best: Plan, request: PlanRequest, checkpoint: str | None = None)
                               simulation={"model": request.model, "weights": request.weights,
                                           "kv_dtype": request.kv_dtype},
                               engine={"max_num_seqs": request.max_num_seqs,
-                                      "max_num_batched_tokens": request.max_num_batched_tokens})
+                                      "max_num_batched_tokens": request.max_num_batched_tokens,
+                                      **({"max_num_prefill_tokens": best.max_num_prefill_tokens}
+                                         if best.max_num_prefill_tokens else {})})
     if checkpoint:
         config["model"]["checkpoint"] = checkpoint
         config["engine"]["device"] = "cuda"
@@ -55,8 +57,9 @@ def plan_text(plans: list[Plan], request: PlanRequest, checkpoint: str | None = 
               f"step correction {fit}.",
               f"# Predicted (step model, virtual clock): {best.qps:.1f} {'samples/s' if r.scenario == 'offline' else 'QPS'}"
               f" with p99 {best.p99_s:.2f} s; target_qps set to 95% of it.",
-              "# Layouts ranked (qps, tp, layout, policy):"]
-    header += [f"#   {p.qps:9.1f}  tp{p.tp}  {p.layout:10s} {p.policy}" for p in plans[:10]]
+              "# Layouts ranked (qps, tp, layout, policy, prompt tokens a step):"]
+    header += [f"#   {p.qps:9.1f}  tp{p.tp}  {p.layout:10s} {p.policy:13s} {p.max_num_prefill_tokens or 'all'}"
+               for p in plans[:10]]
     return "\n".join(header) + "\n" + yaml.safe_dump(plan_config(best, request, checkpoint), sort_keys=False)
 
 
@@ -78,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--prefill-caps", default="none", metavar="N|none,...", help="engine.max_num_prefill_tokens "
+                        "values to try for Server and Interactive, e.g. none,4096,2048 (none: a step's whole "
+                        "--max-num-batched-tokens); Offline tries none alone")
     parser.add_argument("--requests", type=int, default=d.requests, help="simulated requests per point")
     parser.add_argument("--checkpoint", default=None, help="write a real-hardware config for this checkpoint")
     parser.add_argument("--out", default="plan.yaml")
@@ -119,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.speedups = []
         if not args.speedups or any(len(pair) != 2 or min(pair) <= 0 for pair in args.speedups):
             parser.error("--speedups: pairs TEXT:VISION of positive factors, comma-separated (e.g. 1:1,0.5:0.5)")
+    try:
+        args.prefill_caps = tuple(None if c.strip().lower() == "none" else int(c) for c in args.prefill_caps.split(","))
+    except ValueError:
+        parser.error(f"--prefill-caps {args.prefill_caps!r}: comma-separated token counts or 'none'")
+    if any(c is not None and not 0 < c <= args.max_num_batched_tokens for c in args.prefill_caps):
+        parser.error(f"--prefill-caps: each cap between 1 and --max-num-batched-tokens ({args.max_num_batched_tokens})")
     if args.step_correction is not None and args.validate and not args.product_path:
         parser.error("--step-correction goes with --validate --product-path or a search, not the bench validation")
     if args.step_correction is not None:
@@ -148,7 +160,8 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                        prompt_tokens=args.prompt_tokens, image_tokens=args.image_tokens,
                        output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, requests=args.requests, prompts=prompts,
-                       step_correction=args.step_correction, prepare_s_per_visual_token=prepare)
+                       step_correction=args.step_correction, prepare_s_per_visual_token=prepare,
+                       prefill_caps=args.prefill_caps)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
-"""The scale planner: searches layouts (TP width, aggregated vs prefill/decode split, routing policy) for a
-hardware profile and a scenario on the step model's virtual clock (no sleeping), and ranks them by the highest
-whole-system QPS (offline: samples/s) that meets the scenario's latency bound. scripts/plan_layout.py writes the
-best one as a system YAML (lab/plan/layout_plan.py)."""
+"""The scale planner: searches layouts (TP width, aggregated vs prefill/decode split, routing policy; for Server
+and Interactive also the engine's prompt tokens a step, PlanRequest.prefill_caps) for a hardware profile and a
+scenario on the step model's virtual clock (no sleeping), and ranks them by the highest whole-system QPS (offline:
+samples/s) that meets the scenario's latency bound. scripts/plan_layout.py writes the best one as a system YAML
+(lab/plan/layout_plan.py)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ class PlanRequest:
     prompts: tuple[PromptInput, ...] = ()
     step_correction: Path | None = PRODUCT_PATH_FIT
     prepare_s_per_visual_token: float = 0.0  # each request's host preparation before it joins an engine
+    # engine.max_num_prefill_tokens to try for a latency scenario (None: a step's whole max_num_batched_tokens).
+    # A cap keeps the steps beside the running decodes short: at 0.75x Offline it turned Server INVALID (p99 12.8 s)
+    # into VALID (10.3 s) on one H100 (benchmarks/README.md, twenty-ninth pass). Offline tries None alone.
+    prefill_caps: tuple[int | None, ...] = (None,)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Plan:
     qps: float             # whole system: highest QPS meeting the bound (offline: samples/s)
     p99_s: float
     group_qps: float
+    max_num_prefill_tokens: int | None = None  # the engine's prompt tokens a step (None: max_num_batched_tokens)
 
     def row(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -128,8 +134,13 @@ def search(request: PlanRequest) -> list[Plan]:
     """Every layout of `request` that fits, best first; each one's row goes to stderr as it is found."""
     sim = SimulationConfig(model=request.model, weights=request.weights, kv_dtype=request.kv_dtype,
                            output_tokens=request.output_tokens)
-    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=request.max_num_seqs,
-                          max_num_batched_tokens=request.max_num_batched_tokens, max_model_len=32768)
+    caps = (None,) if request.scenario == "offline" else tuple(dict.fromkeys(request.prefill_caps))
+    if any(cap is not None and not 0 < cap <= request.max_num_batched_tokens for cap in caps):
+        raise ValueError(f"prefill caps {caps}: each between 1 and max_num_batched_tokens "
+                         f"({request.max_num_batched_tokens}), or None")
+    engines = {cap: EngineConfig(checkpoint=Path("simulated"), max_num_seqs=request.max_num_seqs,
+                                 max_num_batched_tokens=request.max_num_batched_tokens, max_num_prefill_tokens=cap,
+                                 max_model_len=32768) for cap in caps}
     workload = Workload(prompt_tokens=request.prompt_tokens, image_tokens=request.image_tokens,
                         max_tokens=request.output_tokens, prompts=request.prompts,
                         prepare_s_per_visual_token=request.prepare_s_per_visual_token)
@@ -138,7 +149,7 @@ def search(request: PlanRequest) -> list[Plan]:
     for tp in request.tp:
         if request.gpus % tp:
             continue
-        model = build_step_model(request.hardware, sim, tp, vision_split=engine.vision_tensor_parallel)
+        model = build_step_model(request.hardware, sim, tp, vision_split=engines[caps[0]].vision_tensor_parallel)
         model = dataclasses.replace(model, correction=correction)
         if model.kv_capacity_tokens() < 4 * (request.prompt_tokens + 150):
             continue  # the weights do not fit with room for a few sequences
@@ -149,9 +160,10 @@ def search(request: PlanRequest) -> list[Plan]:
             if instances < group:
                 continue
             for policy in request.policies:
-                qps, p99 = group_capacity(engine, sim, model, layout, policy, group, request.scenario, workload,
-                                          request.requests)
-                groups = instances // group
-                plans.append(Plan(tp, layout, policy, groups * group, groups, qps * groups, p99, qps))
-                print(json.dumps(plans[-1].row()), file=sys.stderr, flush=True)
+                for cap, capped in engines.items():
+                    qps, p99 = group_capacity(capped, sim, model, layout, policy, group, request.scenario, workload,
+                                              request.requests)
+                    groups = instances // group
+                    plans.append(Plan(tp, layout, policy, groups * group, groups, qps * groups, p99, qps, cap))
+                    print(json.dumps(plans[-1].row()), file=sys.stderr, flush=True)
     return sorted(plans, key=lambda p: -p.qps)
