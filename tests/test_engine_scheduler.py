@@ -649,3 +649,14 @@ def test_the_scheduler_learns_from_the_steps_the_engine_reports():
     sched.observe_step(0.042, out)
     assert sched.step_clock.decode_s == pytest.approx(0.010)
     assert sched.step_clock.tower_s_per_cost == pytest.approx(0.032 / 32)
+
+
+def test_a_tower_split_over_the_ranks_takes_their_share_of_work_a_step():
+    from pathlib import Path
+
+    base = dict(checkpoint=Path("simulated"), max_num_batched_tokens=8192, tensor_parallel_size=4)
+    assert SchedulerLimits.of(EngineConfig(**base)).encoder_tokens == 8192  # rank 0 runs the whole tower
+    split = SchedulerLimits.of(EngineConfig(**base, vision_tensor_parallel=True))
+    assert split.encoder_tokens == 4 * 8192 and split.cache_tokens == 2 * 4 * 8192 + split.max_image_tokens
+    chosen = EngineConfig(**base, vision_tensor_parallel=True, max_num_encoder_tokens=5000)
+    assert SchedulerLimits.of(chosen).encoder_tokens == 5000  # a budget set in the config stays as set

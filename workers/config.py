@@ -101,7 +101,8 @@ class EngineConfig(BaseModel):
     )
     max_num_encoder_tokens: int | None = Field(
         None, ge=1, description="The vision tower's work per step, in the step and ahead, in image rows with "
-        "attention's quadratic term (workers/core/encoder_cache.VisionCost; None: max_num_batched_tokens). A chunk stops "
+        "attention's quadratic term (workers/core/encoder_cache.VisionCost; None: max_num_batched_tokens, times "
+        "tensor_parallel_size where vision_tensor_parallel splits the tower over the ranks). A chunk stops "
         "before an image the budget cannot take; an image costing more than the whole budget is encoded over several "
         "steps, a few tower blocks at a time, while other prompts go on."
     )

@@ -134,9 +134,12 @@ class SchedulerLimits:
     @classmethod
     def of(cls, config: EngineConfig, vision: VisionCost = VisionCost()) -> SchedulerLimits:
         """The limits an engine's settings and its vision tower give (the real and the simulated engine schedule
-        alike)."""
+        alike). A tower split over n ranks (vision_tensor_parallel) does a unit of work in about 1/n of the time, so
+        its default budget is n times the token budget: a step's tower work takes as long as one rank's would."""
+        shares = config.tensor_parallel_size if config.vision_tensor_parallel else 1
+        encoder = config.max_num_encoder_tokens or (config.max_num_batched_tokens * shares if shares > 1 else None)
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   config.max_num_prefill_tokens, config.max_num_encoder_tokens, config.encoder_cache_tokens,
+                   config.max_num_prefill_tokens, encoder, config.encoder_cache_tokens,
                    config.encode_ahead, vision, config.encoder_pass_share, config.max_pixels // FACTOR**2)
 
     @property
