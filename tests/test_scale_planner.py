@@ -153,3 +153,58 @@ def test_prefill_caps_outside_a_step_are_refused_before_planning(caps, capsys):
     with pytest.raises(SystemExit):
         main(["--scenario", "server", "--max-num-batched-tokens", "8192", "--prefill-caps", caps])
     assert "--prefill-caps" in capsys.readouterr().err
+
+
+def _deadline_spy(engine, seen: list):
+    add = engine.scheduler.add
+
+    def spy(seq):
+        seen.append(seq.deadline)
+        return add(seq)
+
+    engine.scheduler.add = spy
+
+
+def test_the_virtual_cluster_gives_each_request_the_scenarios_bound_from_its_arrival():
+    from pathlib import Path
+
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.step_model import StepModel
+    from lab.plan.virtual import VirtualCluster, Workload
+
+    engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=16, max_num_batched_tokens=8192)
+    for bound, expected in ((1.5, [1.5, 4.5]), (0.0, [None, None])):
+        cluster = VirtualCluster(engine, SimulationConfig(model="qwen3-vl-30b-a3b"),
+                                 {"aggregated": StepModel.build("h200", "qwen3-vl-30b-a3b")}, {"aggregated": 1})
+        seen = []
+        _deadline_spy(cluster.pools["aggregated"][0].engine, seen)
+        cluster.run([0.0, 3.0], Workload(prompt_tokens=300, image_tokens=64), latency_bound_s=bound)
+        assert seen == pytest.approx(expected) if bound else seen == expected
+
+
+def test_the_product_paths_replay_gives_each_query_its_bound_from_its_issue(monkeypatch):
+    from contract.tokenizer import IMAGE_PAD_ID
+    from lab.plan import planner_validation as pv
+    from lab.plan.virtual import Workload
+    from workers.config import EngineConfig
+
+    engines, simulated = [], pv.simulated
+
+    def spying(*args, **kwargs):
+        engine = simulated(*args, **kwargs)
+        engines.append([])
+        _deadline_spy(engine, engines[-1])
+        return engine
+
+    monkeypatch.setattr(pv, "simulated", spying)
+    requests = [pv.CatalogueRequest(Workload(prompt_tokens=300, image_tokens=64).prompt(), 8)]
+    config = EngineConfig(checkpoint="simulated", max_num_seqs=16, max_num_batched_tokens=8192)
+    model = pv.product_path_model()
+    arrivals = pv.poisson_arrivals(2.0, 3, pv.POISSON_SEED)
+    prepare = pv.prepare_s_per_visual_token() * requests[0].prompt.token_ids.count(IMAGE_PAD_ID)
+    pv.server_latencies(model, requests, config, 2.0, 3, 1, bound_s=1.5)
+    pv.server_latencies(model, requests, config, 2.0, 3, 1)
+    with_bound, without = engines
+    assert with_bound == pytest.approx([t + 1.5 for t in arrivals])  # on the virtual clock: issue + bound
+    assert prepare > 0 and without == [None] * 3

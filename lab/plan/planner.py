@@ -91,9 +91,9 @@ def _meets(engine, sim, model, layout, policy, group, scenario, workload, reques
     horizon yet fail early stopping at a low rate's query count."""
     count = min(max(requests, int(qps * HORIZON_S[scenario]), len(workload.prompts)), MAX_REQUESTS)  # a mix: all of it
     arrivals = poisson_arrivals(qps, count)
-    result = _cluster(engine, sim, model, layout, policy, group).run(arrivals, workload)
-    p99 = result.percentile(0.99)
     bound_s = BOUND_MS[scenario] / 1e3
+    result = _cluster(engine, sim, model, layout, policy, group).run(arrivals, workload, latency_bound_s=bound_s)
+    p99 = result.percentile(0.99)
     drained = result.makespan_s <= arrivals[-1] - arrivals[0] + bound_s
     steady = kept_up(sorted(zip(result.issued_s, result.latencies_s))) >= KEPT_UP_MIN
     return p99 <= bound_s and drained and steady and _early_stopping(result.latencies_s, bound_s, qps), p99

@@ -22,6 +22,7 @@ from contract.types import SamplingParams
 from lab.bench.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
 from lab.plan.virtual import VirtualCluster, Workload
 from workers.config import EngineConfig
+from workers.request_options import RequestOptions
 from workers.sim.config import SimulationConfig
 from workers.sim.engine import image_sizes, simulated
 from workers.sim.step_model import Calibration, Precision, StepCorrection, StepModel
@@ -234,21 +235,27 @@ def _run9_prepare_s() -> float:
 
 
 def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
-            encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE) -> list[float]:
+            encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE,
+            deadlines: list[float] | None = None) -> list[float]:
     """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
     (VirtualCluster serves one request shape); each request's finishing time. `encoded`: image sizes (patches) the
-    measured engine had encoded before (their cuDNN plans built)."""
+    measured engine had encoded before (their cuDNN plans built). `deadlines`: each request's latency deadline on
+    the same clock, which the scheduler weighs as the real one does (None: no bounds, as before the engine had
+    them)."""
     engine = simulated(engine_config, REPLAY_SIM, model, realtime=False)
     executor = engine.executor
     executor.encoded_sizes.update(encoded)
     order = sorted(range(len(requests)), key=joins.__getitem__)
     finish, clock, nxt = [math.nan] * len(requests), 0.0, 0
+    engine.scheduler.clock = lambda: clock  # deadlines and slack on the virtual clock
     while nxt < len(order) or engine.has_unfinished():
         if not engine.has_unfinished():
             clock = max(clock, joins[order[nxt]])
         while nxt < len(order) and joins[order[nxt]] <= clock:
             i = order[nxt]
-            engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens))
+            bound = max(deadlines[i] - clock, 1e-6) if deadlines is not None else 0.0
+            engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens),
+                               RequestOptions(latency_bound_s=bound))
             nxt += 1
         outputs = engine.step()
         if executor.last_step_s == 0.0 and not outputs:
@@ -414,16 +421,18 @@ def _dp2_row(run: str, model: StepModel, dp2: dict) -> dict:
 
 
 def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_config: EngineConfig, qps: float,
-                     queries: int, pool: int, seed: int = POISSON_SEED) -> list[float]:
+                     queries: int, pool: int, seed: int = POISSON_SEED, bound_s: float = 0.0) -> list[float]:
     """Latencies of a LoadGen-like Server run on the virtual clock: `queries` Poisson arrivals at `qps`, each a
     sample drawn from the first `pool` requests (the performance sample set), joining the engine after its
-    preparation (run21's seconds per visual token, as the session-4 Poisson rows charge it)."""
+    preparation (run21's seconds per visual token, as the session-4 Poisson rows charge it). bound_s: the
+    scenario's latency bound from each query's issue, which the engine's scheduler weighs (0: none)."""
     rng = random.Random(seed)
     arrivals = poisson_arrivals(qps, queries, seed)
     chosen = [requests[rng.randrange(pool)] for _ in range(queries)]
     per_visual = prepare_s_per_visual_token()
     joins = [t + per_visual * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, chosen)]
-    finish = _replay(model, chosen, joins, _image_sizes(chosen[:1]), engine_config)
+    deadlines = [t + bound_s for t in arrivals] if bound_s else None
+    finish = _replay(model, chosen, joins, _image_sizes(chosen[:1]), engine_config, deadlines)
     return [f - t for f, t in zip(finish, arrivals)]
 
 
@@ -462,7 +471,8 @@ def _highest_valid_qps(model: StepModel, requests: list[CatalogueRequest], engin
     """Bisection between lo and hi for the highest QPS whose replay LoadGen would call VALID."""
     for _ in range(steps):
         mid = (lo + hi) / 2
-        valid = _verdict(server_latencies(model, requests, engine_config, mid, queries, pool), bound_s) == "VALID"
+        latencies = server_latencies(model, requests, engine_config, mid, queries, pool, bound_s=bound_s)
+        valid = _verdict(latencies, bound_s) == "VALID"
         lo, hi = (mid, hi) if valid else (lo, mid)
     return lo
 
@@ -490,7 +500,7 @@ def product_path_rows(model: StepModel | None = None, requests: list[CatalogueRe
     for name, point, scenario, _ in points:
         pool = min(point["performance_sample_count"], len(requests))
         latencies = server_latencies(model, requests, _replay_engine(scenario), point["target_qps"], point["queries"],
-                                     pool)
+                                     pool, bound_s=bound_s)
         rows.append({
             "run": f"{name} Server {point['target_qps']} QPS, {point['queries']} queries",
             "p50_s": {"measured": round(point["p50_s"], 2), "predicted": _p(latencies, 0.5)},
@@ -545,7 +555,7 @@ def speedup_rows(model: StepModel, speedups: Iterable[tuple[float, float]],
 
     def point(scaled: StepModel, requests: list[CatalogueRequest], config: EngineConfig, qps: float, queries: int,
               bound: float) -> dict:
-        latencies = server_latencies(scaled, requests, config, qps, queries, len(requests))
+        latencies = server_latencies(scaled, requests, config, qps, queries, len(requests), bound_s=bound)
         over = sum(1 for x in latencies if x > bound)
         return {"qps": round(qps, 2), "p50_s": _p(latencies, 0.5), "p99_s": _p(latencies, 0.99), "over": over,
                 "queries": queries, "verdict": _verdict(latencies, bound)}

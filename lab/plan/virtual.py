@@ -86,6 +86,7 @@ class VirtualCluster:
         self.policy = policy
         self._rr = {role: itertools.count() for role in self.pools}
         self.disaggregated = "prefill" in self.pools
+        self.latency_bound_s = 0.0
 
     def _pick(self, role: str) -> _Engine:
         engines = self.pools[role]
@@ -98,7 +99,10 @@ class VirtualCluster:
             return load.queued_prompt_tokens / block + (load.total_kv_blocks - load.free_kv_blocks)
         return min(engines, key=cost)
 
-    def run(self, arrivals: list[float], workload: Workload) -> Result:
+    def run(self, arrivals: list[float], workload: Workload, latency_bound_s: float = 0.0) -> Result:
+        """The arrivals served; latency_bound_s: each request's bound from its arrival (the scenario's, which the
+        engines' schedulers weigh as the real ones do; 0: none)."""
+        self.latency_bound_s = latency_bound_s
         prompts = {f"r{i}": workload.prompt_for(i) for i in range(len(arrivals))}
         sampling = SamplingParams(max_tokens=workload.max_tokens)
         events: list[tuple[float, int, str, str]] = [(t + workload.prepare_s(prompts[f"r{i}"]), i, "arrive", f"r{i}")
@@ -124,7 +128,8 @@ class VirtualCluster:
             if kind == "arrive":
                 target = self._pick(first_role)
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(prefill_only=self.disaggregated))
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(
+                    prefill_only=self.disaggregated, latency_bound_s=self._bound_left(t, issued[rid])))
                 owners[rid] = target
             else:  # a prefilled request's KV reaches a decode worker
                 source = owners[rid]
@@ -132,8 +137,14 @@ class VirtualCluster:
                 source.engine.release(rid)
                 target = self._pick("decode")
                 target.clock = max(target.clock, t)
-                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(kv_import=kv))
+                target.engine.add_request(rid, prompts[rid], sampling, RequestOptions(
+                    kv_import=kv, latency_bound_s=self._bound_left(t, issued[rid])))
                 owners[rid] = target
+
+    def _bound_left(self, now: float, issued: float) -> float:
+        """What is left of the run's latency bound for a request issued at `issued` and handed over now (at least a
+        microsecond, so that a request past its bound still carries one); 0 without a bound."""
+        return max(self.latency_bound_s - (now - issued), 1e-6) if self.latency_bound_s else 0.0
 
     def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
         """Steps every engine whose clock is behind `until` (a new event may follow from a finished prefill)."""
