@@ -487,6 +487,39 @@ def test_a_large_pass_is_spread_while_another_request_would_miss_its_bound_or_ha
     assert big_pass(sched) == [(0, 4)]
 
 
+def test_a_pass_that_would_hold_another_past_its_bound_waits_while_its_own_request_can_spare_the_time():
+    # "other": 20 ms of slack after its 2 decode steps, less than the 32 ms pass; "big" can wait: 470 ms of slack
+    # after its own 3 steps, 438 ms beyond its pass
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=2), deadline=100.04))
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), deadline=100.5))
+    out = step(sched)
+    assert not out.encode_now and sorted(chunks(out)) == [("big", 0, 4), ("other", 0, 4)]  # big stops before it
+    assert not step(sched).encode_now  # other's last token
+    assert sched.find("other") is None
+    assert big_pass(sched) == [(0, 0)]  # alone now: its pass whole, at once
+
+
+@pytest.mark.parametrize("deadline,expected", [(100.08, [(0, 4)]), (100.1, [])],
+                         ids=["its-own-slack-within-two-steps-of-its-pass", "slack-to-spare"])
+def test_a_pass_waits_for_others_only_while_its_own_request_keeps_two_steps_of_slack(deadline, expected):
+    # "big" at 100.08 s: 50 ms of slack after its 3 decode steps, 18 ms beyond its 32 ms pass, under DEFER_STEPS
+    # (2 x 10 ms): the pass starts, spread while "other" (10 ms of slack) cannot wait for all of it; at 100.1 s, 38 ms
+    # beyond it: it waits
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=50), deadline=100.06))
+    sched.add(bounded(image_seq("big", 40, [(0, 32)]), deadline))
+    assert big_pass(sched) == expected
+
+
+@pytest.mark.parametrize("other_deadline", [None, 99.0], ids=["no-bound", "already-past-its-bound"])
+def test_a_pass_does_not_wait_for_requests_without_a_bound_or_past_theirs(other_deadline):
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=50), deadline=other_deadline))
+    sched.add(bounded(image_seq("big", 40, [(0, 32)]), 100.5))
+    assert big_pass(sched)  # started this step (spread beside a request without a bound, whole beside a late one)
+
+
 def test_a_request_already_past_saving_does_not_hold_a_pass_back():
     sched = slack_scheduler()
     sched.add(bounded(seq("late", 4, max_tokens=50), deadline=99.0))  # its bound ran out a second ago

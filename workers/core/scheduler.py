@@ -9,9 +9,10 @@ cache has no room. What budget is left encodes the images of the next step's lik
 step's sampling. An image costing more than a step's budget is encoded over several steps while other requests
 are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py),
 and also while alone when its own request's slack is shorter than the pass (past saving: others arriving meanwhile
-should not wait for all of it);
-waiting requests with a bound are admitted by deadline. When KV blocks run out the youngest running sequence is
-preempted and later recomputed. Never touches a tensor: SchedulerOutput lists what the model runner does.
+should not wait for all of it); an image's tower work that would hold another request past its bound waits while
+its own request has the slack to spare (Scheduler._defers); waiting requests with a bound are admitted by deadline.
+When KV blocks run out the youngest running sequence is preempted and later recomputed. Never touches a tensor:
+SchedulerOutput lists what the model runner does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _ROOT_HASH = b"q3vl-prefix-root"
 # A pass whose request is past saving yields its blocks to requests that can still meet their bounds, until that
 # request is this many seconds past its own deadline (then it goes on whatever the others' slack).
 YIELD_OVERDUE_S = 3.0
+# A request whose image's tower work would hold others past their bounds waits for them while it keeps at least this
+# many steps of slack (StepClock.decode_s each) beyond its own work.
+DEFER_STEPS = 2.0
 
 
 @dataclass
@@ -378,6 +382,27 @@ class Scheduler:
         own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
         return own is not None and own_work is not None and own < own_work
 
+    def _defers(self, seq: Sequence, cost: float) -> bool:
+        """Whether seq's tower work (`cost`, not yet started) waits for this step: run now, it and seq's prompt would
+        hold another request that can still meet its bound past it, and seq has the slack to wait DEFER_STEPS more
+        steps and still meet its own. The others then run their steps first, and seq's work starts once they are
+        done or its own slack has run down to that margin. Spreading the pass would not spare them: they would wait
+        for the same tower work, one share a step. (The product path's Interactive replay, 2,000 queries at 1.95
+        QPS, four arrival seeds: 33 queries over 1.5 s beside the 31 4,000 px ones, 22 with this rule;
+        benchmarks/README.md, twenty-ninth pass.)"""
+        now = self.clock()
+        own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
+        step = self.step_clock.decode_s
+        if own is None or own_work is None or step is None or own - own_work < DEFER_STEPS * step:
+            return False
+        for other in (*self.running, *self.waiting):
+            if other is seq:
+                continue
+            slack = self.step_clock.slack(other, now)
+            if slack is not None and 0.0 <= slack < own_work:
+                return True
+        return False
+
     def _yields(self, seq: Sequence, cost: float) -> bool:
         """Whether seq's pass (`cost` of tower work left) runs no block in this step: seq is past saving, less than
         YIELD_OVERDUE_S past its deadline, and another request can still meet its bound. Such a request's steps
@@ -426,6 +451,8 @@ class Scheduler:
             if not (rows + image.num_tokens <= room or (first and empty_after_evicting)):
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
+            if first and self._defers(seq, image_cost):
+                return whole, split, cut
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
                     vision.depth == 1 or self._may_run_whole(seq, image_cost, log_key=key))):
                 # (a one-block cost model cannot split: a large image goes alone; and where no other request needs
