@@ -389,7 +389,8 @@ class Scheduler:
         done or its own slack has run down to that margin. Spreading the pass would not spare them: they would wait
         for the same tower work, one share a step. (The product path's Interactive replay, 2,000 queries at 1.95
         QPS, four arrival seeds: 33 queries over 1.5 s beside the 31 4,000 px ones, 22 with this rule;
-        benchmarks/README.md, twenty-ninth pass.)"""
+        benchmarks/README.md, twenty-ninth pass.) Waits never go round in a circle: seq waits only for a request
+        with less slack than its own, so the one with the least slack among those waiting runs."""
         now = self.clock()
         own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
         step = self.step_clock.decode_s
