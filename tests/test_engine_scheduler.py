@@ -500,6 +500,16 @@ def test_a_pass_that_would_hold_another_past_its_bound_waits_while_its_own_reque
     assert big_pass(sched) == [(0, 0)]  # alone now: its pass whole, at once
 
 
+def test_a_pass_that_waits_for_others_says_so_once(caplog):
+    sched = slack_scheduler()
+    sched.add(bounded(seq("other", 4, max_tokens=2), deadline=100.04))
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), deadline=100.5))
+    with caplog.at_level("INFO", logger="workers.core.scheduler"):
+        assert not step(sched).encode_now and not step(sched).encode_now  # waits in both steps
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "tower work of big (cost 32, 0.032 s with its prefill) waits"]
+
+
 @pytest.mark.parametrize("deadline,expected", [(100.08, [(0, 4)]), (100.1, [])],
                          ids=["its-own-slack-within-two-steps-of-its-pass", "slack-to-spare"])
 def test_a_pass_waits_for_others_only_while_its_own_request_keeps_two_steps_of_slack(deadline, expected):

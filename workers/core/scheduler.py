@@ -193,6 +193,7 @@ class Scheduler:
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
         self._logged: set[ImageKey] = set()  # images whose first whole-or-spread decision was logged
+        self._waits_logged: set[ImageKey] = set()  # images whose first wait for others (_defers) was logged
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
         # Sequences apply() finished by length whose last token resolve() has still to put in place.
         self._ending: dict[str, Sequence] = {}
@@ -382,7 +383,7 @@ class Scheduler:
         own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
         return own is not None and own_work is not None and own < own_work
 
-    def _defers(self, seq: Sequence, cost: float) -> bool:
+    def _defers(self, seq: Sequence, cost: float, log_key: ImageKey | None = None) -> bool:
         """Whether seq's tower work (`cost`, not yet started) waits for this step: run now, it and seq's prompt would
         hold another request that can still meet its bound past it, and seq has the slack to wait DEFER_STEPS more
         steps and still meet its own. The others then run their steps first, and seq's work starts once they are
@@ -401,6 +402,10 @@ class Scheduler:
                 continue
             slack = self.step_clock.slack(other, now)
             if slack is not None and 0.0 <= slack < own_work:
+                if log_key is not None and log_key not in self._waits_logged:  # its first wait, once
+                    self._waits_logged.add(log_key)
+                    log.info("tower work of %s (cost %.0f, %.3f s with its prefill) waits: %s has %.3f s of slack, "
+                             "its own %.3f s", seq.request_id, cost, own_work, other.request_id, slack, own)
                 return True
         return False
 
@@ -452,7 +457,7 @@ class Scheduler:
             if not (rows + image.num_tokens <= room or (first and empty_after_evicting)):
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
-            if first and self._defers(seq, image_cost):
+            if first and self._defers(seq, image_cost, log_key=key):
                 return whole, split, cut
             if image_cost + cost <= encoder.left or (first and not encoder.used and (
                     vision.depth == 1 or self._may_run_whole(seq, image_cost, log_key=key))):
@@ -511,6 +516,7 @@ class Scheduler:
         for key in [k for k in self._passes if k[0] == request_id]:
             del self._passes[key]
         self._logged -= {k for k in self._logged if k[0] == request_id}
+        self._waits_logged -= {k for k in self._waits_logged if k[0] == request_id}
         return self.encoder_cache.free_request(request_id)
 
     def _commit(self, chunk: ScheduledChunk, need: list[ImageSpan], encoder: _EncoderBudget,
