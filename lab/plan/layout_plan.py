@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from lab.plan.planner import SPLITS, Plan, PlanRequest, search
+from lab.plan.planner import SPLITS, Plan, PlanRequest, check_prefill_caps, search
 from lab.plan.simulated_system import simulated_system
 from workers.sim.step_model import PRODUCT_PATH_FIT
 
@@ -129,8 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.prefill_caps = tuple(None if c.strip().lower() == "none" else int(c) for c in args.prefill_caps.split(","))
     except ValueError:
         parser.error(f"--prefill-caps {args.prefill_caps!r}: comma-separated token counts or 'none'")
-    if any(c is not None and not 0 < c <= args.max_num_batched_tokens for c in args.prefill_caps):
-        parser.error(f"--prefill-caps: each cap between 1 and --max-num-batched-tokens ({args.max_num_batched_tokens})")
+    try:
+        check_prefill_caps(args.prefill_caps, args.max_num_batched_tokens)
+    except ValueError as exc:
+        parser.error(f"--prefill-caps: {exc}")
     if args.step_correction is not None and args.validate and not args.product_path:
         parser.error("--step-correction goes with --validate --product-path or a search, not the bench validation")
     if args.step_correction is not None:

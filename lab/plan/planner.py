@@ -130,14 +130,19 @@ def group_capacity(engine, sim, model, layout, policy, group, scenario, workload
     return lo, best_p99
 
 
+def check_prefill_caps(caps: tuple[int | None, ...], max_num_batched_tokens: int) -> None:
+    """ValueError unless each cap is None or between 1 and a step's max_num_batched_tokens."""
+    if any(cap is not None and not 0 < cap <= max_num_batched_tokens for cap in caps):
+        raise ValueError(f"prefill caps {caps}: each between 1 and max_num_batched_tokens ({max_num_batched_tokens}), "
+                         "or None")
+
+
 def search(request: PlanRequest) -> list[Plan]:
     """Every layout of `request` that fits, best first; each one's row goes to stderr as it is found."""
     sim = SimulationConfig(model=request.model, weights=request.weights, kv_dtype=request.kv_dtype,
                            output_tokens=request.output_tokens)
     caps = (None,) if request.scenario == "offline" else tuple(dict.fromkeys(request.prefill_caps))
-    if any(cap is not None and not 0 < cap <= request.max_num_batched_tokens for cap in caps):
-        raise ValueError(f"prefill caps {caps}: each between 1 and max_num_batched_tokens "
-                         f"({request.max_num_batched_tokens}), or None")
+    check_prefill_caps(caps, request.max_num_batched_tokens)
     engines = {cap: EngineConfig(checkpoint=Path("simulated"), max_num_seqs=request.max_num_seqs,
                                  max_num_batched_tokens=request.max_num_batched_tokens, max_num_prefill_tokens=cap,
                                  max_model_len=32768) for cap in caps}

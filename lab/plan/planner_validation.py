@@ -20,7 +20,7 @@ from contract.stats import early_stopping_met, percentile, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
 from lab.bench.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
-from lab.plan.virtual import VirtualCluster, Workload
+from lab.plan.virtual import VirtualCluster, Workload, remaining_bound
 from workers.config import EngineConfig
 from workers.request_options import RequestOptions
 from workers.sim.config import SimulationConfig
@@ -253,7 +253,7 @@ def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[floa
             clock = max(clock, joins[order[nxt]])
         while nxt < len(order) and joins[order[nxt]] <= clock:
             i = order[nxt]
-            bound = max(deadlines[i] - clock, 1e-6) if deadlines is not None else 0.0
+            bound = remaining_bound(deadlines[i], clock) if deadlines is not None else 0.0
             engine.add_request(str(i), requests[i].prompt, SamplingParams(max_tokens=requests[i].output_tokens),
                                RequestOptions(latency_bound_s=bound))
             nxt += 1

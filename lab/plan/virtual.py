@@ -76,6 +76,12 @@ class _Engine:
         engine.scheduler.clock = lambda: self.clock  # deadlines and slack on the virtual clock
 
 
+def remaining_bound(deadline: float, now: float) -> float:
+    """The latency bound a request handed to an engine now carries to meet `deadline` (at least a microsecond, so
+    that a request already past its deadline still carries one: RequestOptions' 0 means none)."""
+    return max(deadline - now, 1e-6)
+
+
 class VirtualCluster:
     """`aggregated` engines, or `prefill` + `decode` pools (KV handed over after the prefill's first token)."""
 
@@ -142,9 +148,9 @@ class VirtualCluster:
                 owners[rid] = target
 
     def _bound_left(self, now: float, issued: float) -> float:
-        """What is left of the run's latency bound for a request issued at `issued` and handed over now (at least a
-        microsecond, so that a request past its bound still carries one); 0 without a bound."""
-        return max(self.latency_bound_s - (now - issued), 1e-6) if self.latency_bound_s else 0.0
+        """What is left of the run's latency bound for a request issued at `issued` and handed over now; 0 without
+        a bound."""
+        return remaining_bound(issued + self.latency_bound_s, now) if self.latency_bound_s else 0.0
 
     def _advance(self, until: float, result: Result, issued: dict[str, float], events, seq_no, owners) -> None:
         """Steps every engine whose clock is behind `until` (a new event may follow from a finished prefill)."""
