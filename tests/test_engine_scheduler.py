@@ -547,6 +547,16 @@ def test_a_lone_request_that_would_miss_its_bound_even_run_whole_has_its_pass_sp
     assert big_pass(sched) == expected
 
 
+@pytest.mark.parametrize("deadline,expected", [(100.066, [(0, 4)]), (100.072, [(0, 0)])],
+                         ids=["slack-within-the-margin", "slack-beyond-it"])
+def test_a_lone_request_whose_slack_barely_covers_its_estimated_pass_counts_as_past_saving(deadline, expected):
+    # 100.066 s: 36 ms of slack after its 3 decode steps, above the 32 ms pass but under 1.25 x 32 = 40 ms (the
+    # estimate's margin): spread, as past saving; at 100.072 s, 42 ms: whole
+    sched = slack_scheduler()
+    sched.add(bounded(image_seq("big", 40, [(0, 32)]), deadline))
+    assert big_pass(sched) == expected
+
+
 @pytest.mark.parametrize("prefill_s_per_token,expected", [(None, [(0, 0)]), (0.001, [(0, 4)])],
                          ids=["prefill-unknown", "prefill-counted"])
 def test_a_lone_requests_own_prefill_counts_toward_past_saving(prefill_s_per_token, expected):
@@ -692,6 +702,34 @@ def test_the_scheduler_learns_from_the_steps_the_engine_reports():
     sched.observe_step(0.042, out)
     assert sched.step_clock.decode_s == pytest.approx(0.010)
     assert sched.step_clock.tower_s_per_cost == pytest.approx(0.032 / 32)
+
+
+def test_work_encoded_ahead_counts_in_the_next_steps_time_not_in_the_step_that_queued_it():
+    # The runner queues a step's encode_ahead behind its sampling: the step's time ends with its tokens, before that
+    # work runs, and the next step's kernels follow it. "b"'s 8-row image is encoded ahead while "a" decodes.
+    sched = encoder_scheduler(budget=8, encoder=8)
+    sched.step_clock = StepClock(decode_s=0.010)
+    sched.add(seq("a", 8))
+    sched.add(image_seq("b", 16, [(0, 8)]))
+    first = step(sched)  # a's prompt takes the budget; b's image is encoded ahead of b's first chunk
+    assert encodes(first)["ahead"] == [("b", 0)] and not first.encoded_before
+    second = step(sched)
+    assert [e.key for e in second.encoded_before] == [("b", 0)] and not second.encode_now
+    sched.observe_step(0.010, first)  # a plain step's time: the ahead work ran after it
+    assert sched.step_clock.decode_s == pytest.approx(0.010) and sched.step_clock.tower_s_per_cost is None
+    sched.observe_step(0.018, second)  # the 8 units of ahead work, 8 ms, are in this one's
+    assert sched.step_clock.tower_s_per_cost == pytest.approx(0.008 / 8)
+    assert not step(sched).encoded_before  # the second step encoded nothing ahead
+
+
+def test_the_simulated_engine_charges_work_encoded_ahead_to_the_next_step():
+    from workers.core.step_work import step_work
+
+    sched = encoder_scheduler(budget=8, encoder=8)
+    sched.add(seq("a", 8))
+    sched.add(image_seq("b", 16, [(0, 8)]))
+    first, second = step(sched), step(sched)
+    assert step_work(first, 1).vision_patches == [] and step_work(second, 1).vision_patches == [8 * 4]
 
 
 def test_a_tower_split_over_the_ranks_takes_their_share_of_work_a_step():

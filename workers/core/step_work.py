@@ -59,8 +59,10 @@ PATCHES_PER_VISUAL_TOKEN = 4  # Qwen3-VL merges 2 x 2 patches into one visual to
 
 def step_work(out: SchedulerOutput, vision_depth: int) -> StepWork:
     """The work of a scheduled batch: its chunks (prompt tokens, of which visual, and decodes' context), and the images
-    the scheduler has the vision tower encode in it, now and ahead, with the share of the tower's `vision_depth`
-    blocks each runs (a pass spread over steps runs a few). vision_plans is left to the caller (it needs history)."""
+    the vision tower encodes within its time: the step before's encode_ahead (queued behind that step's sampling,
+    so this step's kernels follow it) and its own encode_now, with the share of the tower's `vision_depth` blocks
+    each runs (a pass spread over steps runs a few). Its own encode_ahead runs after its tokens, in the next step's
+    time. vision_plans is left to the caller (it needs history)."""
     work = StepWork(num_seqs=len(out.chunks))
     for chunk in out.chunks:
         seq = chunk.seq
@@ -72,7 +74,7 @@ def step_work(out: SchedulerOutput, vision_depth: int) -> StepWork:
         work.prefill_tokens += prefill
         for image in seq.images:
             work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
-    encodes = (*out.encode_now, *out.encode_ahead)
+    encodes = (*out.encoded_before, *out.encode_now)
     work.vision_patches = [encode.image.num_tokens * PATCHES_PER_VISUAL_TOKEN for encode in encodes]
     work.vision_shares = [encode.num_blocks / vision_depth if encode.num_blocks else 1.0 for encode in encodes]
     return work
