@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -234,7 +234,7 @@ class HttpFrontend:
             return _error_answer(400, str(exc), param=exc.param)
         except ValueError as exc:
             return _error_answer(400, str(exc))
-        return f"chatcmpl-{uuid.uuid4().hex}", prompt
+        return f"chatcmpl-{os.urandom(16).hex()}", prompt  # 32 random hex digits, as uuid4().hex, no UUID built
 
     async def _first(self, chat: ChatRequest, request_id: str, prompt: PromptInput) -> _Reply | Answer:
         """Dispatch the request and read its first chunk: the reply to read on, or the refusal (429, 503, ...) that
