@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 
 import pytest
 from aiohttp import web
@@ -26,13 +28,14 @@ def post(body: bytes, path: bytes = PATH, extra: bytes = b"", version: bytes = b
 class Served:
     """A lane on a loopback port whose answer echoes the body, and an aiohttp fallback that says it was aiohttp."""
 
-    def __init__(self, token: str | None = None, max_body: int = 1000, decline: bytes | None = None):
+    def __init__(self, token: str | None = None, max_body: int = 1000, decline: bytes | None = None,
+                 ssl_context=None):
         self.answered: list[bytes] = []
         self.fallback_saw: list[tuple[str, str, bytes]] = []
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.decline = decline
-        self.token, self.max_body = token, max_body
+        self.token, self.max_body, self.ssl_context = token, max_body, ssl_context
 
     async def answer(self, body: bytes) -> Reply | None:
         if body == self.decline:
@@ -57,7 +60,8 @@ class Served:
     async def __aenter__(self):
         self.server = web.Server(self.fallback, handler_cancellation=True)
         self.lane = FastLane(PATH, self.answer, self.server, self.max_body, self.token)
-        self.listener = await asyncio.get_running_loop().create_server(self.lane, "127.0.0.1", 0)
+        self.listener = await asyncio.get_running_loop().create_server(self.lane, "127.0.0.1", 0,
+                                                                          ssl=self.ssl_context)
         self.port = self.listener.sockets[0].getsockname()[1]
         return self
 
@@ -188,5 +192,31 @@ def test_the_routers_whole_replies_are_the_same_through_the_lane_and_through_aio
             assert answers[0] == answers[1]
             assert answers[0][0][0] == 200 and answers[0][0][1]["usage"]["completion_tokens"] == 7
             assert answers[0][1][0] == 400
+
+    run(main())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_over_tls_the_lane_answers_and_hands_a_declined_request_to_aiohttp_on_the_same_connection(tmp_path):
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    client_side = ssl.create_default_context(cafile=str(cert))
+
+    async def main():
+        async with Served(decline=b'"stream"', ssl_context=server_side) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port, ssl=client_side)
+            replies = []
+            for body in (b'"a"', b'"b"', b'"stream"', b'"c"'):
+                writer.write(post(body))
+                replies.append(await read_response(reader))
+            writer.close()
+            assert replies == [(200, {"lane": '"a"'}), (200, {"lane": '"b"'}), (200, {"aiohttp": '"stream"'}),
+                               (200, {"aiohttp": '"c"'})]
 
     run(main())
