@@ -37,7 +37,7 @@ from contract.transport import bearer_ok
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 75.0  # aiohttp's keepalive_timeout
-MAX_HEAD_BYTES = 16_384  # a longer head is aiohttp's to refuse (its line and field limits are 8,190 bytes)
+MAX_HEAD_BYTES = 8_190  # a longer head is aiohttp's to judge (its limit on a line and on a field)
 _CHARSETS = (b"utf-8", b"utf8")
 
 
@@ -147,6 +147,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()  # from the first byte of the request being answered (or awaited) on
         self.task: asyncio.Task | None = None
+        self.head: tuple[int, int] | None = None  # the buffered request's head size and body length, once parsed
         self.idle: asyncio.TimerHandle | None = None
         self.writing_paused = False
         self.reading_paused = False
@@ -194,22 +195,25 @@ class _Connection(asyncio.Protocol):
             self.reading_paused = False
             self.transport.resume_reading()
         buffer = self.buffer
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
+        if self.head is None:
+            end = buffer.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 1)
+            if end < 0 or end + 4 > MAX_HEAD_BYTES:
+                if end >= 0 or len(buffer) > MAX_HEAD_BYTES:
+                    self._hand_over()
+                return
+            length = self.lane.body_length(bytes(buffer[:end + 4]))
+            if length is None:
                 self._hand_over()
-            return
-        length = self.lane.body_length(bytes(buffer[:end + 4]))
-        if length is None:
-            self._hand_over()
-            return
-        start = end + 4
+                return
+            self.head = (end + 4, length)
+        start, length = self.head
         if len(buffer) < start + length:
             return  # the body is still coming
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
         body = bytes(buffer[start:start + length])
+        self.head = None
         self.task = asyncio.get_running_loop().create_task(self._answer(body, start + length))
 
     async def _answer(self, body: bytes, size: int) -> None:
@@ -229,7 +233,7 @@ class _Connection(asyncio.Protocol):
         self.transport.write(self.lane.response(reply))
         if self.buffer:
             self._next()
-        if self.task is None and self.idle is None:
+        if self.task is None and self.idle is None and self.transport is not None:  # not handed over
             self._wait_idle()
 
     def _hand_over(self) -> None:

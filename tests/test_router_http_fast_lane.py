@@ -83,13 +83,13 @@ class Served:
             writer.close()
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict | None]:
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict | bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     status = int(lines[0].split()[1])
     headers = {k.lower(): v for k, _, v in (line.partition(": ") for line in lines[1:] if line)}
     body = await reader.readexactly(int(headers.get("content-length", 0)))
-    return status, json.loads(body) if body else None
+    return status, json.loads(body) if headers.get("content-type", "").startswith("application/json") else body
 
 
 def test_keep_alive_posts_to_its_path_are_answered_by_the_lane_in_order_whatever_the_packets():
@@ -218,5 +218,14 @@ def test_over_tls_the_lane_answers_and_hands_a_declined_request_to_aiohttp_on_th
             writer.close()
             assert replies == [(200, {"lane": '"a"'}), (200, {"lane": '"b"'}), (200, {"aiohttp": '"stream"'}),
                                (200, {"aiohttp": '"c"'})]
+
+    run(main())
+
+
+def test_a_head_longer_than_aiohttps_limit_goes_to_aiohttp_even_when_whole():
+    async def main():
+        async with Served() as s:
+            status, _ = (await s.exchange(post(b'"a"', extra=b"X-Long: " + b"y" * 9000 + b"\r\n")))[0]
+            assert s.answered == [] and status == 400  # aiohttp's answer to a field over 8,190 bytes
 
     run(main())
