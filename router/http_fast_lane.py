@@ -22,6 +22,7 @@ closed after IDLE_TIMEOUT_S, as aiohttp's keepalive_timeout closes its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 import logging
 import time
@@ -119,16 +120,20 @@ class FastLane:
         return int(length)
 
     def response(self, reply: Reply) -> bytes:
-        status = http.HTTPStatus(reply.status)
         now = int(time.time())
         if self._date[0] != now:
             self._date = (now, formatdate(now, usegmt=True).encode())
         return b"".join((
-            b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()),
+            _status_line(reply.status),
             b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(reply.body),
             b"Date: %s\r\nServer: %s\r\n\r\n" % (self._date[1], SERVER_SOFTWARE.encode()),
             reply.body,
         ))
+
+
+@functools.cache
+def _status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, http.HTTPStatus(status).phrase.encode())
 
 
 def _utf8(content_type: bytes) -> bool:
@@ -148,7 +153,9 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()  # from the first byte of the request being answered (or awaited) on
         self.task: asyncio.Task | None = None
         self.head: tuple[int, int] | None = None  # the buffered request's head size and body length, once parsed
-        self.idle: asyncio.TimerHandle | None = None
+        self.idle: asyncio.TimerHandle | None = None  # one timer a connection, re-armed as it fires (not a request)
+        self.last_active = 0.0  # loop time of the last bytes received or answer written
+        self.loop = asyncio.get_running_loop()
         self.writing_paused = False
         self.reading_paused = False
 
@@ -159,6 +166,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self.last_active = self.loop.time()
         if self.task is None:
             self._next()
         elif not self.reading_paused and len(self.buffer) > self.lane.max_body + MAX_HEAD_BYTES:
@@ -185,7 +193,18 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _wait_idle(self) -> None:
-        self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT_S, self.close)
+        self.last_active = self.loop.time()
+        self.idle = self.loop.call_at(self.last_active + IDLE_TIMEOUT_S, self._idle_check)
+
+    def _idle_check(self) -> None:
+        """Close the connection if it has received nothing and been answered nothing for IDLE_TIMEOUT_S and no
+        request is being answered; else look again when that could first be so."""
+        now = self.loop.time()
+        if self.task is None and now >= self.last_active + IDLE_TIMEOUT_S:
+            self.idle = None
+            self.close()
+        else:
+            self.idle = self.loop.call_at(max(self.last_active, now) + IDLE_TIMEOUT_S, self._idle_check)
 
     def _next(self) -> None:
         """Answer the buffered request if it is whole, hand it to aiohttp if it is not the lane's."""
@@ -209,12 +228,9 @@ class _Connection(asyncio.Protocol):
         start, length = self.head
         if len(buffer) < start + length:
             return  # the body is still coming
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
         body = bytes(buffer[start:start + length])
         self.head = None
-        self.task = asyncio.get_running_loop().create_task(self._answer(body, start + length))
+        self.task = self.loop.create_task(self._answer(body, start + length))
 
     async def _answer(self, body: bytes, size: int) -> None:
         try:
@@ -233,8 +249,7 @@ class _Connection(asyncio.Protocol):
         self.transport.write(self.lane.response(reply))
         if self.buffer:
             self._next()
-        if self.task is None and self.idle is None and self.transport is not None:  # not handed over
-            self._wait_idle()
+        self.last_active = self.loop.time()
 
     def _hand_over(self) -> None:
         """The connection becomes aiohttp's, with what it has sent from the request at hand on."""

@@ -229,3 +229,23 @@ def test_a_head_longer_than_aiohttps_limit_goes_to_aiohttp_even_when_whole():
             assert s.answered == [] and status == 400  # aiohttp's answer to a field over 8,190 bytes
 
     run(main())
+
+
+def test_a_connection_idle_for_the_timeout_is_closed_and_one_in_use_is_not(monkeypatch):
+    from router import http_fast_lane
+
+    monkeypatch.setattr(http_fast_lane, "IDLE_TIMEOUT_S", 0.3)
+
+    async def main():
+        async with Served() as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            for i in range(6):  # 0.6 s of use, a request every 0.1 s: kept open
+                writer.write(post(b'"%d"' % i))
+                assert (await read_response(reader))[0] == 200
+                await asyncio.sleep(0.1)
+            assert len(s.lane.connections) == 1
+            await asyncio.sleep(0.8)  # idle past the timeout (and its second look): closed
+            assert await asyncio.wait_for(reader.read(), 2) == b"" and s.lane.connections == set()
+            writer.close()
+
+    run(main())
