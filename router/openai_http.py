@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions (SSE or not), /v1/models[/{id}],
-/health and /metrics, serving through the same Dispatcher as the gRPC RouterService.
+/health and /metrics, serving through the same Dispatcher as the gRPC RouterService. Chat completions sent whole on
+kept-alive connections, the hot path, go through router/http_fast_lane.py instead of aiohttp, with the same answers
+(HttpFrontend.answer_whole writes them for both); JSON in and out through router/json_codec.py.
 
 Images come only as data: URLs (remote URLs get 400 and are never fetched); a flood beyond admission gets 429;
 a prompt longer than the workers' context or KV pool gets 400 naming the limit; a model other than the served one
@@ -11,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from aiohttp import web
@@ -22,10 +24,13 @@ from aiohttp import web
 from contract.chat import MessageError, encode_chat
 from contract.network import split_host_port
 from contract.transport import bearer_ok
+from contract.types import PromptInput
 from contract.wire import pb
+from router import json_codec
 from router.completion_text import CompletionText
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, RouterError
+from router.http_fast_lane import FastLane, Reply
 from router.openai_params import BadRequest, ChatRequest, parse_chat_request
 from router.prompt_encoder import PromptEncoder
 from router.registry import SERVING_ROLES, Registry
@@ -38,21 +43,39 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
 }
+CHAT_PATH = "/v1/chat/completions"
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
+
+
+class Answer(NamedTuple):
+    """A reply sent whole: its HTTP status and JSON body (what either transport writes)."""
+
+    status: int
+    body: dict[str, Any]
+
+
+def _error_answer(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                  code: int | str | None = None) -> Answer:
+    """OpenAI's error body; code is the HTTP status, as vLLM writes it, unless a code is named."""
+    error = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
+    return Answer(status, {"error": error})
+
+
+def json_response(answer: Answer) -> web.Response:
+    return web.Response(body=json_codec.dumps(answer.body), status=answer.status, content_type="application/json",
+                        charset="utf-8")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
            code: int | str | None = None) -> web.Response:
-    """OpenAI's error body; code is the HTTP status, as vLLM writes it, unless a code is named."""
-    error = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
-    return web.json_response({"error": error}, status=status)
+    return json_response(_error_answer(status, message, kind, param, code))
 
 
-def _model_not_found(model: str) -> web.Response:
+def _model_not_found(model: str) -> Answer:
     """404 for a model this router does not serve: vLLM's message, type and param (OpenAIServing._check_model in
     https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/engine/serving.py), with OpenAI's
     error code model_not_found where vLLM repeats the status."""
-    return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+    return _error_answer(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
 
 def _final_chunk_only(chat: ChatRequest) -> bool:
@@ -70,6 +93,8 @@ class HttpFrontend:
         self.registry = registry
         self.tokenizer: PromptEncoder | None = None
         self._runner: web.AppRunner | None = None
+        self._lane: FastLane | None = None
+        self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> int:
         """Load the tokenizer (tiktoken's encoder of the prompts, `tokenizers`' decoder of the replies), bind
@@ -79,7 +104,7 @@ class HttpFrontend:
         middlewares = [self._auth] if self.config.token else []
         app = web.Application(middlewares=middlewares, client_max_size=self.config.limits.max_message_bytes)
         app.add_routes([
-            web.post("/v1/chat/completions", self.chat_completions),
+            web.post(CHAT_PATH, self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model),  # ids hold a "/" (Qwen/Qwen3-VL-...)
             web.get("/health", self.health),
@@ -95,13 +120,31 @@ class HttpFrontend:
 
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(self.config.tls.cert, self.config.tls.key)
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        return self._runner.addresses[0][1]
+        # One listener: chat completions sent whole through the fast lane, every other request through aiohttp.
+        self._lane = FastLane(CHAT_PATH.encode(), self.fast_chat, self._runner.server,
+                              self.config.limits.max_message_bytes, self.config.token)
+        self._server = await asyncio.get_running_loop().create_server(self._lane, host, port, ssl=ssl_context,
+                                                                      reuse_address=True)
+        return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._lane.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def fast_chat(self, body: bytes) -> Reply | None:
+        """The fast lane's answer to a chat request's body: the whole reply, or None for a stream (aiohttp's)."""
+        chat = self.parse_chat(body)
+        if isinstance(chat, Answer):
+            return Reply(chat.status, json_codec.dumps(chat.body))
+        if chat.stream:
+            return None
+        answer = await self.answer_whole(chat)
+        return Reply(answer.status, json_codec.dumps(answer.body))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -121,7 +164,7 @@ class HttpFrontend:
     async def model(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
         if model_id != self.config.served_model_name:
-            return _model_not_found(model_id)
+            return json_response(_model_not_found(model_id))
         return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -136,41 +179,89 @@ class HttpFrontend:
         return web.Response(body=self.dispatcher.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if request.charset not in (None, "utf-8", "utf8"):  # a body in another charset, as UTF-8
+            body = (await request.text()).encode("utf-8")
+        chat = self.parse_chat(body)
+        if isinstance(chat, Answer):
+            return json_response(chat)
+        if not chat.stream:
+            return json_response(await self.answer_whole(chat))
+        opened = self._open(chat)
+        if isinstance(opened, Answer):
+            return json_response(opened)
+        request_id, prompt = opened
+        reply = await self._first(chat, request_id, prompt)
+        if isinstance(reply, Answer):
+            return json_response(reply)
         try:
-            chat = parse_chat_request(await request.json(), self.config.default_max_tokens)
-            if chat.model not in (None, self.config.served_model_name):  # never answered by another model
-                return _model_not_found(chat.model)
+            return await self._stream(request, request_id, reply, chat)
+        finally:
+            await self._close(reply)
+
+    def parse_chat(self, body: bytes) -> ChatRequest | Answer:
+        """A request body as a chat request for the served model, or the 400 / 404 that answers it."""
+        try:
+            chat = parse_chat_request(json_codec.loads(body), self.config.default_max_tokens)
+        except (BadRequest, MessageError) as exc:
+            return _error_answer(400, str(exc), param=exc.param)
+        except ValueError as exc:  # not JSON (json.JSONDecodeError), not UTF-8
+            return _error_answer(400, str(exc))
+        if chat.model not in (None, self.config.served_model_name):  # never answered by another model
+            return _model_not_found(chat.model)
+        return chat
+
+    async def answer_whole(self, chat: ChatRequest) -> Answer:
+        """The whole reply to a chat request that is not streamed: a chat.completion, or the error that answers it."""
+        opened = self._open(chat)
+        if isinstance(opened, Answer):
+            return opened
+        request_id, prompt = opened
+        reply = await self._first(chat, request_id, prompt)
+        if isinstance(reply, Answer):
+            return reply
+        try:
+            return await self._complete(request_id, reply)
+        finally:
+            await self._close(reply)
+
+    def _open(self, chat: ChatRequest) -> tuple[str, PromptInput] | Answer:
+        """The request's id and its prompt, tokenized; 400 when a message or image is bad or the prompt too long."""
+        try:
             prompt = encode_chat(chat.messages, self.tokenizer)  # MessageError names the bad message / image
             self._check_fits(len(prompt.token_ids))
         except (BadRequest, MessageError) as exc:
-            return _error(400, str(exc), param=exc.param)
-        except (json.JSONDecodeError, ValueError) as exc:
-            return _error(400, str(exc))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            return _error_answer(400, str(exc), param=exc.param)
+        except ValueError as exc:
+            return _error_answer(400, str(exc))
+        return f"chatcmpl-{os.urandom(16).hex()}", prompt  # 32 random hex digits, as uuid4().hex, no UUID built
+
+    async def _first(self, chat: ChatRequest, request_id: str, prompt: PromptInput) -> _Reply | Answer:
+        """Dispatch the request and read its first chunk: the reply to read on, or the refusal (429, 503, ...) that
+        answers it, before any byte is sent."""
         gen_request = pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt.token_ids, images=prompt.images, sampling=chat.sampling,
             final_chunk_only=_final_chunk_only(chat),
         )
         chunks = self.dispatcher.generate(gen_request)
         try:
-            first = await anext(chunks)  # refusals (429, 503, ...) surface here, before any byte is sent
+            first = await anext(chunks)
         except RouterError as exc:
             await chunks.aclose()
-            return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
+            return _error_answer(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
         text = CompletionText(self.tokenizer, chat.stop, chat.sampling.stop_token_ids, whole=not chat.stream)
-        reply = _Reply(first, chunks, text, len(prompt.token_ids))
-        try:
-            if chat.stream:
-                return await self._stream(request, request_id, reply, chat)
-            return await self._complete(request_id, reply)
-        finally:
-            if reply.stopped:
-                self.dispatcher.complete_early(request_id)  # counted as STOP, not as a caller gone away
-            elif reply.ended:
-                # Run the stream out: each generator under it then returns. Closed at its final chunk instead, it
-                # leaves the generators it was iterating to the event loop's finalizer, one task each.
-                await anext(chunks, None)
-            await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
+        return _Reply(request_id, first, chunks, text, len(prompt.token_ids))
+
+    async def _close(self, reply: _Reply) -> None:
+        """However the reply was read: the dispatcher's stream ended, the request counted by how it ended."""
+        chunks = reply.chunks
+        if reply.stopped:
+            self.dispatcher.complete_early(reply.request_id)  # counted as STOP, not as a caller gone away
+        elif reply.ended:
+            # Run the stream out: each generator under it then returns. Closed at its final chunk instead, it
+            # leaves the generators it was iterating to the event loop's finalizer, one task each.
+            await anext(chunks, None)
+        await chunks.aclose()  # also how a stop string ends the request: the worker's call is cancelled
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
         """BadRequest when the prompt is longer than some worker's max_model_len or its whole KV pool (as vLLM
@@ -197,14 +288,14 @@ class HttpFrontend:
     def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.config.served_model_name}
 
-    async def _complete(self, request_id: str, reply: _Reply) -> web.Response:
+    async def _complete(self, request_id: str, reply: _Reply) -> Answer:
         try:
             async for _ in reply.deltas():
                 pass
         except RouterError as exc:
-            return _error(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
+            return _error_answer(_HTTP_STATUS.get(exc.code, 500), exc.message, "router_error")
         if reply.failed:
-            return _error(502, reply.last.error or "the request failed upstream", "upstream_error")
+            return _error_answer(502, reply.last.error or "the request failed upstream", "upstream_error")
         out = self._envelope(request_id, "chat.completion")
         out["choices"] = [{
             "index": 0,
@@ -213,9 +304,10 @@ class HttpFrontend:
             "stop_reason": reply.text.stop_reason,  # vLLM's extension: the stop string or token id that ended it
         }]
         out["usage"] = reply.usage()
-        return web.json_response(out)
+        return Answer(200, out)
 
-    async def _stream(self, request: web.Request, request_id: str, reply: _Reply, chat: ChatRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, request_id: str, reply: _Reply,
+                      chat: ChatRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         base = self._envelope(request_id, "chat.completion.chunk")
@@ -250,9 +342,10 @@ class HttpFrontend:
 class _Reply:
     """One request's chunks read through its CompletionText: the text deltas, then how it ended."""
 
-    def __init__(self, first: pb.GenerateChunk, rest: AsyncIterator[pb.GenerateChunk], text: CompletionText,
-                 num_prompt_tokens: int):
-        self._first, self._rest, self.text = first, rest, text
+    def __init__(self, request_id: str, first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
+                 text: CompletionText, num_prompt_tokens: int):
+        self.request_id = request_id
+        self._first, self.chunks, self.text = first, chunks, text
         self.num_prompt_tokens = num_prompt_tokens
         self.last = first
         self.stopped = False  # a stop string matched: the request was ended here
@@ -269,7 +362,7 @@ class _Reply:
                 yield delta
             if finished or self.stopped:
                 return
-            chunk = await anext(self._rest)
+            chunk = await anext(self.chunks)
 
     @property
     def ended(self) -> bool:

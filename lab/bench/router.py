@@ -59,6 +59,20 @@ async def serve_grpc_workers(router: str, count: int) -> None:
     await _wait_for_signal()
 
 
+async def serve_constant_workers(router: str, count: int) -> None:
+    """gRPC stand-ins that answer every request with one constant reply (lab/bench/constant_worker.py), registered
+    with `router`: what the HTTP stand-ins are to vllm-router; "ready" goes to stdout."""
+    from lab.bench.constant_worker import ConstantWorker
+
+    workers = [ConstantWorker(f"constant{i}", router, OUTPUT_TOKENS) for i in range(count)]
+    for worker in workers:
+        await worker.start()
+    print("ready", flush=True)
+    await _wait_for_signal()
+    for worker in workers:
+        await worker.stop()
+
+
 async def serve_http_workers(ports: list[int]) -> None:
     """Instant OpenAI-compatible HTTP workers (what vllm-router fronts)."""
     from aiohttp import web
@@ -144,7 +158,33 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
         result = await _measure_paths(args, address, f"http://{http}/v1/chat/completions", served, worker_address,
                                       embedded, router_pid)
     procs.stop()
+    result["http_constant_workers"] = await bench_http_constant_workers(policy, args, procs)
     return result
+
+
+async def bench_http_constant_workers(policy: str, args, procs: Procs) -> dict:
+    """The HTTP point again, the router process fronting gRPC stand-ins that answer with a constant reply
+    (lab/bench/constant_worker.py), as vllm-router's HTTP stand-ins do: what the shared CPUs give the router when its
+    workers cost what vllm-router's do, rather than an engine step a token."""
+    import aiohttp
+
+    from router.client import RouterClient
+    from router.config import RouterConfig
+
+    grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                                        "--policy", policy], lines=2)
+    address, http = grpc_line.split()[-1], http_line.split()[-1]
+    router_pid = procs.procs[-1].pid
+    procs.start(["-m", "lab.bench.router", "--constant-workers", address, "--workers", str(args.workers)])
+    try:
+        async with RouterClient(address) as client:
+            await client.wait_for_workers(args.workers, timeout=30)
+        served = RouterConfig.model_fields["served_model_name"].default
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+            return await closed_loop(http_sender(session, f"http://{http}/v1/chat/completions", served),
+                                     args.concurrency, args.seconds, router_pid)
+    finally:
+        procs.stop()
 
 
 async def _measure_paths(args, address: str, http_url: str, served: str, worker_address: str, embedded,
@@ -228,7 +268,8 @@ async def bench(args) -> dict:
                       "concurrency": args.concurrency, "seconds_per_point": args.seconds, "cpus": os.cpu_count(),
                       "loadavg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
                       "client_event_loop": event_loop.loop_name(),
-                      "note": "instant workers; load generator, router and workers share this machine's CPUs; "
+                      "note": "instant workers (http_constant_workers: gRPC stand-ins answering a constant, as "
+                              "vllm-router's HTTP stand-ins do); load generator, router and workers share this machine's CPUs; "
                               "cpu_ms_per_request: the router process's CPU time per completed request (embedded "
                               "and grpc_direct_to_worker: this process's, the load generator and any routing in "
                               "it); one_client: the paths taken in turns, one request each, for 2x seconds"},
@@ -243,6 +284,13 @@ async def bench(args) -> dict:
         out["http_vs_vllm_router"] = {
             p: {"requests_per_s": round(out[p]["http"]["requests_per_s"] / peer["requests_per_s"], 3),
                 "cpu_per_request": round(out[p]["http"]["cpu_ms_per_request"] / peer["cpu_ms_per_request"], 2)}
+            for p in ("round_robin", "least_loaded")}
+        # The same with our router's workers answering a constant, as vllm-router's stand-ins do (both sides' workers
+        # then cost alike; above, ours run an engine step a token on the same CPUs).
+        out["http_constant_workers_vs_vllm_router"] = {
+            p: {"requests_per_s": round(out[p]["http_constant_workers"]["requests_per_s"] / peer["requests_per_s"], 3),
+                "cpu_per_request": round(out[p]["http_constant_workers"]["cpu_ms_per_request"]
+                                         / peer["cpu_ms_per_request"], 2)}
             for p in ("round_robin", "least_loaded")}
     out["embedded_vs_direct"] = {  # the issue-35 target: embedded routing adds <= 0.3 ms p50 over a direct call
         "target_p50_added_ms": EMBEDDED_TARGET_MS,
@@ -274,9 +322,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--grpc-workers", metavar="ROUTER", help=argparse.SUPPRESS)
     parser.add_argument("--http-workers", nargs="+", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--constant-workers", metavar="ROUTER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.grpc_workers:
         event_loop.run(serve_grpc_workers(args.grpc_workers, args.workers))
+    elif args.constant_workers:
+        event_loop.run(serve_constant_workers(args.constant_workers, args.workers))
     elif args.http_workers:
         event_loop.run(serve_http_workers(args.http_workers))
     else:
