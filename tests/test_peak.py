@@ -208,13 +208,15 @@ def test_a_real_search_on_cpu_tiny_reports_every_point_as_loadgen_logged_it(tmp_
         assert (tail["slowest"][0]["sample_index"], tail["slowest"][0]["latency_s"]) == (
             slowest.sample_index, round(slowest.latency_s, 3))
         assert tail["slowest"][0]["prompt_tokens"] > 0
+        # every query over the scenario's bound, as many as LoadGen's log counts (its early stopping counts them)
+        assert len(tail["over_bound"]) == point["over_bound_queries"]
         # ... and where its time went, from the engines' request lines of this point alone (the Server points share
         # one cluster, so its trace holds both): every query matched, the slowest one's phases add up to its latency
         timeline = tail["timeline"]
         assert timeline["matched_queries"] == point["queries"]
         first = timeline["slowest"][0]
         assert (first["sample_index"], first["latency_s"]) == (slowest.sample_index, round(slowest.latency_s, 3))
-        spent = sum(v for k, v in first.items() if k not in ("sample_index", "latency_s"))
+        spent = sum(v for k, v in first.items() if k not in ("sample_index", "latency_s", "issued_s"))
         assert spent == pytest.approx(slowest.latency_s, abs=2e-3) and first["outside_engine_s"] > 0
     # the engines' step trace of the same run: steps with their times, and a line for every request they served,
     # each through the worker's serving engine (so with its wait for a preparation thread)

@@ -86,3 +86,32 @@ def test_the_tails_time_is_split_into_the_engines_phases_and_the_rest():
     assert slowest[9]["outside_engine_s"] == pytest.approx(2.1) and slowest[8]["outside_engine_s"] == pytest.approx(0.1)
     assert slowest[8]["stalled_s"] == pytest.approx(1.2 - 0.2) and slowest[8]["decode_s"] == pytest.approx(1.2)
     assert report["all_median_s"]["outside_engine_s"] == pytest.approx(0.1)
+
+
+def test_every_query_over_the_bound_is_listed_in_issue_order_beyond_the_slowest_percent():
+    # 200 queries; five over a 1.5 s bound, where the slowest 1% holds two of them
+    shapes = {i: SampleShape(1000, 500) for i in range(200)}
+    latency = {i: 0.5 for i in range(200)}
+    latency.update({150: 1.6, 20: 3.0, 90: 1.51, 7: 2.0, 199: 1.7, 60: 1.5})  # 60: at the bound, not over it
+    samples = [SampleLatency(float(i), latency[i], i) for i in range(200)]
+    report = tail_anatomy(samples, shapes, bound_s=1.5)
+    assert report["tail_queries"] == 2
+    assert [q["sample_index"] for q in report["over_bound"]] == [7, 20, 90, 150, 199]
+    assert report["over_bound"][0] == {"sample_index": 7, "latency_s": 2.0, "issued_s": 7.0, "image_tokens": 500,
+                                       "prompt_tokens": 1000, "large_images_in_flight": 0}
+    assert "over_bound" not in tail_anatomy(samples, shapes)  # no bound (Offline): no such list
+
+
+def test_the_timeline_of_every_query_over_the_bound_is_listed_in_issue_order():
+    from lab.peak.tail_anatomy import timeline_anatomy
+
+    samples = [SampleLatency(float(i), 1.0, i % 10) for i in range(100)]
+    samples[40] = SampleLatency(40.0, 2.0, 0)
+    samples[3] = SampleLatency(3.0, 1.8, 3)
+    lines: dict[int, list[dict]] = {}
+    for i in range(100):
+        lines.setdefault(i % 10, []).append(request_line(f"q{i}-s{i % 10}", 0.0, float(i), 0.9))
+    report = timeline_anatomy(samples, lines, bound_s=1.5)
+    assert [(q["sample_index"], q["issued_s"]) for q in report["over_bound"]] == [(3, 3.0), (0, 40.0)]
+    assert report["over_bound"][1]["outside_engine_s"] == pytest.approx(1.1)
+    assert "over_bound" not in timeline_anatomy(samples, lines)

@@ -343,10 +343,12 @@ class PeakFinder:
                 say(f"reading the {name} prompts' sizes for the tail anatomy")
                 shapes[name] = sample_shapes(self.config, name, self.cache_dir)
             samples = read_sample_latencies(trace)
-            point["tail"] = tail_anatomy(samples, shapes[name])
+            bound_ms = self.config.scenario(name).target_latency_ms
+            bound_s = None if bound_ms is None else bound_ms / 1000
+            point["tail"] = tail_anatomy(samples, shapes[name], bound_s=bound_s)
             if self.step_trace_dir is not None and "window_unix_s" in point:  # where the tail's time went
                 point["tail"]["timeline"] = timeline_anatomy(
-                    samples, engine_requests(self.step_trace_dir, tuple(point["window_unix_s"])))
+                    samples, engine_requests(self.step_trace_dir, tuple(point["window_unix_s"])), bound_s=bound_s)
             self.report.write()
 
     def _skeleton(self) -> dict[str, Any]:

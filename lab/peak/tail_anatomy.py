@@ -24,6 +24,7 @@ from harness.plot import SampleLatency
 from workers.core.step_trace import TIMELINE, read_requests, request_start, request_timeline
 
 SLOWEST_LISTED = 10
+OVER_BOUND_LISTED = 200  # every query over the latency bound, in issue order, up to this many
 LARGE_OVER_MEDIAN = 4  # so that a run of like images has no "large" ones
 
 
@@ -59,9 +60,11 @@ def sample_shapes(config, scenario: str, cache_dir: Path) -> dict[int, SampleSha
     return shapes
 
 
-def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleShape], fraction: float = 0.01) -> dict:
+def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleShape], fraction: float = 0.01,
+                 bound_s: float | None = None) -> dict:
     """The slowest `fraction` of the run's queries (at least one), their sizes against the run's, and the large
-    images in flight when each was issued."""
+    images in flight when each was issued; with the scenario's latency bound, every query over it (`over_bound`,
+    in issue order: those early stopping counts, which may be more than the slowest 1%)."""
     if not samples:
         raise ValueError("no samples: the trace log holds no completed queries")
     tail = [samples[i] for i in slowest_positions(samples, fraction)]
@@ -99,6 +102,8 @@ def tail_anatomy(samples: Sequence[SampleLatency], shapes: Mapping[int, SampleSh
         "tail_with_own_large_image": sum(1 for s in known if shapes[s.sample_index].image_tokens >= big),
         "tail_with_large_image_in_flight": sum(1 for s in tail if in_flight_big(s)),
         "slowest": [describe(s) for s in reversed(tail[-SLOWEST_LISTED:])],
+        **({"over_bound": [describe(samples[i]) for i in over_bound_positions(samples, bound_s)]}
+           if bound_s is not None else {}),
     }
 
 
@@ -143,10 +148,11 @@ def _finished_unix(line: dict) -> float:
 
 
 def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, list[dict]],
-                     fraction: float = 0.01) -> dict:
-    """Where the slowest `fraction` of queries spent their time. LoadGen's samples and the engines' request lines
-    are joined by sample index, in issue order (the clocks of different processes are not compared); the time
-    LoadGen measured beyond the engine's is `outside_engine_s`."""
+                     fraction: float = 0.01, bound_s: float | None = None) -> dict:
+    """Where the slowest `fraction` of queries spent their time, and with the scenario's latency bound every query
+    over it (`over_bound`, in issue order). LoadGen's samples and the engines' request lines are joined by sample
+    index, in issue order (the clocks of different processes are not compared); the time LoadGen measured beyond
+    the engine's is `outside_engine_s`."""
     queue: dict[int, list[dict]] = {index: list(lines) for index, lines in requests.items()}
     timelines: dict[int, dict] = {}
     for position, sample in sorted(enumerate(samples), key=lambda item: item[1].issued_s):
@@ -166,9 +172,21 @@ def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, li
         if tail else None,
         "all_median_s": {name: round(statistics.median(t[name] for t in timelines.values()), 4) for name in names}
         if timelines else None,
-        "slowest": [{"sample_index": samples[i].sample_index, "latency_s": round(samples[i].latency_s, 3),
-                     **timelines[i]} for i in reversed(tail[-SLOWEST_LISTED:])],
+        "slowest": [_timed(samples[i], timelines[i]) for i in reversed(tail[-SLOWEST_LISTED:])],
+        **({"over_bound": [_timed(samples[i], timelines[i]) for i in over_bound_positions(samples, bound_s)
+                           if i in timelines]} if bound_s is not None else {}),
     }
+
+
+def _timed(sample: SampleLatency, timeline: dict) -> dict:
+    return {"sample_index": sample.sample_index, "latency_s": round(sample.latency_s, 3),
+            "issued_s": round(sample.issued_s, 3), **timeline}
+
+
+def over_bound_positions(samples: Sequence[SampleLatency], bound_s: float) -> list[int]:
+    """Positions of the queries over `bound_s`, in issue order, at most OVER_BOUND_LISTED."""
+    over = sorted((i for i, s in enumerate(samples) if s.latency_s > bound_s), key=lambda i: samples[i].issued_s)
+    return over[:OVER_BOUND_LISTED]
 
 
 def _median(values: Sequence[int]) -> float | None:
