@@ -66,11 +66,6 @@ def json_response(answer: Answer) -> web.Response:
                         charset="utf-8")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-           code: int | str | None = None) -> web.Response:
-    return json_response(_error_answer(status, message, kind, param, code))
-
-
 def _model_not_found(model: str) -> Answer:
     """404 for a model this router does not serve: vLLM's message, type and param (OpenAIServing._check_model in
     https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/openai/engine/serving.py), with OpenAI's
@@ -150,7 +145,7 @@ class HttpFrontend:
     async def _auth(self, request: web.Request, handler):
         token = self.config.token
         if token and request.path != "/health" and not bearer_ok(request.headers.get("Authorization"), token):
-            return _error(401, "missing or wrong bearer token", "authentication_error")
+            return json_response(_error_answer(401, "missing or wrong bearer token", "authentication_error"))
         return await handler(request)
 
     # -- endpoints ------------------------------------------------------------------------------

@@ -68,17 +68,22 @@ def test_the_engines_lines_of_a_window_by_sample_in_submission_order_a_resent_qu
         7: ["q2-s7", "q1-s7"], 2: ["q4-s2#2"]}
 
 
+def hundred_queries(latency: dict[int, float], engine_latency: dict[int, float] | None = None):
+    """100 queries a second apart, query i of sample i % 10, each 1 s as LoadGen saw it (0.9 s in its engine line)
+    unless `latency` (`engine_latency`) says otherwise: LoadGen's samples and the engines' lines by sample index."""
+    samples = [SampleLatency(float(i), latency.get(i, 1.0), i % 10) for i in range(100)]
+    lines: dict[int, list[dict]] = {}
+    for i in range(100):
+        lines.setdefault(i % 10, []).append(
+            request_line(f"q{i}-s{i % 10}", 0.0, float(i), (engine_latency or {}).get(i, 0.9)))
+    return samples, lines
+
+
 def test_the_tails_time_is_split_into_the_engines_phases_and_the_rest():
     from lab.peak.tail_anatomy import timeline_anatomy
 
     # 100 queries of sample i % 10; query 99 waited 2 s outside the engine, query 98 stalled inside it
-    samples = [SampleLatency(float(i), 1.0, i % 10) for i in range(100)]
-    samples[99] = SampleLatency(99.0, 3.0, 9)
-    samples[98] = SampleLatency(98.0, 2.5, 8)
-    lines: dict[int, list[dict]] = {}
-    for i in range(100):
-        latency = 2.4 if i == 98 else 0.9
-        lines.setdefault(i % 10, []).append(request_line(f"q{i}-s{i % 10}", 0.0, float(i), latency))
+    samples, lines = hundred_queries({99: 3.0, 98: 2.5}, engine_latency={98: 2.4})
     report = timeline_anatomy(samples, lines, fraction=0.02)
     assert report["matched_queries"] == 100 and report["tail_queries_matched"] == 2
     slowest = {q["sample_index"]: q for q in report["slowest"]}
@@ -105,12 +110,7 @@ def test_every_query_over_the_bound_is_listed_in_issue_order_beyond_the_slowest_
 def test_the_timeline_of_every_query_over_the_bound_is_listed_in_issue_order():
     from lab.peak.tail_anatomy import timeline_anatomy
 
-    samples = [SampleLatency(float(i), 1.0, i % 10) for i in range(100)]
-    samples[40] = SampleLatency(40.0, 2.0, 0)
-    samples[3] = SampleLatency(3.0, 1.8, 3)
-    lines: dict[int, list[dict]] = {}
-    for i in range(100):
-        lines.setdefault(i % 10, []).append(request_line(f"q{i}-s{i % 10}", 0.0, float(i), 0.9))
+    samples, lines = hundred_queries({40: 2.0, 3: 1.8})
     report = timeline_anatomy(samples, lines, bound_s=1.5)
     assert [(q["sample_index"], q["issued_s"]) for q in report["over_bound"]] == [(3, 3.0), (0, 40.0)]
     assert report["over_bound"][1]["outside_engine_s"] == pytest.approx(1.1)

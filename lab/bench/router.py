@@ -140,16 +140,20 @@ def added_ms(solo: dict, path: str, base: str = "direct") -> dict:
             f"{path}_p50_ms": solo[path]["p50_ms"], f"{base}_p50_ms": solo[base]["p50_ms"]}
 
 
+def start_router(policy: str, procs: Procs) -> tuple[str, str, int]:
+    """A router process on loopback ports with `policy`: its gRPC address, its HTTP address and its pid."""
+    grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                                        "--policy", policy], lines=2)
+    return grpc_line.split()[-1], http_line.split()[-1], procs.procs[-1].pid
+
+
 async def bench_our_router(policy: str, args, procs: Procs) -> dict:
     """One policy: the router process over gRPC and HTTP, the router embedded in this process, and a direct call to a
     worker; the workers register with both routers."""
     from router.config import RouterConfig, parse_router_config
     from router.embedded import EmbeddedRouter
 
-    grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                        "--policy", policy], lines=2)
-    address, http = grpc_line.split()[-1], http_line.split()[-1]
-    router_pid = procs.procs[-1].pid
+    address, http, router_pid = start_router(policy, procs)
     async with EmbeddedRouter(parse_router_config({"policy": {"name": policy}})) as embedded:
         (worker_address,) = procs.start(["-m", "lab.bench.router", "--grpc-workers", f"{address},{embedded.address}",
                                          "--workers", str(args.workers)])
@@ -171,10 +175,7 @@ async def bench_http_constant_workers(policy: str, args, procs: Procs) -> dict:
     from router.client import RouterClient
     from router.config import RouterConfig
 
-    grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                        "--policy", policy], lines=2)
-    address, http = grpc_line.split()[-1], http_line.split()[-1]
-    router_pid = procs.procs[-1].pid
+    address, http, router_pid = start_router(policy, procs)
     procs.start(["-m", "lab.bench.router", "--constant-workers", address, "--workers", str(args.workers)])
     try:
         async with RouterClient(address) as client:
