@@ -378,7 +378,7 @@ class Scheduler:
             return False
         for other in others:
             slack = self.step_clock.slack(other, now)
-            if slack is None or 0.0 <= slack < seconds:
+            if slack is None or (slack < seconds and self._can_meet(other, now)):
                 return False
         return True
 
@@ -394,6 +394,28 @@ class Scheduler:
         work)."""
         own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
         return own is not None and own_work is not None and own < own_work * PAST_SAVING_MARGIN
+
+    def _tower_left(self, seq: Sequence) -> float:
+        """Tower work (VisionCost units) seq's prompt still needs: its images not yet encoded, and the blocks left of
+        a pass spread over steps."""
+        vision, cache, left = self.limits.vision, self.encoder_cache, 0.0
+        for image in seq.images:
+            key = (seq.request_id, image.index)
+            if image.end <= seq.num_computed_tokens or cache.is_ready(key):
+                continue
+            running = self._passes.get(key)
+            done = 0 if running is None else running[2]
+            left += vision.cost(image.num_tokens) - done * vision.block_cost(image.num_tokens)
+        return left
+
+    def _can_meet(self, seq: Sequence, now: float) -> bool:
+        """Whether seq can still meet its bound: it has one, its slack is not negative, and it is not past saving with
+        the tower and prompt work it has left. Only such a request holds back another's tower work (_may_run_whole,
+        _defers, _yields): one past saving yields to the others, so another waiting for it would leave the engine
+        idle until one of their slacks ran out (two requests waiting for each other; in the product path's replay,
+        a 4,000 px pass yielding to a 3,000 px image whose tower waited for it)."""
+        slack = self.step_clock.slack(seq, now)
+        return slack is not None and slack >= 0.0 and not self._past_saving(seq, self._tower_left(seq), now)
 
     def _defers(self, seq: Sequence, cost: float, log_key: ImageKey | None = None) -> bool:
         """Whether seq's tower work (`cost`, not yet started) waits for this step: run now, it and seq's prompt would
@@ -413,7 +435,7 @@ class Scheduler:
             if other is seq:
                 continue
             slack = self.step_clock.slack(other, now)
-            if slack is not None and 0.0 <= slack < own_work:
+            if slack is not None and slack < own_work and self._can_meet(other, now):
                 if log_key is not None and log_key not in self._waits_logged:  # its first wait, once
                     self._waits_logged.add(log_key)
                     log.info("tower work of %s (cost %.0f, %.3f s with its prefill) waits: %s has %.3f s of slack, "
@@ -429,11 +451,7 @@ class Scheduler:
         now = self.clock()
         if seq.deadline is None or now > seq.deadline + YIELD_OVERDUE_S or not self._past_saving(seq, cost, now):
             return False
-        for other in (*self.running, *self.waiting):
-            slack = None if other is seq else self.step_clock.slack(other, now)
-            if slack is not None and slack >= 0.0:
-                return True
-        return False
+        return any(other is not seq and self._can_meet(other, now) for other in (*self.running, *self.waiting))
 
     def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
         """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take. The tower
