@@ -620,6 +620,41 @@ def test_a_pass_does_not_yield_to_requests_without_a_bound_or_already_past_their
         assert big_pass(sched)[0][0] == 4
 
 
+def test_two_requests_past_saving_do_not_yield_to_each_other():
+    # each misses its bound whatever happens (10 and 15 ms of slack after 3 decode steps, 32 ms passes): neither
+    # is a request that can still meet its bound, so neither yields to the other; on a stopped clock, waiting for
+    # each other would never end
+    sched = slack_scheduler()
+    sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
+    sched.add(bounded(image_seq("big2", 40, [(4, 32)]), 100.045))
+    for _ in range(40):
+        step(sched)
+        if not sched.has_unfinished():
+            break
+    assert sched.find("big") is None and sched.find("big2") is None
+
+
+def test_a_pass_does_not_wait_for_a_request_past_saving_that_yields_to_it():
+    # "far" has 10 ms of slack, under the 12 ms of "mid"'s tower work, but misses its bound whatever happens (a
+    # 32 ms pass): mid's image is encoded now rather than waiting for far, which yields its blocks to mid
+    sched = slack_scheduler()
+    sched.add(bounded(image_seq("far", 40, [(4, 32)]), 100.04))
+    sched.add(bounded(image_seq("mid", 20, [(4, 12)]), 100.5))
+    out = step(sched)
+    assert [e.seq.request_id for e in out.encode_now] == ["mid"]
+    assert sorted(chunks(out)) == [("far", 0, 4), ("mid", 0, 20)]
+
+
+def test_a_request_past_saving_with_slack_left_does_not_keep_a_pass_from_running_whole():
+    # "far" still has 10 ms of slack after its 3 decode steps, shorter than big's 32 ms pass, but its own 40-token
+    # prompt (40 ms at 1 ms a token) makes it miss its bound whatever happens: big's pass runs whole
+    sched = slack_scheduler()
+    sched.step_clock.prefill_s_per_token = 0.001
+    sched.add(image_seq("big", 40, [(0, 32)]))
+    sched.add(bounded(seq("far", 40, max_tokens=3), 100.04))
+    assert big_pass(sched) == [(0, 0)]
+
+
 def test_before_any_step_with_tower_work_was_seen_a_pass_is_spread():
     sched = slack_scheduler()
     sched.step_clock = StepClock(decode_s=0.010)
