@@ -602,7 +602,7 @@ def test_a_large_images_first_decision_is_logged_once_however_often_it_is_taken_
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["tower pass of big (cost 32)"]
 
 
-@pytest.mark.parametrize("now,yields", [(103.0, True), (103.1, False)], ids=["overdue-2.96-s", "overdue-3.06-s"])
+@pytest.mark.parametrize("now,yields", [(106.0, True), (106.1, False)], ids=["overdue-5.96-s", "overdue-6.06-s"])
 def test_a_pass_past_saving_yields_only_until_its_request_is_yield_overdue_s_past_its_deadline(now, yields):
     sched = slack_scheduler(now)
     sched.add(bounded(image_seq("big", 40, [(4, 32)]), 100.04))
