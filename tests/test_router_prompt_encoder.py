@@ -111,3 +111,68 @@ def test_the_http_front_end_encodes_with_it():
             assert isinstance(c.router._http.tokenizer, PromptEncoder)
 
     run(body())
+
+
+# -- the cache of pieces between added tokens ----------------------------------------------------------------------
+
+BOUNDARY_TEXTS = [  # text against an added token on either side: no BPE merge or regex match may cross it
+    "x<|im_end|>y", "  <|im_end|>  ", "\n\n<|im_start|>\n\n", "'s<|im_end|>'s", "don<|im_end|>'t", "123<|im_end|>456",
+    "a <|image_pad|> b", " <|vision_start|><|image_pad|><|vision_end|> ", "!!<|im_end|>!!", "\t<|im_end|>\t\n",
+    "<|im_start|>user\n", "<|im_start|>user\n ", "<|im_start|>assistant\n<|im_end|>", "é<|im_end|>é", "中<|im_end|>文",
+]
+
+
+def test_a_text_encoded_again_gets_the_same_ids_as_tiktoken_uncached(tok):
+    encoder = PromptEncoder(tok)
+    rng = random.Random(32)
+    parts = ["describe", " ", "  ", "\n", "'s", "é", "中", "😀", "12", ".", "<|im_start|>", "<|im_end|>", "<|image_pad|>",
+             "<|vision_start|>", "<|vision_end|>", "user\n", "assistant\n", "<|"]
+    texts = BOUNDARY_TEXTS + SPECIAL_TEXTS + ["".join(rng.choice(parts) for _ in range(rng.randint(1, 40)))
+                                              for _ in range(400)]
+    uncached = [encoder._encoding.encode(t, allowed_special="all") for t in texts]
+    for _ in range(2):  # cold, then each piece from the cache (or evicted by the other texts' pieces and encoded again)
+        assert [encoder.encode(t) for t in texts] == uncached
+        assert [encoder.encode(t) for t in reversed(texts)] == uncached[::-1]
+    assert [encoder.encode(t) for t in BOUNDARY_TEXTS] == [tok.encode(t) for t in BOUNDARY_TEXTS]
+
+
+def test_a_chats_fixed_pieces_are_encoded_once_and_then_read_from_the_cache(tok):
+    from contract.prompt import system_prompt
+
+    encoder = PromptEncoder(tok)
+    chat = f"<|im_start|>system\n{system_prompt()}<|im_end|>\n<|im_start|>user\nTitle: a mug<|im_end|>\n" \
+           "<|im_start|>assistant\n"
+    first = encoder.encode(chat)
+    cold = encoder.piece_cache_info()
+    assert encoder.encode(chat) == first == tok.encode(chat)
+    warm = encoder.piece_cache_info()
+    assert warm.misses == cold.misses and warm.hits - cold.hits == 6  # "", system, "\n", user, "\n", assistant
+
+
+def test_the_ids_handed_out_are_the_callers_to_change(tok):
+    encoder = PromptEncoder(tok)
+    for text in ("hello there", "<|im_start|>user\nhello<|im_end|>"):
+        ids = encoder.encode(text)
+        expected = list(ids)
+        ids[1:3] = [0]
+        ids.append(7)
+        assert encoder.encode(text) == expected
+
+
+def test_the_cache_holds_a_bounded_number_of_pieces_and_none_longer_than_the_bound(tok):
+    from router import prompt_encoder
+
+    encoder = PromptEncoder(tok)
+    for n in range(3 * prompt_encoder.CACHED_PIECES):
+        assert encoder.encode(f"<|im_start|>piece {n}") == tok.encode(f"<|im_start|>piece {n}")
+    assert encoder.piece_cache_info().currsize == prompt_encoder.CACHED_PIECES
+    long_text = "word " * (prompt_encoder.CACHED_PIECE_CHARS // 5 + 1)
+    before = encoder.piece_cache_info()
+    assert encoder.encode(long_text) == encoder.encode(long_text) == tok.encode(long_text)
+    after = encoder.piece_cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
+def test_no_added_token_is_a_prefix_of_another():  # so the split finds the one tiktoken finds, in any order
+    added = [content for content, _ in qt.ADDED_TOKENS]
+    assert [(a, b) for a in added for b in added if a != b and b.startswith(a)] == []
