@@ -11,8 +11,10 @@ What `tokenizers` does beyond that, and how this matches it:
   added tokens (composition and reordering need adjacent characters, and each piece's characters were adjacent in
   the whole), so such a text is encoded as is; any other text (rare: decomposed accents, some compatibility
   characters) goes to the `tokenizers` build, which is exact by definition.
-- Decoding (the reply's text) stays with the `tokenizers` build: skip_special_tokens and ids past the vocabulary
-  (embedding padding rows) are its behaviour.
+- Decoding: `tokenizers` maps each id to its bytes and reads them as UTF-8, a malformed sequence as U+FFFD. For ids of
+  the BPE vocabulary whose bytes are well-formed UTF-8, tiktoken's bytes read strictly are that text; anything else
+  (added tokens, which skip_special_tokens may drop, ids past the vocabulary, a character split across the end)
+  goes to the `tokenizers` build.
 
 The pieces between added tokens are encoded each on its own, and the recent ones kept by their exact text: BPE never
 merges across an added token (tiktoken encodes the text on either side of one apart, as `tokenizers` does), so a
@@ -57,10 +59,10 @@ def _encodable(text: str) -> bool:
 
 
 class PromptEncoder:
-    """QwenTokenizer's encode / encode_batch / decode: the encoding through tiktoken where that is exact (NFC text),
-    through `tokenizers` otherwise, as is a text with a lone surrogate (JSON's \\ud800 escapes make one): tiktoken
-    would encode it as U+FFFD, `tokenizers` refuses it, and that refusal stays the router's answer. Decoding and the
-    rest through `tokenizers`."""
+    """QwenTokenizer's encode / encode_batch / decode: through tiktoken where that is exact (NFC text; ids of the BPE
+    vocabulary that make UTF-8), through `tokenizers` otherwise, as is a text with a lone surrogate (JSON's \\ud800
+    escapes make one): tiktoken would encode it as U+FFFD, `tokenizers` refuses it, and that refusal stays the
+    router's answer. The rest through `tokenizers`."""
 
     def __init__(self, tokenizer: QwenTokenizer | None = None, encoding=None):
         self.tokenizer = tokenizer or load_tokenizer()
@@ -68,6 +70,7 @@ class PromptEncoder:
         # Split at every added token, the token kept (a capturing group): leftmost first, as tiktoken finds them. No
         # added token is a prefix of another, so which one matches at a position does not depend on their order.
         self._split = re.compile("(" + "|".join(map(re.escape, ADDED_TOKEN_IDS)) + ")").split
+        self._decode_bytes = self._encoding.decode_bytes
         self._encode_piece = self._encoding.encode_ordinary
         self._cached_piece = functools.lru_cache(CACHED_PIECES)(self._encode_piece)
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -101,6 +104,14 @@ class PromptEncoder:
         return [self.encode(text) for text in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        if not ids:
+            return ""
+        if 0 <= min(ids) and max(ids) < NUM_BPE_TOKENS:
+            try:
+                return self._decode_bytes(ids).decode("utf-8")
+            except UnicodeDecodeError:
+                pass  # `tokenizers` writes U+FFFD where these bytes are not UTF-8
         return self.tokenizer.decode(ids, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

@@ -176,3 +176,39 @@ def test_the_cache_holds_a_bounded_number_of_pieces_and_none_longer_than_the_bou
 def test_no_added_token_is_a_prefix_of_another():  # so the split finds the one tiktoken finds, in any order
     added = [content for content, _ in qt.ADDED_TOKENS]
     assert [(a, b) for a in added for b in added if a != b and b.startswith(a)] == []
+
+
+# -- decoding ------------------------------------------------------------------------------------------------------
+
+
+def test_decoded_text_is_the_tokenizers_builds_for_any_ids(encoder, tok):
+    rng = random.Random(36)
+    past_vocab = range(qt.NUM_BPE_TOKENS + len(qt.ADDED_TOKENS), tok.vocab_size + 300)
+    cases = [[], [encoder.encode("中")[0]], encoder.encode("😀 é 中文")[:-1], [qt.IM_START_ID], [qt.IMAGE_PAD_ID, 9]]
+    cases += [[rng.randrange(qt.NUM_BPE_TOKENS) for _ in range(rng.randint(1, 30))] for _ in range(3000)]  # some UTF-8
+    cases += [[rng.choice([rng.randrange(qt.NUM_BPE_TOKENS), rng.randrange(qt.NUM_BPE_TOKENS, past_vocab.stop)])
+               for _ in range(rng.randint(1, 10))] for _ in range(300)]  # with added tokens and ids past the vocabulary
+    for skip in (True, False):
+        assert [c for c in cases if encoder.decode(c, skip) != tok.decode(c, skip)] == []
+
+
+class _CountingTokenizer:
+    """The `tokenizers` build, counting the decodes asked of it."""
+
+    def __init__(self, tok: qt.QwenTokenizer):
+        self._tok, self.decodes = tok, 0
+        self.eos_token_ids, self.vocab_size = tok.eos_token_ids, tok.vocab_size
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return self._tok.decode(ids, skip_special_tokens)
+
+
+def test_ids_of_the_bpe_vocabulary_that_make_utf8_are_decoded_without_the_tokenizers_build(tok):
+    counting = _CountingTokenizer(tok)
+    encoder = PromptEncoder(counting)
+    assert encoder.decode(encoder.encode("A reply, déjà vu 中文 😀")) == "A reply, déjà vu 中文 😀"
+    assert counting.decodes == 0
+    assert encoder.decode(encoder.encode("<|im_end|>done")) == "done" and counting.decodes == 1  # an added token
+    half = encoder.encode("龘")[:1]  # the first of its two tokens
+    assert encoder.decode(half) == tok.decode(half) and counting.decodes == 2  # bytes that are not UTF-8 (yet)
