@@ -111,3 +111,104 @@ def test_the_http_front_end_encodes_with_it():
             assert isinstance(c.router._http.tokenizer, PromptEncoder)
 
     run(body())
+
+
+# -- the cache of pieces between added tokens ----------------------------------------------------------------------
+
+BOUNDARY_TEXTS = [  # text against an added token on either side: no BPE merge or regex match may cross it
+    "x<|im_end|>y", "  <|im_end|>  ", "\n\n<|im_start|>\n\n", "'s<|im_end|>'s", "don<|im_end|>'t", "123<|im_end|>456",
+    "a <|image_pad|> b", " <|vision_start|><|image_pad|><|vision_end|> ", "!!<|im_end|>!!", "\t<|im_end|>\t\n",
+    "<|im_start|>user\n", "<|im_start|>user\n ", "<|im_start|>assistant\n<|im_end|>", "é<|im_end|>é", "中<|im_end|>文",
+]
+
+
+def test_a_text_encoded_again_gets_the_same_ids_as_tiktoken_uncached(tok):
+    encoder = PromptEncoder(tok)
+    rng = random.Random(32)
+    parts = ["describe", " ", "  ", "\n", "'s", "é", "中", "😀", "12", ".", "<|im_start|>", "<|im_end|>", "<|image_pad|>",
+             "<|vision_start|>", "<|vision_end|>", "user\n", "assistant\n", "<|"]
+    texts = BOUNDARY_TEXTS + SPECIAL_TEXTS + ["".join(rng.choice(parts) for _ in range(rng.randint(1, 40)))
+                                              for _ in range(400)]
+    uncached = [encoder._encoding.encode(t, allowed_special="all") for t in texts]
+    for _ in range(2):  # cold, then each piece from the cache (or evicted by the other texts' pieces and encoded again)
+        assert [encoder.encode(t) for t in texts] == uncached
+        assert [encoder.encode(t) for t in reversed(texts)] == uncached[::-1]
+    assert [encoder.encode(t) for t in BOUNDARY_TEXTS] == [tok.encode(t) for t in BOUNDARY_TEXTS]
+
+
+def test_a_chats_fixed_pieces_are_encoded_once_and_then_read_from_the_cache(tok):
+    from contract.prompt import system_prompt
+
+    encoder = PromptEncoder(tok)
+    chat = f"<|im_start|>system\n{system_prompt()}<|im_end|>\n<|im_start|>user\nTitle: a mug<|im_end|>\n" \
+           "<|im_start|>assistant\n"
+    first = encoder.encode(chat)
+    cold = encoder.piece_cache_info()
+    assert encoder.encode(chat) == first == tok.encode(chat)
+    warm = encoder.piece_cache_info()
+    assert warm.misses == cold.misses and warm.hits - cold.hits == 6  # "", system, "\n", user, "\n", assistant
+
+
+def test_the_ids_handed_out_are_the_callers_to_change(tok):
+    encoder = PromptEncoder(tok)
+    for text in ("hello there", "<|im_start|>user\nhello<|im_end|>"):
+        ids = encoder.encode(text)
+        expected = list(ids)
+        ids[1:3] = [0]
+        ids.append(7)
+        assert encoder.encode(text) == expected
+
+
+def test_the_cache_holds_a_bounded_number_of_pieces_and_none_longer_than_the_bound(tok):
+    from router import prompt_encoder
+
+    encoder = PromptEncoder(tok)
+    for n in range(3 * prompt_encoder.CACHED_PIECES):
+        assert encoder.encode(f"<|im_start|>piece {n}") == tok.encode(f"<|im_start|>piece {n}")
+    assert encoder.piece_cache_info().currsize == prompt_encoder.CACHED_PIECES
+    long_text = "word " * (prompt_encoder.CACHED_PIECE_CHARS // 5 + 1)
+    before = encoder.piece_cache_info()
+    assert encoder.encode(long_text) == encoder.encode(long_text) == tok.encode(long_text)
+    after = encoder.piece_cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
+def test_no_added_token_is_a_prefix_of_another():  # so the split finds the one tiktoken finds, in any order
+    added = [content for content, _ in qt.ADDED_TOKENS]
+    assert [(a, b) for a in added for b in added if a != b and b.startswith(a)] == []
+
+
+# -- decoding ------------------------------------------------------------------------------------------------------
+
+
+def test_decoded_text_is_the_tokenizers_builds_for_any_ids(encoder, tok):
+    rng = random.Random(36)
+    past_vocab = range(qt.NUM_BPE_TOKENS + len(qt.ADDED_TOKENS), tok.vocab_size + 300)
+    cases = [[], [encoder.encode("中")[0]], encoder.encode("😀 é 中文")[:-1], [qt.IM_START_ID], [qt.IMAGE_PAD_ID, 9]]
+    cases += [[rng.randrange(qt.NUM_BPE_TOKENS) for _ in range(rng.randint(1, 30))] for _ in range(3000)]  # some UTF-8
+    cases += [[rng.choice([rng.randrange(qt.NUM_BPE_TOKENS), rng.randrange(qt.NUM_BPE_TOKENS, past_vocab.stop)])
+               for _ in range(rng.randint(1, 10))] for _ in range(300)]  # with added tokens and ids past the vocabulary
+    for skip in (True, False):
+        assert [c for c in cases if encoder.decode(c, skip) != tok.decode(c, skip)] == []
+
+
+class _CountingTokenizer:
+    """The `tokenizers` build, counting the decodes asked of it."""
+
+    def __init__(self, tok: qt.QwenTokenizer):
+        self._tok, self.decodes = tok, 0
+        self.eos_token_ids, self.vocab_size = tok.eos_token_ids, tok.vocab_size
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return self._tok.decode(ids, skip_special_tokens)
+
+
+def test_ids_of_the_bpe_vocabulary_that_make_utf8_are_decoded_without_the_tokenizers_build(tok):
+    counting = _CountingTokenizer(tok)
+    encoder = PromptEncoder(counting)
+    assert encoder.decode(encoder.encode("A reply, déjà vu 中文 😀")) == "A reply, déjà vu 中文 😀"
+    assert counting.decodes == 0
+    assert encoder.decode(encoder.encode("<|im_end|>done")) == "done" and counting.decodes == 1  # an added token
+    half = encoder.encode("龘")[:1]  # the first of its two tokens
+    assert encoder.decode(half) == tok.decode(half) and counting.decodes == 2  # bytes that are not UTF-8 (yet)
