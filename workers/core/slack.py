@@ -36,9 +36,9 @@ class StepClock:
     over long context: 39 us a token on one H200 (Interactive, run114), against 18 us over the steps with images.
     Learnt from those and taken off each tower step's prompt tokens, that rate left those steps no tower time, and
     the tower's rate fell to 0.1-2 us a unit where the tower took 6.5-8.8: a 4,000 px image's whole pass was
-    estimated at 0.31 s, ran 1.35 s, and held three queries past 1.5 s. The fit weighs a step by its size, so a small image's step, mostly fixed costs, does not set
-    a large image's rate (a running mean of per-step rates made a 4,000 px tower 4 s, three times what it took,
-    run101)."""
+    estimated at 0.31 s, ran 1.35 s, and held three queries past 1.5 s. The fit weighs a step by its size, so a
+    small image's step, mostly fixed costs, does not set a large image's rate (a running mean of per-step rates made
+    a 4,000 px tower 4 s, three times what it took, run101)."""
 
     decode_s: float | None = None
     tower_s_per_cost: float | None = None
