@@ -547,6 +547,18 @@ def test_a_lone_request_that_would_miss_its_bound_even_run_whole_has_its_pass_sp
     assert big_pass(sched) == expected
 
 
+@pytest.mark.parametrize("deadline,past_saving", [(100.06, True), (100.5, False)], ids=["spread", "whole"])
+def test_a_large_images_request_keeps_the_schedulers_first_decision_on_its_pass(deadline, past_saving):
+    # its estimated own work (the 32 ms pass), its slack after 3 decode steps, whether it was past saving
+    sched = slack_scheduler()
+    big = bounded(image_seq("big", 40, [(0, 32)]), deadline)
+    sched.add(big)
+    step(sched)
+    step(sched)  # decided once: later steps leave it as it was
+    assert big.tower_decision == {"estimated_s": 0.032, "slack_s": pytest.approx(deadline - 100.03),
+                                  "past_saving": past_saving, "others": 0}
+
+
 @pytest.mark.parametrize("deadline,expected", [(100.066, [(0, 4)]), (100.072, [(0, 0)])],
                          ids=["slack-within-the-margin", "slack-beyond-it"])
 def test_a_lone_request_whose_slack_barely_covers_its_estimated_pass_counts_as_past_saving(deadline, expected):

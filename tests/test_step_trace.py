@@ -291,7 +291,11 @@ def test_each_request_line_places_its_tower_passes_and_prompt_chunks(tiny_moe_ch
         # the phases add up to the request's time (rounded to microseconds each)
         assert sum(phases.values()) == pytest.approx(line["finished_s"] - line["prepare_started_s"], abs=1e-5)
         assert line["t0_unix_s"] == pytest.approx(time.time(), abs=600)
-    # the image spread over two steps (its tower pass is twice a step's encoder budget) spans both
+    # the image spread over two steps (its tower pass is twice a step's encoder budget) spans both, and its line
+    # says what the scheduler weighed (no latency bound here: no slack, not past saving); the others have no such pass
+    decision = lines["big"]["tower_decision"]
+    assert decision["slack_s"] is None and decision["past_saving"] is False and decision["others"] >= 0
+    assert [rid for _, rid, _ in ARRIVALS if "tower_decision" in lines[rid]] == ["big"]
     big_span = lines["big"]["tower_s"][0]
     steps = [line for line in map(json.loads, next(tmp_path.glob("steps-*.jsonl")).read_text().splitlines())
              if "request" not in line and big_span[0] <= line["t_s"] < big_span[1]]

@@ -115,3 +115,15 @@ def test_the_timeline_of_every_query_over_the_bound_is_listed_in_issue_order():
     assert [(q["sample_index"], q["issued_s"]) for q in report["over_bound"]] == [(3, 3.0), (0, 40.0)]
     assert report["over_bound"][1]["outside_engine_s"] == pytest.approx(1.1)
     assert "over_bound" not in timeline_anatomy(samples, lines)
+
+
+def test_a_query_over_the_bound_carries_the_schedulers_decision_on_its_large_image():
+    from lab.peak.tail_anatomy import timeline_anatomy
+
+    samples, lines = hundred_queries({40: 2.0, 3: 1.8})
+    decision = {"estimated_s": 1.4, "slack_s": 1.2, "past_saving": True, "others": 2}
+    lines[0][4]["tower_decision"] = decision  # query 40: sample 0's fifth line
+    report = timeline_anatomy(samples, lines, bound_s=1.5)
+    over = {q["sample_index"]: q for q in report["over_bound"]}
+    assert over[0]["tower_decision"] == decision and "tower_decision" not in over[3]
+    assert set(report["all_median_s"]) == set(report["tail_median_s"])  # medians over the phases alone

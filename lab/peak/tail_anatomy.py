@@ -152,7 +152,8 @@ def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, li
     """Where the slowest `fraction` of queries spent their time, and with the scenario's latency bound every query
     over it (`over_bound`, in issue order). LoadGen's samples and the engines' request lines are joined by sample
     index, in issue order (the clocks of different processes are not compared); the time LoadGen measured beyond
-    the engine's is `outside_engine_s`."""
+    the engine's is `outside_engine_s`; a query whose line holds the scheduler's decision on a large image's pass
+    carries it (`tower_decision`: its estimated own work and slack, and whether it was past saving)."""
     queue: dict[int, list[dict]] = {index: list(lines) for index, lines in requests.items()}
     timelines: dict[int, dict] = {}
     for position, sample in sorted(enumerate(samples), key=lambda item: item[1].issued_s):
@@ -162,7 +163,8 @@ def timeline_anatomy(samples: Sequence[SampleLatency], requests: Mapping[int, li
         line = lines.pop(0)
         phases = request_timeline(line)
         if phases is not None:
-            timelines[position] = {"outside_engine_s": outside_engine_s(sample.latency_s, phases), **phases}
+            timelines[position] = {"outside_engine_s": outside_engine_s(sample.latency_s, phases), **phases,
+                                   **({"tower_decision": line["tower_decision"]} if "tower_decision" in line else {})}
     tail = [i for i in slowest_positions(samples, fraction) if i in timelines]
     names = ("outside_engine_s", *TIMELINE)
     return {

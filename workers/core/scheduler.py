@@ -373,6 +373,10 @@ class Scheduler:
             log.info("tower pass of %s (cost %.0f): %s s estimated with its prefill, its own slack %s s, "
                      "%d other request(s)", seq.request_id, cost, "?" if own_work is None else f"{own_work:.3f}",
                      "none" if own is None else f"{own:.3f}", len(others))
+            if seq.tower_decision is None:  # the request's first large image (the step trace's request line)
+                seq.tower_decision = {"estimated_s": None if own_work is None else round(own_work, 4),
+                                      "slack_s": None if own is None else round(own, 4),
+                                      "past_saving": self._past_saving(seq, cost, now), "others": len(others)}
         if self._past_saving(seq, cost, now):
             return False
         if not others:

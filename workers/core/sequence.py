@@ -55,6 +55,9 @@ class Sequence:
     recomputable: bool = True
     # When the caller's latency bound runs out, on the engine's clock (Scheduler.clock); None: no bound (Offline).
     deadline: float | None = None
+    # The scheduler's first decision on a large image's pass (one that costs more than a step's encoder budget): its
+    # estimate of the request's own tower and prompt work, its slack, in seconds, and whether it was past saving.
+    tower_decision: dict | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

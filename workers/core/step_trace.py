@@ -25,9 +25,11 @@ class StepTrace:
     """Appends steps to DIR/steps-<pid>.jsonl, flushed every `flush_every` steps and on close; and, as each request
     finishes, one line for it ({"request": id, ...}: when it was submitted for preparation, prepared, admitted, first
     scheduled, got its first token and finished, in seconds on the trace's clock; `tower_s`, [start, end] of each of
-    its images' tower passes; `prefill_s`, [start, end, tokens] of each step that ran a chunk of its prompt; and
-    `t0_unix_s`, the trace clock's zero in Unix time, to place the request beside other processes' logs), so that a
-    request's latency can be placed: preparation, waiting, tower passes, prefill, decodes (request_timeline).
+    its images' tower passes; `prefill_s`, [start, end, tokens] of each step that ran a chunk of its prompt;
+    `t0_unix_s`, the trace clock's zero in Unix time, to place the request beside other processes' logs; and, for a
+    request with an image larger than a step's encoder budget, `tower_decision`, the scheduler's first decision on
+    its pass: Sequence.tower_decision), so that a request's latency can be placed: preparation, waiting, tower
+    passes, prefill, decodes (request_timeline), and a large image's estimate checked against what it took.
 
     A pass run with its step's chunks (encode_now) spans that step; one encoded ahead, after the step's sampling,
     runs into the next step, so it spans from this step's end to the next one's."""
@@ -109,7 +111,8 @@ class StepTrace:
                 self._forget_passes(seq.request_id)
                 self._write({"request": seq.request_id, **times, "finished_s": self._t(ended),
                              "generated_tokens": seq.num_generated_tokens,
-                             "finish_reason": seq.finish_reason.value if seq.finish_reason else None})
+                             "finish_reason": seq.finish_reason.value if seq.finish_reason else None,
+                             **({"tower_decision": seq.tower_decision} if seq.tower_decision else {})})
 
     def _tower(self, encode, start: float, end: float | None) -> list | None:
         """The [start, end] span of the request's pass over this image: opened by its first blocks, extended by each
