@@ -367,6 +367,7 @@ class Scheduler:
         seconds = self.step_clock.tower_s(cost)
         now = self.clock()
         others = [s for s in (*self.running, *self.waiting) if s is not seq]
+        past_saving = self._past_saving(seq, cost, now)
         if log_key is not None and log_key not in self._logged:  # what a large image's first decision weighs
             self._logged.add(log_key)
             own, own_work = self.step_clock.slack(seq, now), self._own_work_s(seq, cost)
@@ -376,8 +377,8 @@ class Scheduler:
             if seq.tower_decision is None:  # the request's first large image (the step trace's request line)
                 seq.tower_decision = {"estimated_s": None if own_work is None else round(own_work, 4),
                                       "slack_s": None if own is None else round(own, 4),
-                                      "past_saving": self._past_saving(seq, cost, now), "others": len(others)}
-        if self._past_saving(seq, cost, now):
+                                      "past_saving": past_saving, "others": len(others)}
+        if past_saving:
             return False
         if not others:
             return True
