@@ -10,6 +10,7 @@ from contract.types import FinishReason, SamplingParams
 from workers.core.block_manager import BlockManager
 from workers.core.encoder_cache import VisionCost
 from workers.config import EngineConfig
+from workers.core import scheduler as scheduler_module
 from workers.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from workers.core.slack import StepClock
 from workers.core.sequence import PENDING_TOKEN, Sequence
@@ -630,6 +631,48 @@ def test_a_pass_does_not_yield_to_requests_without_a_bound_or_already_past_their
         assert big_pass(sched) == [(0, 4)]
         sched.add(bounded(seq("other", 4, max_tokens=2), other_deadline))
         assert big_pass(sched)[0][0] == 4
+
+
+def past_saving_prompt(monkeypatch, now: float = 100.0) -> Scheduler:
+    """A scheduler whose "late" request (a 40-token prompt, 5 expected decode steps of 10 ms) can no longer meet its
+    bound of 100.03 s, admitted with its first chunk; prompt chunks of at most 8 tokens for such a request."""
+    monkeypatch.setattr(scheduler_module, "PAST_SAVING_CHUNK_TOKENS", 8)
+    sched = slack_scheduler(now)
+    sched.add(bounded(seq("late", 40), 100.03))
+    assert chunks(step(sched)) == [("late", 0, 8)]  # admitted in its turn, in a small chunk
+    return sched
+
+
+def test_a_prompt_past_saving_yields_its_chunks_while_another_request_can_still_meet_its_bound(monkeypatch):
+    # late's 8-token chunks beside small's steps would make small wait for each of them: none while small runs
+    sched = past_saving_prompt(monkeypatch)
+    sched.add(bounded(seq("small", 4, max_tokens=2), 200.0))
+    assert chunks(step(sched)) == [("small", 0, 4)]
+    assert chunks(step(sched)) == [("small", 4, 1)]  # small's decode, its last token
+    assert sched.find("small") is None
+    assert chunks(step(sched)) == [("late", 8, 8)]  # small gone: late's prompt goes on where it stopped
+
+
+@pytest.mark.parametrize("now,yields", [(106.0, True), (106.1, False)], ids=["overdue-5.97-s", "overdue-6.07-s"])
+def test_a_prompt_past_saving_yields_only_until_its_request_is_yield_overdue_s_past_its_deadline(monkeypatch, now,
+                                                                                                yields):
+    sched = past_saving_prompt(monkeypatch, now)
+    sched.add(bounded(seq("small", 4, max_tokens=2), now + 100.0))
+    assert (("late", 8, 8) in chunks(step(sched))) is not yields
+
+
+def test_a_prompt_past_saving_runs_in_small_chunks_when_nobody_is_waiting_for_it(monkeypatch):
+    sched = past_saving_prompt(monkeypatch)
+    assert [chunks(step(sched)) for _ in range(4)] == [[("late", start, 8)] for start in (8, 16, 24, 32)]
+
+
+def test_prompts_that_can_meet_their_bound_or_have_none_take_the_whole_budget(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "PAST_SAVING_CHUNK_TOKENS", 8)
+    sched = slack_scheduler()
+    sched.add(bounded(seq("in-time", 80), 200.0))
+    sched.add(bounded(seq("offline", 80, first=100), None))
+    assert [chunks(step(sched)) for _ in range(3)] == [  # the 64-token budget, oldest prompt first
+        [("in-time", 0, 64)], [("in-time", 64, 16), ("offline", 0, 48)], [("in-time", 80, 1), ("offline", 48, 32)]]
 
 
 def test_two_requests_past_saving_do_not_yield_to_each_other():

@@ -10,7 +10,9 @@ step's sampling. An image costing more than a step's budget is encoded over seve
 are there, unless each of them has a latency bound with the slack to wait for its whole pass (workers/core/slack.py),
 and also while alone when its own request's slack is shorter than the pass (past saving: others arriving meanwhile
 should not wait for all of it); an image's tower work that would hold another request past its bound waits while
-its own request has the slack to spare (Scheduler._defers); waiting requests with a bound are admitted by deadline.
+its own request has the slack to spare (Scheduler._defers); a request past saving yields its tower blocks and its
+prompt's chunks to requests that can still meet their bounds, and its prompt goes in small chunks (Scheduler._yields,
+Scheduler._prompt_chunk); waiting requests with a bound are admitted by deadline.
 When KV blocks run out the youngest running sequence is preempted and later recomputed. Never touches a tensor:
 SchedulerOutput lists what the model runner does.
 """
@@ -50,6 +52,11 @@ DEFER_STEPS = 2.0
 # step clock's estimate of a large image's tower runs low (Interactive on one H100, 2,000 queries: a 4,000 px query,
 # 2.0 s alone, twice ran whole as if it could meet 1.5 s, and held the queries beside it 1.6-1.7 s).
 PAST_SAVING_MARGIN = 1.25
+# Prompt tokens a step for a request that can no longer meet its bound. Its prompt's chunks otherwise take the whole
+# prefill budget, and a request arriving meanwhile waits for the step (Interactive on one H100, run117-118: a
+# 4,000 px query's 8,192-token chunks took 222 and 339 ms, and a small query that arrived during them ended at
+# 1.498 s, 0.51 s of it in its own two prompt steps beside them).
+PAST_SAVING_CHUNK_TOKENS = 2048
 
 
 @dataclass
@@ -290,7 +297,7 @@ class Scheduler:
                 continue
             prefill = seq.num_uncomputed_tokens > 1
             start = seq.num_computed_tokens
-            need, split, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            need, split, n = self._plan_images(seq, start, self._prompt_chunk(seq, budget, prefill_left), encoder)
             self._start_passes(seq, split, encoder, out)
             if n == 0:
                 continue
@@ -323,7 +330,10 @@ class Scheduler:
                 seq.num_computed_tokens = len(seq.block_table) * bm.block_size
             prefill = seq.num_uncomputed_tokens > 1
             start = seq.num_computed_tokens
-            need, split, n = self._plan_images(seq, start, self._chunk_tokens(seq, budget, prefill_left), encoder)
+            chunk = self._chunk_tokens(seq, budget, prefill_left)
+            if prefill and self._cannot_meet(seq, self.clock()):
+                chunk = min(chunk, PAST_SAVING_CHUNK_TOKENS)  # admitted in its turn, in small chunks
+            need, split, n = self._plan_images(seq, start, chunk, encoder)
             self._start_passes(seq, split, encoder, out)
             if n == 0 or not bm.can_allocate(seq, start + n):
                 bm.free(seq)
@@ -351,6 +361,24 @@ class Scheduler:
         if seq.num_uncomputed_tokens == 1:  # a decode (or a prompt's last token): outside the prefill cap
             return min(1, budget)
         return max(min(seq.num_uncomputed_tokens, budget, prefill_left), 0)
+
+    def _prompt_chunk(self, seq: Sequence, budget: int, prefill_left: int) -> int:
+        """Prompt tokens for running seq in this step. A request that can no longer meet its bound takes none while
+        another can still meet its own, up to YIELD_OVERDUE_S past its deadline (as its tower blocks yield: _yields),
+        and at most PAST_SAVING_CHUNK_TOKENS otherwise, so that a request arriving during one of its steps is not
+        held for a whole prefill budget's step."""
+        n = self._chunk_tokens(seq, budget, prefill_left)
+        now = self.clock()
+        if seq.num_uncomputed_tokens <= 1 or not self._cannot_meet(seq, now):
+            return n
+        if now <= seq.deadline + YIELD_OVERDUE_S and any(
+                other is not seq and self._can_meet(other, now) for other in (*self.running, *self.waiting)):
+            return 0
+        return min(n, PAST_SAVING_CHUNK_TOKENS)
+
+    def _cannot_meet(self, seq: Sequence, now: float) -> bool:
+        """Whether seq has a latency bound (and the step clock an estimate) but can no longer meet it."""
+        return self.step_clock.slack(seq, now) is not None and not self._can_meet(seq, now)
 
     # ---- image encoding ---------------------------------------------------------------------------
 
