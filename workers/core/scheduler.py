@@ -371,8 +371,7 @@ class Scheduler:
         now = self.clock()
         if seq.num_uncomputed_tokens <= 1 or not self._cannot_meet(seq, now):
             return n
-        if now <= seq.deadline + YIELD_OVERDUE_S and any(
-                other is not seq and self._can_meet(other, now) for other in (*self.running, *self.waiting)):
+        if now <= seq.deadline + YIELD_OVERDUE_S and self._another_can_meet(seq, now):
             return 0
         return min(n, PAST_SAVING_CHUNK_TOKENS)
 
@@ -487,6 +486,10 @@ class Scheduler:
         now = self.clock()
         if seq.deadline is None or now > seq.deadline + YIELD_OVERDUE_S or not self._past_saving(seq, cost, now):
             return False
+        return self._another_can_meet(seq, now)
+
+    def _another_can_meet(self, seq: Sequence, now: float) -> bool:
+        """Whether a request other than seq, running or waiting, can still meet its bound."""
         return any(other is not seq and self._can_meet(other, now) for other in (*self.running, *self.waiting))
 
     def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
