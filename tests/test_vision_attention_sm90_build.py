@@ -1,6 +1,7 @@
 """The Gluon vision attention as ptxas builds it for sm_90, checked on any machine (lab/kernels/sm90_compile.py,
 with the Triton that scripts/bootstrap.sh puts in .kernel-interpreter): its default tiles take the tensor cores'
-wgmma path and fit the registers that let two of its 256-thread programs share a multiprocessor (run94's choice)."""
+wgmma path and fit the registers that let two of its 256-thread programs share a multiprocessor (run94's choice); so
+does the ping-pong experiment's (lab/kernels/vision_attention_pingpong.py: two 4-warp partitions a program)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_s
     assert built["hgmma"] > 0  # wgmma, not the mma.sync path
     assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
     assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_ping_pong_experiment_builds_for_sm90_with_two_programs_an_sm_and_no_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
+    code = ("import json; from lab.kernels.sm90_compile import compile_attention; "
+            "from lab.kernels.vision_attention_pingpong import PingPongConfig; "
+            "from dataclasses import asdict; k = compile_attention(PingPongConfig()); "
+            "print(json.dumps({n: v for n, v in asdict(k).items() if n != 'sass'} | {'partitions': "
+            "k.sass.count('USETMAXREG.DEALLOC.CTAPOOL 0x80')}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["hgmma"] > 0 and built["partitions"] >= 1  # wgmma, and warp-specialized (a partition's registers)
+    assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
+    assert 2 * 256 * built["registers"] <= REGISTERS_PER_SM, built  # two warpgroups a program, two programs an SM
