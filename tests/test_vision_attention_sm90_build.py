@@ -18,17 +18,23 @@ SITE = ROOT / ".kernel-interpreter"
 REGISTERS_PER_SM = 65536
 
 
-@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
-def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_spills():
+def build(config_code: str, extra_code: str) -> dict:
+    """compile_attention(c) in a process with the Triton packages, c made by config_code: the build's figures
+    and extra_code's dict (over the compiled kernel k and c)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
-    code = ("import json; from lab.kernels.sm90_compile import compile_attention; "
-            "from workers.model.vision_attention_gluon import DEFAULT_GLUON_CONFIG as c; "
-            "from dataclasses import asdict; k = compile_attention(c); "
-            "print(json.dumps({**{n: v for n, v in asdict(k).items() if n != 'sass'}, 'threads': 32 * c.num_warps}))")
+    code = (f"import json; from dataclasses import asdict; from lab.kernels.sm90_compile import compile_attention; "
+            f"{config_code}; k = compile_attention(c); "
+            f"print(json.dumps({{n: v for n, v in asdict(k).items() if n != 'sass'}} | {extra_code}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_spills():
+    built = build("from workers.model.vision_attention_gluon import DEFAULT_GLUON_CONFIG as c",
+                  "{'threads': 32 * c.num_warps}")
     assert built["hgmma"] > 0  # wgmma, not the mma.sync path
     assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
     assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
@@ -36,16 +42,8 @@ def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_s
 
 @pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
 def test_the_ping_pong_experiment_builds_for_sm90_with_two_programs_an_sm_and_no_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
-    code = ("import json; from lab.kernels.sm90_compile import compile_attention; "
-            "from lab.kernels.vision_attention_pingpong import PingPongConfig; "
-            "from dataclasses import asdict; k = compile_attention(PingPongConfig()); "
-            "print(json.dumps({n: v for n, v in asdict(k).items() if n != 'sass'} | {'partitions': "
-            "k.sass.count('USETMAXREG.DEALLOC.CTAPOOL 0x80')}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    built = build("from lab.kernels.vision_attention_pingpong import PingPongConfig; c = PingPongConfig()",
+                  "{'partitions': k.sass.count('USETMAXREG.DEALLOC.CTAPOOL 0x80')}")
     assert built["hgmma"] > 0 and built["partitions"] >= 1  # wgmma, and warp-specialized (a partition's registers)
     assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
     assert 2 * 256 * built["registers"] <= REGISTERS_PER_SM, built  # two warpgroups a program, two programs an SM

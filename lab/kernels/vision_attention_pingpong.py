@@ -36,6 +36,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from workers.model.vision_attention_gluon import _load_tile, _softmax  # the product kernel's, shared
+
 
 @dataclass(frozen=True)
 class PingPongConfig:
@@ -81,34 +83,6 @@ def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, tab
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _exp2_f16(x):
-        """2^x for float32 x as fp16, two values an instruction (x rounded to f16 first)."""
-        return gl.inline_asm_elementwise("{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }",
-                                         "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-
-    @gluon.jit
-    def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """One key tile of K or V (its 64-wide part and 16-wide tail) into its ring stage, through TMA."""
-        stage = tile % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, part_desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(part_desc, [start + tile * BLOCK_N, col], bar, part_s.index(stage),
-                                        pred=pred)
-        tma.async_copy_global_to_shared(tail_desc, [start + tile * BLOCK_N, col + 64], bar, tail_s.index(stage),
-                                        pred=pred)
-
-    @gluon.jit
-    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
-        if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
-            cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
-        return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit
     def _take_turn(turn, tile, ROLE: gl.constexpr):
