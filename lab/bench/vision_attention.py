@@ -100,11 +100,12 @@ def gluon_name(c: GluonConfig) -> str:
 
 
 def pingpong_name(c: PingPongConfig) -> str:
-    return f"pingpong[n{c.block_n}s{c.stages}]"
+    return f"pingpong[n{c.block_n}s{c.stages}r{c.max_registers}]"
 
 
 def parse_pingpong_configs(text: str) -> list[PingPongConfig]:
-    """'N:S' items: keys a tile and K/V ring stages of lab.kernels.vision_attention_pingpong."""
+    """'N:S[:M:R]' items: keys a tile, K/V ring stages (block_m, registers a thread: 0 for ptxas's choice) of
+    lab.kernels.vision_attention_pingpong."""
     return [PingPongConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 

@@ -46,7 +46,7 @@ class PingPongConfig:
     block_n: int = 64
     stages: int = 3
     block_m: int = 128  # the block table's rows a program (vision_attention.AttentionPlan.table)
-    max_registers: int | None = 128  # a thread's, so that two programs of 8 warps share an SM (None: ptxas's choice)
+    max_registers: int = 128  # a thread's, so that two programs of 8 warps share an SM (0: ptxas's choice, 255)
 
 
 def attention_pingpong(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, scale: float,
@@ -78,7 +78,7 @@ def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, tab
             rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
             scale * math.log2(math.e))
     constants = dict(HEAD_DIM=dim, V_COLS=values_ones.shape[2], HALF=half, BLOCK_N=bn, STAGES=config.stages,
-                     num_warps=4, maxnreg=config.max_registers)
+                     num_warps=4, maxnreg=config.max_registers or None)
     return args, constants
 
 
