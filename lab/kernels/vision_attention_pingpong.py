@@ -29,14 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.vision_attention_gluon import HEAD_PART, TAIL, check_shapes, gluon
+from workers.model.vision_attention_gluon import check_shapes, descriptors, gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from workers.model.vision_attention_gluon import _load_tile, _softmax  # the product kernel's, shared
+    from workers.model.vision_attention_gluon import _load_tile, _softmax, _store_rows  # the product kernel's
 
 
 @dataclass(frozen=True)
@@ -66,19 +65,11 @@ def attention_pingpong(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tens
 def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
                 scale: float, config: PingPongConfig) -> tuple[tuple, dict]:
     """The kernel's arguments and compile-time constants (also what an ahead-of-time compile for sm_90 takes)."""
-    seq, heads, dim = q.shape
-    half, bn = config.block_m // 2, config.block_n
-
-    def rows(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-        dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return TensorDescriptor(t, [seq, heads * t.shape[2]], [t.stride(0), 1], block, layout)
-
-    args = (rows(q, [half, HEAD_PART]), rows(q, [half, TAIL]), rows(k, [bn, HEAD_PART]), rows(k, [bn, TAIL]),
-            rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
+    half = config.block_m // 2
+    args = (*descriptors(q, k, values_ones, half, config.block_n), out, table, out.stride(0),
             scale * math.log2(math.e))
-    constants = dict(HEAD_DIM=dim, V_COLS=values_ones.shape[2], HALF=half, BLOCK_N=bn, STAGES=config.stages,
-                     num_warps=4, maxnreg=config.max_registers or None)
+    constants = dict(HEAD_DIM=q.shape[2], V_COLS=values_ones.shape[2], HALF=half, BLOCK_N=config.block_n,
+                     STAGES=config.stages, num_warps=4, maxnreg=config.max_registers or None)
     return args, constants
 
 
@@ -183,20 +174,8 @@ if gluon is not None:
         acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
         acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
 
-        # each row's sum of P sits in P @ V's column HEAD_DIM (V's ones column)
-        row0 = q_start + ROLE * HALF
-        cols1 = gl.arange(0, D1, layout=gl.SliceLayout(0, o1_layout))
-        l_i = gl.sum(gl.where(gl.expand_dims(cols1 == HEAD_DIM - D0, 0), acc1, gl.zeros_like(acc1)), 1)
-        rows1 = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o1_layout))
-        base1 = o_ptr + gl.expand_dims(rows1.to(gl.int64) * stride_on + head * HEAD_DIM + D0, 1)
-        out1 = (acc1 / gl.expand_dims(l_i, 1)).to(gl.bfloat16)
-        gl.store(base1 + gl.expand_dims(cols1, 0), out1,
-                 mask=gl.expand_dims(rows1 < end, 1) & gl.expand_dims(cols1 < HEAD_DIM - D0, 0))
-        cols0 = gl.arange(0, D0, layout=gl.SliceLayout(0, o0_layout))
-        rows0 = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o0_layout))
-        base0 = o_ptr + gl.expand_dims(rows0.to(gl.int64) * stride_on + head * HEAD_DIM, 1)
-        out0 = (acc0 / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)).to(gl.bfloat16)
-        gl.store(base0 + gl.expand_dims(cols0, 0), out0, mask=gl.expand_dims(rows0 < end, 1))
+        _store_rows(acc0, acc1, o_ptr, stride_on, q_start + ROLE * HALF, end, head, HEAD_DIM, HALF, o0_layout,
+                    o1_layout)
 
     @gluon.jit
     def _pingpong_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr, stride_on, qk_scale,

@@ -112,23 +112,28 @@ def attention_gluon(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor,
     return out
 
 
-def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
-                scale: float, config: GluonConfig) -> tuple[tuple, dict]:
-    """The kernel's arguments and compile-time constants for attention_gluon's tensors (also what an ahead-of-time
-    compile for sm_90 takes: tensors of these shapes on any device)."""
-    seq, heads, dim = q.shape
-    bm, bn = config.block_m, config.block_n
+def descriptors(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, q_rows: int, key_rows: int) -> tuple:
+    """TMA descriptors of q's, k's and values_ones' [N, heads * width] rows, each as its 64-wide part and 16-wide
+    tail: q_rows rows a block of q, key_rows of k and values_ones."""
+    seq, heads = q.shape[:2]
 
     def rows(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
         dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
         layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return TensorDescriptor(t, [seq, heads * t.shape[2]], [t.stride(0), 1], block, layout)
 
-    args = (rows(q, [bm, HEAD_PART]), rows(q, [bm, TAIL]), rows(k, [bn, HEAD_PART]), rows(k, [bn, TAIL]),
-            rows(values_ones, [bn, HEAD_PART]), rows(values_ones, [bn, TAIL]), out, table, out.stride(0),
+    return (rows(q, [q_rows, HEAD_PART]), rows(q, [q_rows, TAIL]), rows(k, [key_rows, HEAD_PART]),
+            rows(k, [key_rows, TAIL]), rows(values_ones, [key_rows, HEAD_PART]), rows(values_ones, [key_rows, TAIL]))
+
+
+def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+                scale: float, config: GluonConfig) -> tuple[tuple, dict]:
+    """The kernel's arguments and compile-time constants for attention_gluon's tensors (also what an ahead-of-time
+    compile for sm_90 takes: tensors of these shapes on any device)."""
+    args = (*descriptors(q, k, values_ones, config.block_m, config.block_n), out, table, out.stride(0),
             scale * math.log2(math.e))
-    constants = dict(HEAD_DIM=dim, V_COLS=values_ones.shape[2], BLOCK_M=bm, BLOCK_N=bn, STAGES=config.stages,
-                     num_warps=config.num_warps)
+    constants = dict(HEAD_DIM=q.shape[2], V_COLS=values_ones.shape[2], BLOCK_M=config.block_m,
+                     BLOCK_N=config.block_n, STAGES=config.stages, num_warps=config.num_warps)
     return args, constants
 
 
@@ -269,16 +274,24 @@ if gluon is not None:
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        # each row's sum of P sits in P @ V's column HEAD_DIM (V's ones column)
+        _store_rows(acc0, acc1, o_ptr, stride_on, q_start, end, head, HEAD_DIM, BLOCK_M, o0_layout, o1_layout)
+
+    @gluon.jit
+    def _store_rows(acc0, acc1, o_ptr, stride_on, row0, end, head, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                    o0_layout: gl.constexpr, o1_layout: gl.constexpr):
+        """ROWS query rows from row0 (those before the frame's end) of one head, P @ V's 64-wide part and tail
+        divided by each row's sum of P, which sits in the tail's column HEAD_DIM (V's ones column)."""
+        D0: gl.constexpr = 64
+        D1: gl.constexpr = 16
         cols1 = gl.arange(0, D1, layout=gl.SliceLayout(0, o1_layout))
         l_i = gl.sum(gl.where(gl.expand_dims(cols1 == HEAD_DIM - D0, 0), acc1, gl.zeros_like(acc1)), 1)
-        rows1 = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o1_layout))
+        rows1 = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o1_layout))
         base1 = o_ptr + gl.expand_dims(rows1.to(gl.int64) * stride_on + head * HEAD_DIM + D0, 1)
         out1 = (acc1 / gl.expand_dims(l_i, 1)).to(gl.bfloat16)
         gl.store(base1 + gl.expand_dims(cols1, 0), out1,
                  mask=gl.expand_dims(rows1 < end, 1) & gl.expand_dims(cols1 < HEAD_DIM - D0, 0))
         cols0 = gl.arange(0, D0, layout=gl.SliceLayout(0, o0_layout))
-        rows0 = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o0_layout))
+        rows0 = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o0_layout))
         base0 = o_ptr + gl.expand_dims(rows0.to(gl.int64) * stride_on + head * HEAD_DIM, 1)
         out0 = (acc0 / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)).to(gl.bfloat16)
         gl.store(base0 + gl.expand_dims(cols0, 0), out0, mask=gl.expand_dims(rows0 < end, 1))
