@@ -32,6 +32,7 @@ from workers.kv_cache import ImageLayout, KvExport
 from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.serve.multiplexed import Multiplexer
 from workers.serve.registration import load_report, report_to_router, router_addresses
 from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
@@ -155,6 +156,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         async for chunk in self.Generate(request, context):
             pass  # one chunk; before it only the tokens of a request handed back, which then ends ABORTED
         return chunk
+
+    async def GenerateMultiplexed(self, request_iterator, context):
+        await Multiplexer(self.Generate, self.GenerateWhole, context).run()
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.s.abort(request.request_id))

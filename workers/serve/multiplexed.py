@@ -1,0 +1,121 @@
+"""A worker's side of WorkerService.GenerateMultiplexed: many requests on one stream from the router.
+
+Each request runs in a task of its own through the servicer's Generate (GenerateWhole when the router asks for a
+whole reply), the same code a call of its own runs, with a RequestContext standing in for the call's ServicerContext:
+its time_remaining is the request's deadline_s, its abort ends the request with a status, its done callbacks run
+when the request ends. A `cancel` from the router cancels the request's task, which aborts the engine's request as a
+cancelled call does; so does the request's deadline passing, and the stream ending (every request on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import grpc
+import grpc.aio
+
+from contract.wire import pb
+
+log = logging.getLogger(__name__)
+
+
+class CallAborted(Exception):
+    """A handler aborted its request (RequestContext.abort): it ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class RequestContext:
+    """What the servicer's handlers use of a ServicerContext, for one request on the stream."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
+        self._callbacks: list[Callable] = []
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def add_done_callback(self, callback: Callable) -> None:
+        self._callbacks.append(callback)
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise CallAborted(code, details)
+
+    def end(self) -> None:
+        for callback in self._callbacks:
+            callback(self)
+
+
+Generate = Callable[[pb.GenerateRequest, RequestContext], AsyncGenerator[pb.GenerateChunk, None]]
+GenerateWhole = Callable[[pb.GenerateRequest, RequestContext], Awaitable[pb.GenerateChunk]]
+
+
+class Multiplexer:
+    """Serves one GenerateMultiplexed stream: run() returns when the stream ends, its requests aborted."""
+
+    def __init__(self, generate: Generate, generate_whole: GenerateWhole, context: grpc.aio.ServicerContext):
+        self._generate = generate
+        self._generate_whole = generate_whole
+        self._context = context
+        self._requests: dict[int, asyncio.Task] = {}
+        self._outbox: asyncio.Queue[pb.MultiplexedReply | None] = asyncio.Queue()  # None: the router sends no more
+
+    async def run(self) -> None:
+        reader = asyncio.get_running_loop().create_task(self._read())
+        try:
+            while (reply := await self._outbox.get()) is not None:
+                await self._context.write(reply)
+        finally:
+            reader.cancel()
+            tasks = [reader, *self._requests.values()]
+            for task in tasks:
+                task.cancel()  # a request still running is aborted on the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (message := await self._context.read()) is not grpc.aio.EOF:
+            call_id = message.call_id
+            if message.HasField("generate"):
+                task = loop.create_task(self._serve(call_id, message.generate, message.whole))
+                self._requests[call_id] = task
+            elif (task := self._requests.pop(call_id, None)) is not None:  # cancel
+                task.cancel()
+        if self._requests:  # the router half-closed the stream: its requests run to their end
+            await asyncio.gather(*self._requests.values(), return_exceptions=True)
+        self._outbox.put_nowait(None)
+
+    async def _serve(self, call_id: int, request: pb.GenerateRequest, whole: bool) -> None:
+        context = RequestContext(request.deadline_s)
+        send = self._outbox.put_nowait
+        chunks = None
+        try:
+            async with asyncio.timeout(context.time_remaining()):
+                if whole:
+                    send(pb.MultiplexedReply(call_id=call_id, chunk=await self._generate_whole(request, context)))
+                    return
+                chunks = self._generate(request, context)
+                async for chunk in chunks:
+                    send(pb.MultiplexedReply(call_id=call_id, chunk=chunk))
+                    if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        return  # the router's last reply about call_id
+            status = pb.CallStatus(code=grpc.StatusCode.OK.value[0])  # ended without a final chunk
+        except CallAborted as exc:
+            status = pb.CallStatus(code=exc.code.value[0], details=exc.details)
+        except TimeoutError:
+            status = pb.CallStatus(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], details="Deadline Exceeded")
+        except Exception as exc:  # as gRPC answers a handler that raised
+            log.exception("request %s on the stream failed", request.request_id)
+            status = pb.CallStatus(code=grpc.StatusCode.UNKNOWN.value[0], details=f"Unexpected {exc!r}")
+        finally:
+            self._requests.pop(call_id, None)
+            if chunks is not None:
+                await chunks.aclose()  # the handler's clean-up, where it stopped at its final chunk
+            context.end()
+        send(pb.MultiplexedReply(call_id=call_id, status=status))
