@@ -1,19 +1,21 @@
-"""MultiplexedRequest and MultiplexedReply (contract/proto/q3vl.proto) framed around bytes already serialized.
+"""MultiplexedRequests and MultiplexedReplies (contract/proto/q3vl.proto) framed around bytes already serialized.
 
 The router holds each attempt's GenerateRequest as bytes (router.dispatch builds it from the caller's request,
 serialized once, images and all), and a stand-in worker holds its reply as bytes. An embedded message field is on the
-wire a length-delimited field, the same encoding as a `bytes` field (https://protobuf.dev/programming-guides/encoding/
-, "Length-Delimited Records" and "Submessages"), so wrapping those bytes needs a tag and a length prepended, not a
-parse and a new serialization of the request's images. What this writes parses as the .proto's messages.
+wire a length-delimited field, the same encoding as a `bytes` field, and a repeated field's elements are such fields
+one after another (https://protobuf.dev/programming-guides/encoding/, "Length-Delimited Records", "Submessages" and
+"Repeated Elements"). So a request is wrapped with a tag and a length prepended, not parsed and serialized again
+with its images, and a message of several is their entries joined. What this writes parses as the .proto's messages.
 """
 
 from __future__ import annotations
 
 from contract.wire import pb
 
+_ENTRY_TAG = b"\x0a"  # MultiplexedRequests.requests, MultiplexedReplies.replies: field 1, length-delimited
 _GENERATE_TAG = b"\x12"  # MultiplexedRequest.generate: field 2, length-delimited
 _CHUNK_TAG = b"\x12"  # MultiplexedReply.chunk: field 2, length-delimited
-_CALL_ID_TAG = 0x08  # call_id: field 1, varint
+_CALL_ID_TAG = 0x08  # MultiplexedRequest.call_id: field 1, varint
 _CANCEL_TAG = 0x18  # MultiplexedRequest.cancel: field 3, varint
 
 
@@ -27,32 +29,47 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
-def generate_message(call_id: int, request: bytes, whole: bool) -> bytes:
-    """A MultiplexedRequest starting `request` (a serialized GenerateRequest) as call `call_id`."""
+def _entry(element: bytes) -> bytes:
+    return _ENTRY_TAG + varint(len(element)) + element
+
+
+def generate_entry(call_id: int, request: bytes, whole: bool) -> bytes:
+    """A MultiplexedRequests entry starting `request` (a serialized GenerateRequest) as call `call_id` (> 0)."""
     head = pb.MultiplexedRequest(call_id=call_id, whole=whole).SerializeToString()
-    return head + _GENERATE_TAG + varint(len(request)) + request
+    return _entry(head + _GENERATE_TAG + varint(len(request)) + request)
 
 
-def cancel_message(call_id: int) -> bytes:
-    return pb.MultiplexedRequest(call_id=call_id, cancel=True).SerializeToString()
+def cancel_entry(call_id: int) -> bytes:
+    """A MultiplexedRequests entry cancelling call `call_id`."""
+    return _entry(pb.MultiplexedRequest(call_id=call_id, cancel=True).SerializeToString())
 
 
-def chunk_reply(call_id: int, chunk: bytes) -> bytes:
-    """A MultiplexedReply carrying `chunk` (a serialized GenerateChunk) for call `call_id`."""
-    return pb.MultiplexedReply(call_id=call_id).SerializeToString() + _CHUNK_TAG + varint(len(chunk)) + chunk
+def chunk_entry(call_id: int, chunk: bytes) -> bytes:
+    """A MultiplexedReplies entry carrying `chunk` (a serialized GenerateChunk) for call `call_id` (> 0)."""
+    return _entry(pb.MultiplexedReply(call_id=call_id).SerializeToString() + _CHUNK_TAG + varint(len(chunk)) + chunk)
 
 
-def read_start(message: bytes) -> int | None:
-    """The call id of a MultiplexedRequest as generate_message and cancel_message write it (call_id first) when it
-    starts a request; None when it cancels one. For a stand-in worker that parses nothing else."""
-    if message[0] != _CALL_ID_TAG:
-        raise ValueError(f"a MultiplexedRequest that does not begin with its call_id: {message[:16]!r}")
-    call_id, shift, i = 0, 0, 1
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
     while True:
-        byte = message[i]
-        call_id |= (byte & 0x7F) << shift
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
         i += 1
         if byte < 0x80:
-            break
+            return value, i
         shift += 7
-    return None if i < len(message) and message[i] == _CANCEL_TAG else call_id
+
+
+def started_calls(message: bytes) -> list[int]:
+    """The call ids a MultiplexedRequests message as generate_entry and cancel_entry write it starts (its cancels
+    left out), reading nothing else of it: for a stand-in worker that parses no request."""
+    started, i = [], 0
+    while i < len(message):
+        size, start = _read_varint(message, i + 1)
+        if message[i:i + 1] != _ENTRY_TAG or size == 0 or message[start] != _CALL_ID_TAG:
+            raise ValueError(f"not a MultiplexedRequests entry as generate_entry writes one at byte {i}")
+        call_id, after = _read_varint(message, start + 1)
+        if not (after < start + size and message[after] == _CANCEL_TAG):
+            started.append(call_id)
+        i = start + size
+    return started

@@ -52,7 +52,7 @@ class WorkerEntry:
                                                   response_deserializer=pb.GenerateChunk.FromString)
         # WorkerService.GenerateMultiplexed taking its messages serialized (contract.multiplexed_wire frames them)
         self.multiplexed = channel.stream_stream(MULTIPLEXED_METHOD, request_serializer=None,
-                                                 response_deserializer=pb.MultiplexedReply.FromString)
+                                                 response_deserializer=pb.MultiplexedReplies.FromString)
         self.healthy = True
         self.down_reason = ""
         self.last_seen = now

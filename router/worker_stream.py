@@ -2,8 +2,9 @@
 
 A gRPC call costs the router ~0.15 ms of CPU and the worker as much again (benchmarks/README.md, thirty-first and
 thirty-second passes); on a stream opened once per worker, an attempt is one message each way for a whole reply. Each
-attempt gets a call id on its stream; a writer task sends the stream's messages in order and a reader task hands each
-reply to the attempt its id names.
+attempt gets a call id on its stream; a writer task sends what the attempts have to say in order, every entry that
+waited while its last write was under way in one message, and a reader task hands each reply to the attempt its id
+names.
 
 What a gRPC call did for each attempt is done here, attempt by attempt:
 - its deadline: a timer ends the attempt with DEADLINE_EXCEEDED and cancels it on the worker (which also ends it at
@@ -29,7 +30,7 @@ from collections import deque
 import grpc
 import grpc.aio
 
-from contract.multiplexed_wire import cancel_message, generate_message
+from contract.multiplexed_wire import cancel_entry, generate_entry
 from contract.wire import pb
 from router.registry import MULTIPLEXED_METHOD, WorkerEntry
 from router.worker_calls import PerCall, Upstream, WorkerCall
@@ -37,6 +38,8 @@ from router.worker_calls import PerCall, Upstream, WorkerCall
 log = logging.getLogger(__name__)
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+# A message of the stream stops taking entries once this large (so it is at most this plus one max_request_bytes).
+_BATCH_BYTES = 1 << 20
 
 
 def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -79,7 +82,8 @@ class _WorkerStream:
         self._call = entry.multiplexed(metadata=metadata)
         self._attempts: dict[int, _StreamCall] = {}
         self._ids = itertools.count(1)  # call_id 0 would not be on the wire (proto3 leaves defaults out)
-        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._outbox: deque[bytes] = deque()  # MultiplexedRequests entries not written yet
+        self._ready: asyncio.Future | None = None  # the writer waits on it for the outbox to fill
         self._ended = False
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write())
@@ -88,22 +92,36 @@ class _WorkerStream:
     def start(self, upstream: Upstream) -> _StreamCall:
         call_id = next(self._ids)
         attempt = self._attempts[call_id] = _StreamCall(self, call_id, upstream)
-        self._outbox.put_nowait(generate_message(call_id, upstream.payload, upstream.whole))
+        self._send(generate_entry(call_id, upstream.payload, upstream.whole))
         return attempt
 
     def cancel(self, call_id: int) -> None:
         """The attempt gave up before its end: the worker aborts it."""
         if self._attempts.pop(call_id, None) is not None and not self._ended:
-            self._outbox.put_nowait(cancel_message(call_id))
+            self._send(cancel_entry(call_id))
+
+    def _send(self, entry: bytes) -> None:
+        self._outbox.append(entry)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
 
     def ended(self, call_id: int) -> None:
         """The attempt's last reply arrived: nothing more is sent or expected about it."""
         self._attempts.pop(call_id, None)
 
     async def _write(self) -> None:
+        loop = asyncio.get_running_loop()
+        outbox = self._outbox
         try:
             while True:
-                await self._call.write(await self._outbox.get())
+                if not outbox:
+                    self._ready = loop.create_future()
+                    await self._ready
+                size, batch = 0, []
+                while outbox and size < _BATCH_BYTES:
+                    batch.append(outbox.popleft())
+                    size += len(batch[-1])
+                await self._call.write(b"".join(batch))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             # the stream is over; the reader learns how from its status
             log.debug("stream to worker %s: write failed: %r", self.entry.worker_id, exc)
@@ -115,9 +133,11 @@ class _WorkerStream:
                 reply = await self._call.read()
                 if reply is grpc.aio.EOF:
                     break
-                attempt = self._attempts.get(reply.call_id)
-                if attempt is not None:  # else it was cancelled, its reply crossing the cancel
-                    attempt.deliver(reply)
+                attempts = self._attempts
+                for item in reply.replies:
+                    attempt = attempts.get(item.call_id)
+                    if attempt is not None:  # else it was cancelled, its reply crossing the cancel
+                        attempt.deliver(item)
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
         except asyncio.CancelledError:

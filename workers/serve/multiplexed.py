@@ -22,6 +22,9 @@ from contract.wire import pb
 log = logging.getLogger(__name__)
 
 
+_BATCH_REPLIES = 1  # a message of the stream carries at most this many replies (a reply is ~10-500 bytes)
+
+
 class CallAborted(Exception):
     """A handler aborted its request (RequestContext.abort): it ends with this status."""
 
@@ -64,13 +67,33 @@ class Multiplexer:
         self._generate_whole = generate_whole
         self._context = context
         self._requests: dict[int, asyncio.Task] = {}
-        self._outbox: asyncio.Queue[pb.MultiplexedReply | None] = asyncio.Queue()  # None: the router sends no more
+        # (call id, its chunk or how it ended, a future to resolve once it is written), in order; None: the router
+        # sends no more
+        self._outbox: asyncio.Queue[tuple[int, pb.GenerateChunk | pb.CallStatus, asyncio.Future | None] | None] = (
+            asyncio.Queue())
 
     async def run(self) -> None:
+        """Writes the replies, every one that waited while the last write was under way in one message."""
         reader = asyncio.get_running_loop().create_task(self._read())
+        outbox = self._outbox
         try:
-            while (reply := await self._outbox.get()) is not None:
-                await self._context.write(reply)
+            while (item := await outbox.get()) is not None:
+                batch, written = pb.MultiplexedReplies(), []
+                while True:
+                    call_id, outcome, done = item
+                    reply = batch.replies.add(call_id=call_id)
+                    (reply.chunk if isinstance(outcome, pb.GenerateChunk) else reply.status).CopyFrom(outcome)
+                    if done is not None:
+                        written.append(done)
+                    if outbox.empty() or len(batch.replies) >= _BATCH_REPLIES:
+                        break
+                    if (item := outbox.get_nowait()) is None:
+                        outbox.put_nowait(None)
+                        break
+                await self._context.write(batch)
+                for done in written:
+                    if not done.done():
+                        done.set_result(None)
         finally:
             reader.cancel()
             tasks = [reader, *self._requests.values()]
@@ -80,13 +103,14 @@ class Multiplexer:
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
-        while (message := await self._context.read()) is not grpc.aio.EOF:
-            call_id = message.call_id
-            if message.HasField("generate"):
-                task = loop.create_task(self._serve(call_id, message.generate, message.whole))
-                self._requests[call_id] = task
-            elif (task := self._requests.pop(call_id, None)) is not None:  # cancel
-                task.cancel()
+        while (batch := await self._context.read()) is not grpc.aio.EOF:
+            for message in batch.requests:
+                call_id = message.call_id
+                if message.HasField("generate"):
+                    task = loop.create_task(self._serve(call_id, message.generate, message.whole))
+                    self._requests[call_id] = task
+                elif (task := self._requests.pop(call_id, None)) is not None:  # cancel
+                    task.cancel()
         if self._requests:  # the router half-closed the stream: its requests run to their end
             await asyncio.gather(*self._requests.values(), return_exceptions=True)
         self._outbox.put_nowait(None)
@@ -94,17 +118,24 @@ class Multiplexer:
     async def _serve(self, call_id: int, request: pb.GenerateRequest, whole: bool) -> None:
         context = RequestContext(request.deadline_s)
         send = self._outbox.put_nowait
+        loop = asyncio.get_running_loop()
         chunks = None
         try:
             async with asyncio.timeout(context.time_remaining()):
                 if whole:
-                    send(pb.MultiplexedReply(call_id=call_id, chunk=await self._generate_whole(request, context)))
+                    send((call_id, await self._generate_whole(request, context), None))
                     return
                 chunks = self._generate(request, context)
                 async for chunk in chunks:
-                    send(pb.MultiplexedReply(call_id=call_id, chunk=chunk))
                     if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        send((call_id, chunk, None))
                         return  # the router's last reply about call_id
+                    # The next chunk is read once this one is written, as a call's handler writes each before the
+                    # next: what the engine produces meanwhile joins that chunk (WorkerServer.coalesce), so a busy
+                    # stream carries fewer, larger chunks rather than one an engine step.
+                    written = loop.create_future()
+                    send((call_id, chunk, written))
+                    await written
             status = pb.CallStatus(code=grpc.StatusCode.OK.value[0])  # ended without a final chunk
         except CallAborted as exc:
             status = pb.CallStatus(code=exc.code.value[0], details=exc.details)
@@ -118,4 +149,4 @@ class Multiplexer:
             if chunks is not None:
                 await chunks.aclose()  # the handler's clean-up, where it stopped at its final chunk
             context.end()
-        send(pb.MultiplexedReply(call_id=call_id, status=status))
+        send((call_id, status, None))
