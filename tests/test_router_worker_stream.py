@@ -19,7 +19,7 @@ from contract.multiplexed_wire import generate_entry
 from contract.transport import call_metadata, open_channel, server_options
 from contract.wire import pb, pb_grpc
 from router.registry import MULTIPLEXED_METHOD
-from tests.helpers.router_fixtures import Cluster, collect, request, run
+from tests.helpers.router_fixtures import TRANSPORTS, Cluster, collect, request, run
 from workers.serve.multiplexed import RequestContext
 from workers.serve.server import WorkerServicer
 from workers.sim.instant_engine import next_token
@@ -187,6 +187,30 @@ def test_a_worker_ends_a_request_on_its_stream_at_its_deadline_on_its_own():
                 assert replies[-1].status.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
                 await wait_until(lambda: "late" in worker.aborted)
                 stream.cancel()
+
+    run(body())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_worker_stopping_gracefully_refuses_new_requests_which_go_to_another_worker(transport):
+    # as gRPC refuses a new call during a graceful stop, the worker refuses a new request on its stream: it is
+    # replayed elsewhere now, not served by a worker about to go
+    async def body():
+        config = {"worker_transport": transport, "policy": {"name": "round_robin"}}
+        async with Cluster(config=config, step_delay_s=0.02) as c:
+            running = c.client.generate(request("running", max_tokens=100))
+            first = await anext(running)
+            stopping = next(w for w in c.workers if w.worker_id == first.worker_id)
+            stop = asyncio.create_task(stopping.stop(grace=2))
+            await wait_until(lambda: stopping.stopping)
+            started = asyncio.get_running_loop().time()
+            for i in range(2):  # round_robin: one of them is sent to the stopping worker first
+                req = request(f"new{i}", max_tokens=4)
+                tokens, chunks = await collect(c.client.generate(req))
+                assert tokens == expected_tokens(req) and chunks[-1].worker_id != stopping.worker_id
+            assert asyncio.get_running_loop().time() - started < 1.5  # within the stopping worker's grace
+            await running.aclose()
+            await stop
 
     run(body())
 

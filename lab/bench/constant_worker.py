@@ -3,8 +3,8 @@ scripts/bench_router.py answer every chat request with the same JSON: no engine 
 benchmark measures is the router between load and workers, not the workers' own serving path.
 
 It registers and heartbeats like a WorkerServer (workers/serve/registration.py). Generate streams one chunk and
-GenerateWhole returns it: `output_tokens` fixed token ids, finish_reason LENGTH; GenerateMultiplexed answers each request
-on its stream with it, reading nothing of a request but its call id. It is for measuring only: it ignores
+GenerateWhole returns it: `output_tokens` fixed token ids, finish_reason LENGTH; GenerateMultiplexed answers each
+request on its stream with it, reading nothing of a request but its call id. It is for measuring only: it ignores
 what it is asked (max_tokens, stop ids, aborts), so it serves none of the router's correctness.
 """
 

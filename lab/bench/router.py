@@ -286,7 +286,8 @@ async def bench(args) -> dict:
                       "client_event_loop": event_loop.loop_name(), "worker_transport": worker_transports()[0],
                       "note": "instant workers (http_constant_workers: gRPC stand-ins answering a constant, as "
                               "vllm-router's HTTP stand-ins do; http_constant_workers_<transport>: the same with "
-                              "the router reaching its workers over that worker_transport); load generator, router and workers share this machine's CPUs; "
+                              "the router reaching its workers over that worker_transport); load generator, "
+                              "router and workers share this machine's CPUs; "
                               "cpu_ms_per_request: the router process's CPU time per completed request (embedded "
                               "and grpc_direct_to_worker: this process's, the load generator and any routing in "
                               "it); one_client: the paths taken in turns, one request each, for 2x seconds"},

@@ -62,8 +62,12 @@ GenerateWhole = Callable[[pb.GenerateRequest, RequestContext], Awaitable[pb.Gene
 class Multiplexer:
     """Serves one GenerateMultiplexed stream: run() returns when the stream ends, its requests aborted."""
 
-    def __init__(self, generate: Generate, generate_whole: GenerateWhole, context: grpc.aio.ServicerContext):
+    def __init__(self, generate: Generate, generate_whole: GenerateWhole, context: grpc.aio.ServicerContext,
+                 stopping: Callable[[], bool]):
+        """stopping: whether the server is stopping; a request that comes meanwhile is refused UNAVAILABLE, as gRPC
+        refuses a new call during a graceful stop (the router replays it on another worker)."""
         self._generate = generate
+        self._stopping = stopping
         self._generate_whole = generate_whole
         self._context = context
         self._requests: dict[int, asyncio.Task] = {}
@@ -107,6 +111,11 @@ class Multiplexer:
             for message in batch.requests:
                 call_id = message.call_id
                 if message.HasField("generate"):
+                    if self._stopping():
+                        refused = pb.CallStatus(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                details="the worker is stopping")
+                        self._outbox.put_nowait((call_id, refused, None))
+                        continue
                     task = loop.create_task(self._serve(call_id, message.generate, message.whole))
                     self._requests[call_id] = task
                 elif (task := self._requests.pop(call_id, None)) is not None:  # cancel
