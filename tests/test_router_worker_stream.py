@@ -201,15 +201,16 @@ def test_a_worker_stopping_gracefully_refuses_new_requests_which_go_to_another_w
             running = c.client.generate(request("running", max_tokens=100))
             first = await anext(running)
             stopping = next(w for w in c.workers if w.worker_id == first.worker_id)
-            stop = asyncio.create_task(stopping.stop(grace=2))
+            stop = asyncio.create_task(stopping.stop(grace=10))
             await wait_until(lambda: stopping.stopping)
             started = asyncio.get_running_loop().time()
             for i in range(2):  # round_robin: one of them is sent to the stopping worker first
                 req = request(f"new{i}", max_tokens=4)
                 tokens, chunks = await collect(c.client.generate(req))
                 assert tokens == expected_tokens(req) and chunks[-1].worker_id != stopping.worker_id
-            assert asyncio.get_running_loop().time() - started < 1.5  # within the stopping worker's grace
+            assert asyncio.get_running_loop().time() - started < 5  # well within the stopping worker's grace
             await running.aclose()
+            await stopping._server.stop(0)  # the grace cut short (the shorter of two stops' graces wins)
             await stop
 
     run(body())
