@@ -22,7 +22,9 @@ from contract.wire import pb
 log = logging.getLogger(__name__)
 
 
-_BATCH_REPLIES = 1  # a message of the stream carries at most this many replies (a reply is ~10-500 bytes)
+# A message of the stream stops taking replies once this large (a reply is ~10-500 bytes; a whole reply of many
+# tokens more), so it stays far below the router's max_message_bytes.
+_BATCH_BYTES = 1 << 20
 
 
 class CallAborted(Exception):
@@ -82,14 +84,15 @@ class Multiplexer:
         outbox = self._outbox
         try:
             while (item := await outbox.get()) is not None:
-                batch, written = pb.MultiplexedReplies(), []
+                batch, written, size = pb.MultiplexedReplies(), [], 0
                 while True:
                     call_id, outcome, done = item
                     reply = batch.replies.add(call_id=call_id)
                     (reply.chunk if isinstance(outcome, pb.GenerateChunk) else reply.status).CopyFrom(outcome)
+                    size += outcome.ByteSize()
                     if done is not None:
                         written.append(done)
-                    if outbox.empty() or len(batch.replies) >= _BATCH_REPLIES:
+                    if outbox.empty() or size >= _BATCH_BYTES:
                         break
                     if (item := outbox.get_nowait()) is None:
                         outbox.put_nowait(None)
