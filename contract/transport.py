@@ -135,6 +135,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "missing or wrong bearer token"
+    if handler.request_streaming:  # a bidirectional stream (WorkerService.GenerateMultiplexed)
+
+        async def reject_bidi(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return grpc.stream_stream_rpc_method_handler(
+            reject_bidi, handler.request_deserializer, handler.response_serializer
+        )
     if handler.response_streaming:
 
         async def reject_stream(request, context):

@@ -26,9 +26,11 @@ def parse_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
     parser.add_argument("--http", dest="http_listen", help="OpenAI-compatible HTTP host:port (overrides the config)")
     parser.add_argument("--token", help="shared secret (overrides the config)")
     parser.add_argument("--policy", choices=["round_robin", "least_loaded", "kv_aware"])
+    parser.add_argument("--worker-transport", choices=["call", "stream"], help="overrides the config")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
-    overrides = {"listen": args.listen, "http_listen": args.http_listen, "token": args.token}
+    overrides = {"listen": args.listen, "http_listen": args.http_listen, "token": args.token,
+                 "worker_transport": args.worker_transport}
     try:
         if args.config:
             config = load_router_config(args.config, **overrides)

@@ -64,6 +64,15 @@ class MigrationConfig(_Section):
     wait_for_worker_s: float = Field(60.0, ge=0)
 
 
+class WorkerStreamConfig(_Section):
+    """worker_transport stream: the requests to a worker share one stream (router.worker_stream)."""
+
+    # A request larger than this (inline images) takes a call of its own: on the shared stream it would hold up every
+    # other request to its worker while its bytes are written. 64 KiB is HTTP/2's initial flow-control window
+    # (65,535 bytes, RFC 9113 6.9.2): a request within it is written without waiting for the worker to grant more.
+    max_request_bytes: int = Field(64 * 1024, ge=0)
+
+
 class RouterConfig(_Section):
     listen: str = "127.0.0.1:0"
     http_listen: str | None = None
@@ -77,6 +86,10 @@ class RouterConfig(_Section):
     health: HealthConfig = HealthConfig()
     migration: MigrationConfig = MigrationConfig()
     keepalive: KeepaliveConfig = KeepaliveConfig()  # of the router's channels to its workers
+    # How the dispatcher reaches a worker: "stream", one bidirectional stream per worker carrying every request
+    # (WorkerService.GenerateMultiplexed); "call", a gRPC call per request (Generate, GenerateWhole).
+    worker_transport: Literal["call", "stream"] = "stream"
+    worker_stream: WorkerStreamConfig = WorkerStreamConfig()
 
     @model_validator(mode="after")
     def _non_local_bind_needs_token(self) -> RouterConfig:

@@ -24,6 +24,8 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, Selector
 from router.registry import SERVING_ROLES, Booking, Registry, WorkerEntry
+from router.worker_calls import PerCall, Upstream, WorkerTransport
+from router.worker_stream import StreamPerWorker
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +82,6 @@ class _Active:
     wire: bytes = b""  # the caller's request serialized once, images and all: every attempt's upstream starts with it
 
 
-@dataclass(frozen=True)
-class _Upstream:
-    """One attempt's request to a worker, serialized: what the stream sends and how the router names it."""
-
-    request_id: str
-    payload: bytes
-    timeout: float | None
-    whole: bool  # the caller reads the answer only whole: WorkerService.GenerateWhole, one reply
-
-
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: Registry):
         self.config = config
@@ -100,6 +92,9 @@ class Dispatcher:
         self.metrics = RouterMetrics(registry, lambda: self.admission.queue_depth, lambda: self.inflight)
         self._metadata = call_metadata(config.token)
         self._active: dict[str, _Active] = {}
+        self.transport: WorkerTransport = (
+            StreamPerWorker(self._metadata, config.worker_stream.max_request_bytes)
+            if config.worker_transport == "stream" else PerCall(self._metadata))
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -148,6 +143,10 @@ class Dispatcher:
                 self._count_end(active, arrival, "STOP" if active.complete_early else ended_by)
         finally:
             self._active.pop(request.request_id, None)
+
+    async def close(self) -> None:
+        """End the attempts in flight on the workers (the router is stopping)."""
+        await self.transport.close()
 
     def complete_early(self, request_id: str) -> None:
         """The caller has the whole answer before the final chunk (a stop string matched): when it closes the
@@ -338,7 +337,7 @@ class Dispatcher:
         return (pb.DECODE,) if self.registry.healthy((pb.DECODE,)) else ((pb.AGGREGATED,) if self.registry.healthy((pb.AGGREGATED,)) else ())
 
     def _upstream(self, request: pb.GenerateRequest, active: _Active, deadline: float | None, patch: pb.GenerateRequest,
-                  base: bytes | None = None) -> _Upstream:
+                  base: bytes | None = None) -> Upstream:
         """The attempt's request: `base` (the caller's request as serialized once, by default) followed by `patch`,
         which protobuf merges into it on parsing (a singular field set in the patch wins, a repeated one appends,
         a message merges field by field). So no attempt copies or re-encodes the prompt's images: they cross each
@@ -349,7 +348,7 @@ class Dispatcher:
         if deadline is not None:
             timeout = patch.deadline_s = max(deadline - time.monotonic(), 1e-3)
         base = active.wire if base is None else base
-        return _Upstream(patch.request_id, base + patch.SerializeToString(), timeout, request.final_chunk_only)
+        return Upstream(patch.request_id, base + patch.SerializeToString(), timeout, request.final_chunk_only)
 
     async def _aggregated(self, request, active: _Active, deadline, patch: pb.GenerateRequest
                           ) -> AsyncIterator[pb.GenerateChunk]:
@@ -417,20 +416,18 @@ class Dispatcher:
             asyncio.get_running_loop().create_task(release())
 
     async def _stream(
-        self, entry: WorkerEntry, upstream: _Upstream, booking: Booking, active: _Active, stage: str
+        self, entry: WorkerEntry, upstream: Upstream, booking: Booking, active: _Active, stage: str
     ) -> AsyncIterator[pb.GenerateChunk]:
-        """Stream one upstream call (for a whole answer, GenerateWhole's one reply); worker failures become
-        _WorkerFailed, the booking is always released."""
-        method = entry.generate_whole if upstream.whole else entry.generate
-        call = method(upstream.payload, timeout=upstream.timeout, metadata=self._metadata)
-        messages = None if upstream.whole else aiter(call)
+        """Stream one attempt on the worker (for a whole answer, GenerateWhole's one reply), over the configured
+        transport; worker failures become _WorkerFailed, the booking is always released."""
+        call = self.transport.open(entry, upstream)
         entry.calls.add(call)
         active.entry, active.upstream_id = entry, upstream.request_id
         finished = False
         try:
             while not finished:
-                chunk = await (call if messages is None else anext(messages, None))
-                if chunk is None or (messages is None and chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED):
+                chunk = await call.next()
+                if chunk is None or (upstream.whole and chunk.finish_reason == pb.FINISH_REASON_UNSPECIFIED):
                     raise _WorkerFailed(stage, f"worker {entry.worker_id} ended the stream without a final chunk")
                 if chunk.token_ids:
                     booking.prefill_done()
@@ -458,8 +455,8 @@ class Dispatcher:
             entry.calls.discard(call)
             if not finished:
                 call.cancel()  # the caller went away or gave up: the worker aborts the engine request
-            elif messages is not None:  # gRPC's reader of the call, closed here rather than by the loop's finalizer
-                await messages.aclose()
+            else:
+                await call.close()
             booking.release()
             if active.entry is entry:
                 active.entry = None

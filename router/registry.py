@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc.aio
 
@@ -24,6 +25,13 @@ SERVING_ROLES = (pb.AGGREGATED, pb.DECODE)  # workers that can serve a whole req
 _WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 GENERATE_METHOD = f"/{_WORKER_SERVICE}/Generate"
 GENERATE_WHOLE_METHOD = f"/{_WORKER_SERVICE}/GenerateWhole"
+MULTIPLEXED_METHOD = f"/{_WORKER_SERVICE}/GenerateMultiplexed"
+
+
+class Cancellable(Protocol):
+    """An attempt in flight on a worker (a gRPC call, or one on a stream: router.worker_calls.WorkerCall)."""
+
+    def cancel(self) -> object: ...
 
 
 class WorkerEntry:
@@ -42,6 +50,9 @@ class WorkerEntry:
                                              response_deserializer=pb.GenerateChunk.FromString)
         self.generate_whole = channel.unary_unary(GENERATE_WHOLE_METHOD, request_serializer=None,
                                                   response_deserializer=pb.GenerateChunk.FromString)
+        # WorkerService.GenerateMultiplexed taking its messages serialized (contract.multiplexed_wire frames them)
+        self.multiplexed = channel.stream_stream(MULTIPLEXED_METHOD, request_serializer=None,
+                                                 response_deserializer=pb.MultiplexedReplies.FromString)
         self.healthy = True
         self.down_reason = ""
         self.last_seen = now
@@ -53,7 +64,7 @@ class WorkerEntry:
         self.inflight = 0
         self.booked_prefill_tokens = 0
         self.booked_blocks = 0
-        self.calls: set[grpc.aio.Call] = set()  # streams in flight, cancelled when the worker goes down
+        self.calls: set[Cancellable] = set()  # attempts in flight, cancelled when the worker goes down
 
     def snapshot(self) -> WorkerSnapshot:
         # Booked load shows new work before the next heartbeat; the report shows work booked elsewhere.

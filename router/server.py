@@ -139,6 +139,7 @@ class RouterServer:
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace)
+        await self.dispatcher.close()
         await self.registry.close()
 
     async def _watch_workers(self) -> None:

@@ -1,9 +1,11 @@
 """The bench's gRPC stand-in (lab/bench/constant_worker.py): it registers with a router like a worker and answers
-every request, through the router's gRPC and HTTP front ends, with the same final chunk of fixed tokens."""
+every request, through the router's gRPC and HTTP front ends, with the same final chunk of fixed tokens, whether the
+router reaches it with a call a request or on one stream."""
 
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from contract.wire import pb
 from lab.bench.constant_worker import TOKEN_ID, ConstantWorker
@@ -13,10 +15,11 @@ from router.server import RouterServer
 from tests.helpers.router_fixtures import request, run
 
 
-def test_the_constant_worker_registers_and_answers_every_request_with_its_fixed_reply():
+@pytest.mark.parametrize("transport", ["call", "stream"])
+def test_the_constant_worker_registers_and_answers_every_request_with_its_fixed_reply(transport):
     async def main():
         router = RouterServer(parse_router_config({"listen": "127.0.0.1:0", "http_listen": "127.0.0.1:0",
-                                                   "policy": {"name": "round_robin"}}))
+                                                   "policy": {"name": "round_robin"}, "worker_transport": transport}))
         await router.start()
         workers = [ConstantWorker(f"c{i}", router.address, output_tokens=5, heartbeat_interval_s=0.1)
                    for i in range(2)]

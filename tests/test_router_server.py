@@ -1,6 +1,7 @@
 """RouterService with instant-engine workers in one process: streaming, cancel, limits, auth, health,
-worker failure (down detection, migration) and disaggregated prefill/decode; each test that takes `mode` the same
-whether its caller reaches the router over gRPC or routes in the router's own process (router.embedded)."""
+worker failure (down detection, migration) and disaggregated prefill/decode; each test that takes `route` the same
+whether its caller reaches the router over gRPC or routes in the router's own process (router.embedded), and whether
+the router reaches its workers with a call a request or on one stream a worker (worker_transport)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from router.server import RouterServicer
 from tests.helpers.call_context import CallContext
-from tests.helpers.router_fixtures import FAST_HEALTH, MODES, Cluster, collect, request, run
+from tests.helpers.router_fixtures import FAST_HEALTH, MODES, TRANSPORTS, Cluster, collect, request, run
 from workers.request_options import NO_OPTIONS
 from workers.serve.server import WorkerServicer
 from workers.sim.instant_engine import InstantEngine, next_token
 
 
-@pytest.fixture(params=MODES)
-def mode(request):
-    """Each test that takes it runs twice: the caller reaches the router over gRPC, and from inside its process."""
-    return request.param
+@pytest.fixture(params=[(m, t) for m in MODES for t in TRANSPORTS], ids="-".join)
+def route(request):
+    """Each test that takes it runs four times: the caller reaches the router over gRPC or from inside its process,
+    the router its workers with a call a request or on one stream a worker (Cluster's keywords)."""
+    mode, transport = request.param
+    return {"mode": mode, "transport": transport}
 
 
 def expected_tokens(req: pb.GenerateRequest) -> list[int]:
@@ -44,9 +47,9 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_generate_streams_every_token_once_and_ends_with_counts(mode):
+def test_generate_streams_every_token_once_and_ends_with_counts(route):
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             req = request("r1", prompt_len=40, max_tokens=12)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -59,9 +62,9 @@ def test_generate_streams_every_token_once_and_ends_with_counts(mode):
     run(body())
 
 
-def test_booked_load_is_released_after_every_request(mode):
+def test_booked_load_is_released_after_every_request(route):
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             await asyncio.gather(*(collect(c.client.generate(request(f"r{i}"))) for i in range(20)))
             for entry in c.router.registry.entries():
                 assert (entry.inflight, entry.booked_prefill_tokens, entry.booked_blocks) == (0, 0, 0)
@@ -88,9 +91,9 @@ def test_a_requests_slots_are_free_when_its_final_chunk_reaches_the_caller():
     run(body())
 
 
-def test_client_cancel_aborts_the_engine_request_upstream(mode):
+def test_client_cancel_aborts_the_engine_request_upstream(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.05) as c:
             stream = c.client.generate(request("gone", max_tokens=100))
             await stream.__anext__()
             await stream.aclose()  # the caller goes away
@@ -119,9 +122,9 @@ def test_a_call_that_ends_while_the_router_writes_its_chunk_frees_the_slot_and_a
     run(body())
 
 
-def test_a_caller_that_goes_away_from_a_request_read_whole_aborts_it_upstream(mode):
+def test_a_caller_that_goes_away_from_a_request_read_whole_aborts_it_upstream(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.05) as c:
             answer = asyncio.create_task(collect(c.client.generate(request("gone", max_tokens=100,
                                                                            final_chunk_only=True))))
             await wait_until(lambda: c.engines[0].load().running_requests == 1)
@@ -132,9 +135,9 @@ def test_a_caller_that_goes_away_from_a_request_read_whole_aborts_it_upstream(mo
     run(body())
 
 
-def test_abort_rpc_ends_the_stream_with_abort(mode):
+def test_abort_rpc_ends_the_stream_with_abort(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.05) as c:
             stream = c.client.generate(request("ab", max_tokens=100))
             await stream.__anext__()
             assert await c.client.abort("ab") is True
@@ -146,10 +149,10 @@ def test_abort_rpc_ends_the_stream_with_abort(mode):
     run(body())
 
 
-def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted(mode):
+def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted(route):
     async def body():
         limits = {"max_inflight_total": 1, "max_queue": 1}
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02, config={"limits": limits}) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.02, config={"limits": limits}) as c:
             first = asyncio.create_task(collect(c.client.generate(request("a", max_tokens=10))))
             await wait_until(lambda: c.router.dispatcher.inflight == 1)
             queued = asyncio.create_task(collect(c.client.generate(request("b", max_tokens=10))))
@@ -165,9 +168,9 @@ def test_requests_beyond_inflight_limit_and_queue_get_resource_exhausted(mode):
     run(body())
 
 
-def test_a_router_without_a_healthy_worker_refuses_unavailable(mode):
+def test_a_router_without_a_healthy_worker_refuses_unavailable(route):
     async def body():
-        async with Cluster(mode=mode, roles=()) as c:
+        async with Cluster(**route, roles=()) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(c.client.generate(request("early")))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -176,9 +179,9 @@ def test_a_router_without_a_healthy_worker_refuses_unavailable(mode):
     run(body())
 
 
-def test_request_deadline_gives_deadline_exceeded(mode):
+def test_request_deadline_gives_deadline_exceeded(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.05) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.05) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(c.client.generate(request("slow", max_tokens=100, deadline_s=0.3)))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -195,9 +198,9 @@ def test_non_loopback_bind_without_token_is_rejected_naming_the_key():
     assert parse_router_config({"listen": "0.0.0.0:50051", "token": "s3cret"}).token == "s3cret"
 
 
-def test_calls_without_the_token_are_unauthenticated(mode):
+def test_calls_without_the_token_are_unauthenticated(route):
     async def body():
-        async with Cluster(mode=mode, token="s3cret") as c:
+        async with Cluster(**route, token="s3cret") as c:
             tokens, _ = await collect(c.client.generate(request("ok")))  # workers registered with the token too
             assert len(tokens) == 8
             async with RouterClient(c.router.address) as anonymous:
@@ -212,9 +215,9 @@ def test_calls_without_the_token_are_unauthenticated(mode):
     run(body())
 
 
-def test_health_service_reports_serving_with_workers(mode):
+def test_health_service_reports_serving_with_workers(route):
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             async with grpc.aio.insecure_channel(c.router.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service="q3vl.v1.RouterService"))
@@ -223,9 +226,9 @@ def test_health_service_reports_serving_with_workers(mode):
     run(body())
 
 
-def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_names_the_missing_on_timeout(mode):
+def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_names_the_missing_on_timeout(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated", "decode")) as c:
+        async with Cluster(**route, roles=("aggregated", "decode")) as c:
             listing = await wait_for_workers(c.client, worker_ids=["w0", "w1"], timeout_s=10)
             assert sorted(w.worker_id for w in listing.workers) == ["w0", "w1"] and all(listing.healthy)
             with pytest.raises(TimeoutError, match="not registered and healthy: w2"):
@@ -239,9 +242,9 @@ def test_waiting_for_named_workers_returns_the_listing_once_all_are_healthy_and_
     run(body())
 
 
-def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work(mode):
+def test_worker_without_heartbeats_is_marked_down_and_gets_no_new_work(route):
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             c.workers[0]._reporter.cancel()  # w0 goes silent
             await wait_until(lambda: not c.router.registry.get("w0").healthy)
             listing = await c.client.list_workers()
@@ -276,11 +279,11 @@ class Calls:
             await self._called.wait()
 
 
-def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down(mode):
+def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down(route):
     # A burst of large requests can hold the router's loop for seconds (1,500 queries of 2 MB images on 2 cores:
     # 6 s); heartbeats that arrived meanwhile wait behind the health check, which must not read them as silence.
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             registry = c.router.registry
             marked_down = Calls(registry, "mark_down", key=lambda entry, reason: reason)
             heartbeats = Calls(registry, "heartbeat", key=lambda report: report.worker_id)
@@ -299,9 +302,9 @@ def test_a_stall_of_the_routers_own_event_loop_marks_no_worker_down(mode):
     run(body())
 
 
-def test_hung_engine_is_marked_down_and_its_request_migrates(mode):
+def test_hung_engine_is_marked_down_and_its_request_migrates(route):
     async def body():
-        async with Cluster(mode=mode, step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
+        async with Cluster(**route, step_delay_s=0.02, config={"policy": {"name": "round_robin"}}) as c:
             req = request("hang", max_tokens=40)
             stream = c.client.generate(req)
             first = await stream.__anext__()
@@ -317,7 +320,7 @@ def test_hung_engine_is_marked_down_and_its_request_migrates(mode):
 
 
 def test_a_request_read_whole_is_one_generate_whole_reply_from_its_worker_and_one_chunk_to_its_caller(
-        mode, monkeypatch):
+        route, monkeypatch):
     replies = []
     generate_whole = WorkerServicer.GenerateWhole
 
@@ -328,7 +331,7 @@ def test_a_request_read_whole_is_one_generate_whole_reply_from_its_worker_and_on
     monkeypatch.setattr(WorkerServicer, "GenerateWhole", counted)
 
     async def body():
-        async with Cluster(mode=mode) as c:
+        async with Cluster(**route) as c:
             req = request("whole", prompt_len=40, max_tokens=12, final_chunk_only=True)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req) and len(chunks) == 1
@@ -343,9 +346,9 @@ def test_a_request_read_whole_is_one_generate_whole_reply_from_its_worker_and_on
     run(body())
 
 
-def test_a_request_read_whole_whose_worker_is_killed_is_replayed_from_the_start_elsewhere(mode):
+def test_a_request_read_whole_whose_worker_is_killed_is_replayed_from_the_start_elsewhere(route):
     async def body():
-        async with Cluster(mode=mode, step_delay_s=0.02) as c:
+        async with Cluster(**route, step_delay_s=0.02) as c:
             req = request("whole-mig", max_tokens=40, final_chunk_only=True)
             answer = asyncio.create_task(collect(c.client.generate(req)))
             await wait_until(lambda: any(e.load().running_requests for e in c.engines))
@@ -359,9 +362,9 @@ def test_a_request_read_whole_whose_worker_is_killed_is_replayed_from_the_start_
     run(body())
 
 
-def test_worker_killed_mid_stream_loses_no_token_and_repeats_none(mode):
+def test_worker_killed_mid_stream_loses_no_token_and_repeats_none(route):
     async def body():
-        async with Cluster(mode=mode, step_delay_s=0.02) as c:
+        async with Cluster(**route, step_delay_s=0.02) as c:
             req = request("mig", max_tokens=40)
             stream = c.client.generate(req)
             seen = []
@@ -380,10 +383,10 @@ def test_worker_killed_mid_stream_loses_no_token_and_repeats_none(mode):
     run(body())
 
 
-def test_migration_gives_up_after_max_retries_with_an_error_chunk(mode):
+def test_migration_gives_up_after_max_retries_with_an_error_chunk(route):
     async def body():
         no_retries = {"migration": {"max_retries": 0}}
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02, config=no_retries) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.02, config=no_retries) as c:
             stream = c.client.generate(request("lost", max_tokens=40))
             await stream.__anext__()
             await c.workers[0].stop(0)
@@ -393,9 +396,9 @@ def test_migration_gives_up_after_max_retries_with_an_error_chunk(mode):
     run(body())
 
 
-def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_token(mode):
+def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_token(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",), step_delay_s=0.02) as c:
+        async with Cluster(**route, roles=("aggregated",), step_delay_s=0.02) as c:
             req = request("restart", max_tokens=40)
             stream = c.client.generate(req)
             first = await stream.__anext__()
@@ -414,9 +417,9 @@ def test_a_request_whose_only_worker_died_waits_for_its_restart_and_loses_no_tok
     run(body())
 
 
-def test_restarted_worker_replaces_its_old_entry(mode):
+def test_restarted_worker_replaces_its_old_entry(route):
     async def body():
-        async with Cluster(mode=mode, roles=("aggregated",)) as c:
+        async with Cluster(**route, roles=("aggregated",)) as c:
             old_address = c.workers[0].address
             await c.workers[0].stop(0)
             await c.add_worker("w0")  # same id, new port
@@ -433,9 +436,9 @@ DISAGG = {"disaggregation": {"enabled": True}}
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["streamed", "final_chunk_only"])
-def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv(mode, whole):
+def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulled_kv(route, whole):
     async def body():
-        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(**route, roles=("prefill", "decode"), config=DISAGG) as c:
             req = request("pd", prompt_len=64, max_tokens=10, final_chunk_only=whole)
             tokens, chunks = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)  # the decode engine rebuilt the prompt from the pulled KV
@@ -447,9 +450,9 @@ def test_disaggregated_request_prefills_on_prefill_worker_and_decodes_with_pulle
     run(body())
 
 
-def test_images_cross_each_hop_once_the_decode_worker_gets_none(mode):
+def test_images_cross_each_hop_once_the_decode_worker_gets_none(route):
     async def body():
-        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(**route, roles=("prefill", "decode"), config=DISAGG) as c:
             req = request("img", prompt_len=64, max_tokens=6, images=[b"an encoded image", b"another"])
             tokens, _ = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -475,9 +478,9 @@ class PreemptingEngine(InstantEngine):
 
 @pytest.mark.parametrize("whole", [False, True], ids=["streamed", "final_chunk_only"])
 def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back_and_it_is_replayed_with_images(
-        mode, whole):
+        route, whole):
     async def body():
-        async with Cluster(mode=mode, roles=("prefill",), config=DISAGG) as c:
+        async with Cluster(**route, roles=("prefill",), config=DISAGG) as c:
             await c.add_worker("w1", "decode", engine=PreemptingEngine())
             await c.client.wait_for_workers(2)
             req = request("pre", prompt_len=64, max_tokens=8, images=[b"an encoded image"], final_chunk_only=whole)
@@ -491,10 +494,10 @@ def test_a_decode_worker_that_cannot_recompute_a_preempted_request_hands_it_back
     run(body())
 
 
-def test_short_prompts_prefill_locally_under_conditional_disaggregation(mode):
+def test_short_prompts_prefill_locally_under_conditional_disaggregation(route):
     async def body():
         config = {"disaggregation": {"enabled": True, "min_remote_prefill_tokens": 100}}
-        async with Cluster(mode=mode, roles=("prefill", "decode"), config=config) as c:
+        async with Cluster(**route, roles=("prefill", "decode"), config=config) as c:
             req = request("short", prompt_len=40)
             tokens, _ = await collect(c.client.generate(req))
             assert tokens == expected_tokens(req)
@@ -503,9 +506,9 @@ def test_short_prompts_prefill_locally_under_conditional_disaggregation(mode):
     run(body())
 
 
-def test_prefill_worker_failure_falls_back_to_local_prefill(mode):
+def test_prefill_worker_failure_falls_back_to_local_prefill(route):
     async def body():
-        async with Cluster(mode=mode, roles=("prefill", "decode"), config=DISAGG) as c:
+        async with Cluster(**route, roles=("prefill", "decode"), config=DISAGG) as c:
             await c.workers[0]._server.stop(0)  # the prefill worker stops serving but still heartbeats
             req = request("fallback", prompt_len=64)
             tokens, chunks = await collect(c.client.generate(req))
@@ -515,9 +518,9 @@ def test_prefill_worker_failure_falls_back_to_local_prefill(mode):
     run(body())
 
 
-def test_least_loaded_sends_less_traffic_to_a_slow_worker(mode):
+def test_least_loaded_sends_less_traffic_to_a_slow_worker(route):
     async def body():
-        async with Cluster(mode=mode, config={"policy": {"name": "least_loaded"}}) as c:
+        async with Cluster(**route, config={"policy": {"name": "least_loaded"}}) as c:
             c.engines[0].step_delay_s = 0.03  # w0 is slow, w1 instant
             counts = {"w0": 0, "w1": 0}
             sem = asyncio.Semaphore(8)

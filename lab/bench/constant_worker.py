@@ -3,7 +3,8 @@ scripts/bench_router.py answer every chat request with the same JSON: no engine 
 benchmark measures is the router between load and workers, not the workers' own serving path.
 
 It registers and heartbeats like a WorkerServer (workers/serve/registration.py). Generate streams one chunk and
-GenerateWhole returns it: `output_tokens` fixed token ids, finish_reason LENGTH. It is for measuring only: it ignores
+GenerateWhole returns it: `output_tokens` fixed token ids, finish_reason LENGTH; GenerateMultiplexed answers each
+request on its stream with it, reading nothing of a request but its call id. It is for measuring only: it ignores
 what it is asked (max_tokens, stop ids, aborts), so it serves none of the router's correctness.
 """
 
@@ -15,9 +16,10 @@ import grpc
 import grpc.aio
 
 from contract.network import KeepaliveConfig
+from contract.multiplexed_wire import chunk_entry, started_calls
 from contract.transport import add_listener, server_options
 from contract.wire import pb
-from router.registry import GENERATE_METHOD, GENERATE_WHOLE_METHOD
+from router.registry import GENERATE_METHOD, GENERATE_WHOLE_METHOD, MULTIPLEXED_METHOD
 from workers.serve.registration import report_to_router
 
 _SERVICE, _, _ = GENERATE_METHOD[1:].partition("/")
@@ -53,6 +55,11 @@ class ConstantWorker:
     async def _stream(self, request: bytes, context):
         yield self.reply
 
+    async def _multiplexed(self, messages, context) -> None:
+        async for message in messages:  # a cancel is left out: its request was answered as it came
+            if started := started_calls(message):
+                await context.write(b"".join(chunk_entry(call_id, self.reply) for call_id in started))
+
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(worker_id=self.worker_id, address=self.address, role=pb.AGGREGATED,
                              total_kv_blocks=KV_BLOCKS)
@@ -64,6 +71,7 @@ class ConstantWorker:
         handlers = {  # bytes in, bytes out: nothing parsed, nothing built per request
             GENERATE_WHOLE_METHOD.rpartition("/")[2]: grpc.unary_unary_rpc_method_handler(self._whole),
             GENERATE_METHOD.rpartition("/")[2]: grpc.unary_stream_rpc_method_handler(self._stream),
+            MULTIPLEXED_METHOD.rpartition("/")[2]: grpc.stream_stream_rpc_method_handler(self._multiplexed),
         }
         self._server = grpc.aio.server(options=server_options())
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))

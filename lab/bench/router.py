@@ -140,10 +140,23 @@ def added_ms(solo: dict, path: str, base: str = "direct") -> dict:
             f"{path}_p50_ms": solo[path]["p50_ms"], f"{base}_p50_ms": solo[base]["p50_ms"]}
 
 
-def start_router(policy: str, procs: Procs) -> tuple[str, str, int]:
-    """A router process on loopback ports with `policy`: its gRPC address, its HTTP address and its pid."""
+def worker_transports() -> tuple[str, tuple[str, ...]]:
+    """The router's default worker_transport, and the others (the constant-worker HTTP point is measured again over
+    each of them)."""
+    import typing
+
+    from router.config import RouterConfig
+
+    field = RouterConfig.model_fields["worker_transport"]
+    return field.default, tuple(t for t in typing.get_args(field.annotation) if t != field.default)
+
+
+def start_router(policy: str, procs: Procs, worker_transport: str | None = None) -> tuple[str, str, int]:
+    """A router process on loopback ports with `policy` (and `worker_transport`, else the config's default): its gRPC
+    address, its HTTP address and its pid."""
+    transport = ["--worker-transport", worker_transport] if worker_transport else []
     grpc_line, http_line = procs.start(["-m", "router", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                                        "--policy", policy], lines=2)
+                                        "--policy", policy, *transport], lines=2)
     return grpc_line.split()[-1], http_line.split()[-1], procs.procs[-1].pid
 
 
@@ -163,10 +176,12 @@ async def bench_our_router(policy: str, args, procs: Procs) -> dict:
                                       embedded, router_pid)
     procs.stop()
     result["http_constant_workers"] = await bench_http_constant_workers(policy, args, procs)
+    for transport in worker_transports()[1]:
+        result[f"http_constant_workers_{transport}"] = await bench_http_constant_workers(policy, args, procs, transport)
     return result
 
 
-async def bench_http_constant_workers(policy: str, args, procs: Procs) -> dict:
+async def bench_http_constant_workers(policy: str, args, procs: Procs, worker_transport: str | None = None) -> dict:
     """The HTTP point again, the router process fronting gRPC stand-ins that answer with a constant reply
     (lab/bench/constant_worker.py), as vllm-router's HTTP stand-ins do: what the shared CPUs give the router when its
     workers cost what vllm-router's do, rather than an engine step a token."""
@@ -175,7 +190,7 @@ async def bench_http_constant_workers(policy: str, args, procs: Procs) -> dict:
     from router.client import RouterClient
     from router.config import RouterConfig
 
-    address, http, router_pid = start_router(policy, procs)
+    address, http, router_pid = start_router(policy, procs, worker_transport)
     procs.start(["-m", "lab.bench.router", "--constant-workers", address, "--workers", str(args.workers)])
     try:
         async with RouterClient(address) as client:
@@ -268,9 +283,11 @@ async def bench(args) -> dict:
             "setup": {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "workers": args.workers,
                       "concurrency": args.concurrency, "seconds_per_point": args.seconds, "cpus": os.cpu_count(),
                       "loadavg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
-                      "client_event_loop": event_loop.loop_name(),
+                      "client_event_loop": event_loop.loop_name(), "worker_transport": worker_transports()[0],
                       "note": "instant workers (http_constant_workers: gRPC stand-ins answering a constant, as "
-                              "vllm-router's HTTP stand-ins do); load generator, router and workers share this machine's CPUs; "
+                              "vllm-router's HTTP stand-ins do; http_constant_workers_<transport>: the same with "
+                              "the router reaching its workers over that worker_transport); load generator, "
+                              "router and workers share this machine's CPUs; "
                               "cpu_ms_per_request: the router process's CPU time per completed request (embedded "
                               "and grpc_direct_to_worker: this process's, the load generator and any routing in "
                               "it); one_client: the paths taken in turns, one request each, for 2x seconds"},
@@ -288,11 +305,11 @@ async def bench(args) -> dict:
             for p in ("round_robin", "least_loaded")}
         # The same with our router's workers answering a constant, as vllm-router's stand-ins do (both sides' workers
         # then cost alike; above, ours run an engine step a token on the same CPUs).
-        out["http_constant_workers_vs_vllm_router"] = {
-            p: {"requests_per_s": round(out[p]["http_constant_workers"]["requests_per_s"] / peer["requests_per_s"], 3),
-                "cpu_per_request": round(out[p]["http_constant_workers"]["cpu_ms_per_request"]
-                                         / peer["cpu_ms_per_request"], 2)}
-            for p in ("round_robin", "least_loaded")}
+        for point in ("http_constant_workers", *(f"http_constant_workers_{t}" for t in worker_transports()[1])):
+            out[f"{point}_vs_vllm_router"] = {
+                p: {"requests_per_s": round(out[p][point]["requests_per_s"] / peer["requests_per_s"], 3),
+                    "cpu_per_request": round(out[p][point]["cpu_ms_per_request"] / peer["cpu_ms_per_request"], 2)}
+                for p in ("round_robin", "least_loaded")}
     out["embedded_vs_direct"] = {  # the issue-35 target: embedded routing adds <= 0.3 ms p50 over a direct call
         "target_p50_added_ms": EMBEDDED_TARGET_MS,
         **{p: {"p50_added_ms": out[p]["embedded_added_latency_ms"]["p50"],

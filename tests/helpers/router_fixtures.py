@@ -4,6 +4,8 @@
 `client` reaches the router the way its `mode` says: "process", over gRPC (RouterClient), as a caller in another
 process does; "embedded", by calling the dispatcher in this process (router.embedded.EmbeddedRouter), as the
 harness SUT does with router.mode embedded. Tests of behaviour that must not depend on the mode run in both (MODES).
+The router reaches its workers the way `transport` says (RouterConfig.worker_transport; None: its default), and
+tests of behaviour that must not depend on it run on each (TRANSPORTS).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from workers.sim.instant_engine import InstantEngine
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.
 FAST_HEALTH = {"heartbeat_interval_s": 0.1, "down_after_s": 2.0}
 MODES = ("process", "embedded")
+TRANSPORTS = ("call", "stream")
 
 
 def run(coro, timeout: float = 30.0):
@@ -51,6 +54,7 @@ class Cluster:
     step_delay_s: float = 0.0
     token: str | None = None
     mode: str = "process"
+    transport: str | None = None  # RouterConfig.worker_transport
     also_register_at: str | None = None  # another router's address the workers register with too
     router: RouterServer | None = None
     workers: list[WorkerServer] = field(default_factory=list)
@@ -58,7 +62,9 @@ class Cluster:
     client: RouterClient | EmbeddedRouter | None = None
 
     async def __aenter__(self) -> Cluster:
-        config = parse_router_config({"health": FAST_HEALTH, "policy": {"seed": 0}, "token": self.token} | self.config)
+        transport = {} if self.transport is None else {"worker_transport": self.transport}
+        config = parse_router_config({"health": FAST_HEALTH, "policy": {"seed": 0}, "token": self.token} | transport
+                                     | self.config)
         embedded = EmbeddedRouter(config) if self.mode == "embedded" else None
         self.router = RouterServer(config) if embedded is None else embedded.server
         await self.router.start()

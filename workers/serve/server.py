@@ -32,6 +32,7 @@ from workers.kv_cache import ImageLayout, KvExport
 from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
+from workers.serve.multiplexed import Multiplexer
 from workers.serve.registration import load_report, report_to_router, router_addresses
 from workers.serve.worker_build import ServedEngine, WorkerSettings, serve_llm_engine
 
@@ -156,6 +157,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             pass  # one chunk; before it only the tokens of a request handed back, which then ends ABORTED
         return chunk
 
+    async def GenerateMultiplexed(self, request_iterator, context):
+        await Multiplexer(self.Generate, self.GenerateWhole, context, lambda: self.s.stopping).run()
+
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.s.abort(request.request_id))
 
@@ -199,6 +203,7 @@ class WorkerServer:
             raise ValueError(f"kv_link role {kv_link.config.role!r} does not match worker role {pb.WorkerRole.Name(self.role).lower()!r}")
         self.port = 0
         self.running: set[str] = set()
+        self.stopping = False
         self._metadata = call_metadata(settings.token)
         self._held: dict[str, _HeldKv] = {}
         self._peers: dict[str, grpc.aio.Channel] = {}
@@ -224,6 +229,7 @@ class WorkerServer:
         log.info("worker %s (%s) serving on %s", self.worker_id, pb.WorkerRole.Name(self.role), self.address)
 
     async def stop(self, grace: float | None = 0.5) -> None:
+        self.stopping = True  # new requests on a GenerateMultiplexed stream are refused, as new calls are
         if self._reporter is not None:
             self._reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
