@@ -65,6 +65,9 @@ def attention_pingpong(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tens
 def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
                 scale: float, config: PingPongConfig) -> tuple[tuple, dict]:
     """The kernel's arguments and compile-time constants (also what an ahead-of-time compile for sm_90 takes)."""
+    if config.block_m != 128:
+        raise ValueError(f"the ping-pong kernel's programs are two warpgroups of 64 rows: block_m 128, got "
+                         f"{config.block_m}")
     half = config.block_m // 2
     args = (*descriptors(q, k, values_ones, half, config.block_n), out, table, out.stride(0),
             scale * math.log2(math.e))
