@@ -17,7 +17,7 @@ from contract.chat import encode_chat
 from contract.tokenizer import load_tokenizer
 from contract.wire import pb
 from tests.helpers.image_fixtures import png_data_url
-from tests.helpers.router_fixtures import Cluster, collect, request, run
+from tests.helpers.router_fixtures import Cluster, collect, request, run, wait_until
 from workers.sim.instant_engine import InstantEngine
 
 HTTP = {"http_listen": "127.0.0.1:0"}
@@ -168,12 +168,6 @@ def test_a_reply_sent_whole_comes_in_one_worker_chunk_and_only_streamed_replies_
     run(body())
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 def http_base(cluster: Cluster) -> str:
     return f"http://127.0.0.1:{cluster.router.http_port}"
 
@@ -314,7 +308,7 @@ def test_stop_string_ends_the_text_before_it_and_the_worker_stops_streaming_or_n
                 assert usage.completion_tokens < 40
                 # The worker's request was cancelled: it did not run on to 2000 tokens.
                 (rid,) = [r for e, n in zip(c.engines, seen) for r in e.requests_seen[n:]]
-                await wait_until(lambda: any(rid in e.aborted for e in c.engines))
+                await wait_until(lambda: any(rid in e.aborted for e in c.engines), timeout=10.0)
             await client.close()
 
     run(body())
@@ -354,7 +348,8 @@ def test_prompt_longer_than_max_model_len_or_the_kv_pool_gets_400_naming_the_lim
             await c.workers[0].stop(0)
             c.workers.clear()
             await c.add_worker("small-pool", engine=InstantEngine(total_kv_blocks=8, block_size=16), kv_block_size=16)
-            await wait_until(lambda: [e.worker_id for e in c.router.registry.entries() if e.healthy] == ["small-pool"])
+            await wait_until(lambda: [e.worker_id for e in c.router.registry.entries() if e.healthy] == ["small-pool"],
+                             timeout=10.0)
             with pytest.raises(openai.BadRequestError, match=r"KV cache of worker small-pool holds \(8 blocks of 16"):
                 await client.chat.completions.create(model=MODEL, messages=big, max_tokens=4)
             assert (await client.chat.completions.create(model=MODEL, messages=TEXT, max_tokens=2)).choices

@@ -19,10 +19,11 @@ from router.client import RouterClient, wait_for_workers
 from router.config import parse_router_config
 from router.server import RouterServicer
 from tests.helpers.call_context import CallContext
-from tests.helpers.router_fixtures import FAST_HEALTH, MODES, TRANSPORTS, Cluster, collect, request, run
+from tests.helpers.router_fixtures import (FAST_HEALTH, MODES, TRANSPORTS, Cluster, collect, expected_tokens, request,
+                                          run, wait_until)
 from workers.request_options import NO_OPTIONS
 from workers.serve.server import WorkerServicer
-from workers.sim.instant_engine import InstantEngine, next_token
+from workers.sim.instant_engine import InstantEngine
 
 
 @pytest.fixture(params=[(m, t) for m in MODES for t in TRANSPORTS], ids="-".join)
@@ -31,20 +32,6 @@ def route(request):
     the router its workers with a call a request or on one stream a worker (Cluster's keywords)."""
     mode, transport = request.param
     return {"mode": mode, "transport": transport}
-
-
-def expected_tokens(req: pb.GenerateRequest) -> list[int]:
-    context = list(req.prompt_token_ids)
-    for _ in range(req.sampling.max_tokens):
-        context.append(next_token(context))
-    return context[len(req.prompt_token_ids):]
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def test_generate_streams_every_token_once_and_ends_with_counts(route):

@@ -19,26 +19,11 @@ from contract.multiplexed_wire import generate_entry
 from contract.transport import call_metadata, open_channel, server_options
 from contract.wire import pb, pb_grpc
 from router.registry import MULTIPLEXED_METHOD
-from tests.helpers.router_fixtures import TRANSPORTS, Cluster, collect, request, run
+from tests.helpers.router_fixtures import TRANSPORTS, Cluster, collect, expected_tokens, request, run, wait_until
 from workers.serve.multiplexed import RequestContext
 from workers.serve.server import WorkerServicer
-from workers.sim.instant_engine import next_token
 
 STREAM = {"worker_transport": "stream"}
-
-
-def expected_tokens(req: pb.GenerateRequest) -> list[int]:
-    context = list(req.prompt_token_ids)
-    for _ in range(req.sampling.max_tokens):
-        context.append(next_token(context))
-    return context[len(req.prompt_token_ids):]
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

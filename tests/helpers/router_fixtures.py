@@ -20,7 +20,7 @@ from router.embedded import EmbeddedRouter
 from router.server import RouterServer
 from workers.serve.server import WorkerServer
 from workers.serve.worker_build import WorkerSettings
-from workers.sim.instant_engine import InstantEngine
+from workers.sim.instant_engine import InstantEngine, next_token
 
 # down_after_s leaves room for event-loop stalls on a loaded 2-core CI machine; detection tests wait for it.
 FAST_HEALTH = {"heartbeat_interval_s": 0.1, "down_after_s": 2.0}
@@ -45,6 +45,22 @@ def request(rid: str, prompt_len: int = 40, max_tokens: int = 8, **kwargs) -> pb
 async def collect(stream) -> tuple[list[int], list[pb.GenerateChunk]]:
     chunks = [c async for c in stream]
     return [t for c in chunks for t in c.token_ids], chunks
+
+
+def expected_tokens(req: pb.GenerateRequest) -> list[int]:
+    """The tokens an InstantEngine worker generates for req."""
+    context = list(req.prompt_token_ids)
+    for _ in range(req.sampling.max_tokens):
+        context.append(next_token(context))
+    return context[len(req.prompt_token_ids):]
+
+
+async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    """Polls predicate every `interval` seconds until it holds; fails the test after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(interval)
 
 
 @dataclass
