@@ -750,6 +750,50 @@ def test_the_step_clock_learns_the_engines_steps_and_outputs():
     assert clock.slack(bounded(seq("x", 4), None), now=9.0) is None
 
 
+def test_the_step_clocks_decode_steps_cost_more_as_the_engine_reads_more_context():
+    # One H100's Interactive decode steps (run122): ~6 ms over 2k tokens of context, ~13 ms over 28k. A request's
+    # slack counts its steps left at the context running and waiting now, not at the recent steps' mean
+    clock = StepClock()
+    for _ in range(10):
+        for context in (2_000, 10_000, 28_000):
+            clock.observe_step(0.0055 + 0.25e-6 * context, tower_cost=0, decode_context=context)
+        clock.observe_output(40)
+    assert clock.decode_step_s(28_000) == pytest.approx(0.0125, rel=0.02)
+    assert clock.decode_step_s(2_000) == pytest.approx(0.006, rel=0.02)
+    s = bounded(seq("r", 4, max_tokens=150), deadline=10.0)
+    clock.load_context_tokens = 28_000
+    assert clock.slack(s, now=9.0) == pytest.approx(1.0 - 40 * 0.0125, rel=0.02)
+    clock.load_context_tokens = 2_000
+    assert clock.slack(s, now=9.0) == pytest.approx(1.0 - 40 * 0.006, rel=0.02)
+
+
+def test_a_decode_slope_fitted_on_long_contexts_never_makes_a_short_contexts_step_free():
+    clock = StepClock()
+    for context in (20_000, 30_000) * 10:  # 1 ms + 1 us a token: the line says 1 ms at no context
+        clock.observe_step(0.001 + 1e-6 * context, tower_cost=0, decode_context=context)
+    assert clock.decode_step_s(0) == pytest.approx(0.5 * clock.decode_s)
+
+
+def test_a_step_with_tower_work_is_measured_beyond_a_decode_step_at_its_own_context():
+    clock = StepClock()
+    for context in (2_000, 30_000) * 10 + (2_000,) * 10:  # the recent decode steps read 2k tokens: ~5.5 ms
+        clock.observe_step(0.005 + 0.25e-6 * context, tower_cost=0, decode_context=context)
+    clock.observe_step(0.0125 + 0.100, tower_cost=100, decode_context=30_000)  # its decodes' share: 12.5 ms
+    assert clock.tower_s(100) == pytest.approx(0.100, rel=0.01)
+
+
+def test_the_scheduler_tells_its_step_clock_the_context_it_decodes_and_holds():
+    sched = slack_scheduler()
+    sched.step_clock = StepClock()
+    sched.add(seq("a", 6))
+    sched.add(seq("b", 10))
+    step(sched)  # both prompts
+    out = step(sched)  # both decode: positions 6 and 10, so 7 + 11 tokens of context read
+    assert sched.step_clock.load_context_tokens == 7 + 11  # as this step was scheduled
+    sched.observe_step(0.010, out)
+    assert sched.step_clock.decode_s == pytest.approx(0.010) and sched.step_clock.decode_context == 7 + 11
+
+
 def test_the_step_clock_learns_the_prompt_tokens_rate_from_steps_with_long_prompts():
     clock = StepClock()
     clock.observe_step(0.5, tower_cost=0, prompt_tokens=1000)  # no decode step yet to measure it beyond

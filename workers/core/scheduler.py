@@ -286,6 +286,7 @@ class Scheduler:
         scheduled: set[str] = set()
         out.encoder_drop, self._drop_next = self._drop_next, []
         out.encoded_before = self._ahead_last
+        self.step_clock.load_context_tokens = sum(s.num_tokens for s in (*self.running, *self.waiting))
         self._continue_passes(encoder, out)
 
         # Decodes first (a step's decodes are cheap and each waits for the whole step), then the prefill chunks of
@@ -501,7 +502,8 @@ class Scheduler:
                    vision.block_cost(e.image.num_tokens) for e in (*out.encoded_before, *out.encode_now))
         if out.chunks or cost:
             prompt_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
-            self.step_clock.observe_step(seconds, cost, prompt_tokens)
+            context = sum(c.start + 1 for c in out.chunks if c.num_tokens == 1)
+            self.step_clock.observe_step(seconds, cost, prompt_tokens, context)
 
     def _plan_images(self, seq: Sequence, start: int, n: int, encoder: _EncoderBudget
                      ) -> tuple[list[ImageSpan], list[tuple[ImageSpan, int]], int]:
