@@ -69,8 +69,9 @@ def output_lengths(samples: int, seed: int) -> list[int]:
     return [int(x) for x in np.clip(np.rint(rng.normal(OUTPUT_MEAN, OUTPUT_SD, samples)), 1, OUTPUT_CAP)]
 
 
-def realistic_catalogue(samples: int, seed: int = 0) -> list[CatalogueRequest]:
-    """`samples` prompts of the synthetic catalogue with the real dataset's image sizes and text lengths."""
+def realistic_catalogue(samples: int, seed: int = 0, variant: str = "v6.0") -> list[CatalogueRequest]:
+    """`samples` prompts (of the prompt `variant`) of the synthetic catalogue with the real dataset's image sizes and
+    text lengths."""
     from contract.dataset import load_catalogue
     from contract.prompt import PromptBuilder
     from contract.tokenizer import load_tokenizer
@@ -78,7 +79,7 @@ def realistic_catalogue(samples: int, seed: int = 0) -> list[CatalogueRequest]:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_catalogue(tmp, samples, seed=seed, profile="realistic")
-        prompts = PromptBuilder(load_tokenizer()).build_batch(list(load_catalogue(tmp)))
+        prompts = PromptBuilder(load_tokenizer(), variant=variant).build_batch(list(load_catalogue(tmp)))
     bad = [p for p in prompts if isinstance(p, ValueError)]
     if bad:
         raise ValueError(f"{len(bad)} synthetic samples have no prompt, first: {bad[0]}")

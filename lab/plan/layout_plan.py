@@ -115,7 +115,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-steps", type=Path, default=None, metavar="TRACE", help="fit the product path's step "
                         "model on a step trace (a steps-*.jsonl, or a directory of them: EngineConfig.step_trace_dir) "
                         "and print the correction JSON (lab/plan/step_fit.py)")
+    parser.add_argument("--replay-arrivals", type=Path, default=None, metavar="TRACE", help="replay a measured run's "
+                        "own arrivals (a step trace's requests, each with its catalogue sample's prompt: the realistic "
+                        "catalogue of --workload-samples in --prompt-variant) on the step model with --bound-s, and "
+                        "print the queries over the bound, measured and replayed (lab/plan/arrival_replay.py)")
+    parser.add_argument("--bound-s", type=float, default=None, help="with --replay-arrivals: the scenario's latency "
+                        "bound (Interactive 1.5, Server 12)")
+    parser.add_argument("--prompt-variant", default="v6.1", choices=["v6.0", "v6.1"], help="with "
+                        "--replay-arrivals: the prompts' variant (the product path's systems ask for v6.1)")
     args = parser.parse_args(argv)
+    if (args.replay_arrivals is None) != (args.bound_s is None):
+        parser.error("--replay-arrivals and --bound-s go together")
     if args.speedups is not None:
         if not (args.validate and args.product_path):
             parser.error("--speedups goes with --validate --product-path")
@@ -166,6 +176,31 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                        prefill_caps=args.prefill_caps)
 
 
+def _replay_arrivals(args: argparse.Namespace) -> dict:
+    """--replay-arrivals: the trace's arrivals on the product path's step model (--step-correction, by default its
+    own fit) with the engine limits given, each request with its sample of the realistic catalogue."""
+    from lab.bench.catalogue_workload import realistic_catalogue
+    from lab.plan.arrival_replay import read_arrivals, replay_arrivals
+    from lab.plan.planner_validation import RUNS, product_path_model
+    from workers.config import EngineConfig
+
+    try:
+        arrivals = read_arrivals(args.replay_arrivals)
+        catalogue = realistic_catalogue(args.workload_samples, RUNS.product_path.catalogue_seed, args.prompt_variant)
+        engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_prefill_tokens=args.prefill_caps[0])
+        model = product_path_model(args.step_correction, args.weights, args.kv_dtype)
+        report = replay_arrivals(model, arrivals, catalogue, engine, args.bound_s)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"--replay-arrivals {args.replay_arrivals}: {exc}")
+    fit = args.step_correction.name if args.step_correction else "none"
+    return {"trace": str(args.replay_arrivals), "step_correction": fit, "weights": args.weights,
+            "kv_dtype": args.kv_dtype, "engine": {"max_num_seqs": args.max_num_seqs,
+                                                  "max_num_batched_tokens": args.max_num_batched_tokens,
+                                                  "max_num_prefill_tokens": args.prefill_caps[0]}, **report}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Plans (or with --validate, validates) and prints one JSON object."""
     args = parse_args(argv)
@@ -193,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, FileNotFoundError) as exc:
             sys.exit(f"--fit-steps {args.fit_steps}: {exc}")
         print(json.dumps(report, indent=1))
+        return
+    if args.replay_arrivals is not None:
+        print(json.dumps(_replay_arrivals(args), indent=1))
         return
     if args.validate:
         from lab.plan.planner_validation import product_path_model, product_path_rows, speedup_rows, validate

@@ -234,7 +234,7 @@ def _run9_prepare_s() -> float:
     return one["preprocess_s"] * session.preprocess_threads / one["samples"]
 
 
-def _replay(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
+def replay_requests(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
             encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE,
             deadlines: list[float] | None = None) -> list[float]:
     """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
@@ -272,10 +272,10 @@ def _overlapped_wall_s(model: StepModel, requests: list[CatalogueRequest], prepr
     """An offline catalogue run as bench_engine times it since session 3: requests join as their preparation ends
     (evenly over the run's measured preparation span), from the first preparation to the last token."""
     n = len(requests)
-    return max(_replay(model, requests, [preprocess_done_s * (i + 1) / n for i in range(n)], encoded))
+    return max(replay_requests(model, requests, [preprocess_done_s * (i + 1) / n for i in range(n)], encoded))
 
 
-def _image_sizes(requests: list[CatalogueRequest]) -> set[int]:
+def image_sizes_of(requests: list[CatalogueRequest]) -> set[int]:
     """Every image size (patches) of `requests`: what an engine that served them has cuDNN plans for."""
     return set().union(*(image_sizes(r.prompt.token_ids) for r in requests))
 
@@ -303,7 +303,8 @@ def _session4_fixed_rows(model: StepModel) -> list[dict]:
     cat, first = ours["catalogue"], ours["catalogue_prepared_first"]
     before = _run21_sizes_before_catalogues()
     wall = _overlapped_wall_s(model, requests, cat["preprocess_done_s"], before)
-    engine_s = max(_replay(model, requests, [0.0] * len(requests), before | _image_sizes(requests)))  # run after it
+    # the catalogue prepared first, the engine run after it
+    engine_s = max(replay_requests(model, requests, [0.0] * len(requests), before | image_sizes_of(requests)))
     name, code = RUNS.session4.run, RUNS.session4.code
     return [_rate_row(f"{name} 1xH200 fixed catalogue ({code})", model, cat["samples"], cat["samples_per_s"],
                       wall, wall_s=(cat["wall_s"], wall)),
@@ -325,7 +326,7 @@ def _session4_realistic_rows(model: StepModel, requests: list[CatalogueRequest])
     cat, w = run21["ours"]["catalogue_realistic"], run21["workload"]
     ours = requests[:cat["samples"]]
     fixed = fixed_catalogue(w["samples"], w["image_size"], w["text_tokens"], w["output_tokens"])  # served before it
-    before = _run21_sizes_before_catalogues() | _image_sizes(fixed)
+    before = _run21_sizes_before_catalogues() | image_sizes_of(fixed)
     wall = _overlapped_wall_s(model, ours, cat["preprocess_done_s"], before)
     rows = [_rate_row(f"{RUNS.session4.run} 1xH200 realistic catalogue ({RUNS.session4.code})", model,
                       cat["samples"], cat["samples_per_s"], wall, wall_s=(cat["wall_s"], wall))]
@@ -362,7 +363,8 @@ def _realistic_poisson_rows(model: StepModel, shards: list[list[CatalogueRequest
             requests = [shard[n % len(shard)] for n in range(len(arrivals))]
             joins = [t + per_token * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, requests)]
             # the same engine served its shard offline before the Poisson levels: every image size encoded
-            latencies += [f - t for f, t in zip(_replay(model, requests, joins, _image_sizes(shard)), arrivals)]
+            finish = replay_requests(model, requests, joins, image_sizes_of(shard))
+            latencies += [f - t for f, t in zip(finish, arrivals)]
         rows.append(_latency_row(f"{run15.run} dp2 Poisson {level['qps']} QPS realistic ({run15.code})", model,
                                  level, latencies))
     return rows
@@ -432,7 +434,7 @@ def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_
     per_visual = prepare_s_per_visual_token()
     joins = [t + per_visual * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, chosen)]
     deadlines = [t + bound_s for t in arrivals] if bound_s else None
-    finish = _replay(model, chosen, joins, _image_sizes(chosen[:1]), engine_config, deadlines)
+    finish = replay_requests(model, chosen, joins, image_sizes_of(chosen[:1]), engine_config, deadlines)
     return [f - t for f, t in zip(finish, arrivals)]
 
 
