@@ -29,6 +29,19 @@ def poisson_arrivals(qps: float, count: int, seed: int = 0) -> list[float]:
     return out
 
 
+def permuted_draws(pool: int, count: int, seed: int = 0) -> list[int]:
+    """`count` sample indices drawn as LoadGen draws them with sample_concatenate_permutation (which mlperf.conf sets
+    for q3vl): whole shuffled passes over the `pool` loaded samples, one after another (seeded), so that every
+    `pool` queries issue each sample once."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < count:
+        order = list(range(pool))
+        rng.shuffle(order)
+        out.extend(order)
+    return out[:count]
+
+
 def _binomial_cdf(k: int, n: int, p: float) -> float:
     """P[X <= k] for X ~ Binomial(n, p), summed in log space."""
     log_p, log_q = math.log(p), math.log1p(-p)

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from contract.stats import early_stopping_met, early_stopping_min_queries, percentile, poisson_arrivals
+from contract.stats import (
+    early_stopping_met, early_stopping_min_queries, percentile, permuted_draws, poisson_arrivals,
+)
 
 
 def test_percentile_takes_the_element_at_floor_q_times_n_as_loadgen_does():
@@ -27,6 +29,15 @@ def test_poisson_arrivals_are_seeded_increasing_and_average_one_over_qps_apart()
     assert arrivals != poisson_arrivals(20.0, 20_000, seed=4)
     assert all(b > a for a, b in zip(arrivals, arrivals[1:])) and arrivals[0] > 0
     assert abs(arrivals[-1] / len(arrivals) - 1 / 20.0) < 0.05 / 20.0
+
+
+def test_samples_are_drawn_as_loadgen_draws_them_for_q3vl_whole_shuffled_passes_over_the_pool():
+    draws = permuted_draws(500, 2_000, seed=1)
+    assert len(draws) == 2_000 and draws == permuted_draws(500, 2_000, seed=1)
+    passes = [draws[i:i + 500] for i in range(0, 2_000, 500)]
+    assert all(sorted(p) == list(range(500)) for p in passes)  # each sample once every 500 queries
+    assert passes[0] != passes[1] and passes[0] != list(range(500))  # shuffled, each pass anew
+    assert sorted(permuted_draws(3, 7, seed=2)[:6]) == [0, 0, 1, 1, 2, 2]  # a partial pass at the end
 
 
 @pytest.mark.parametrize("over", [0, 1, 3])

@@ -9,14 +9,13 @@ import dataclasses
 import functools
 import json
 import math
-import random
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from contract.stats import early_stopping_met, percentile, poisson_arrivals
+from contract.stats import early_stopping_met, percentile, permuted_draws, poisson_arrivals
 from contract.tokenizer import IMAGE_PAD_ID
 from contract.types import SamplingParams
 from lab.bench.catalogue_workload import OUTPUT_CAP, CatalogueRequest, fixed_catalogue, realistic_catalogue
@@ -425,12 +424,14 @@ def _dp2_row(run: str, model: StepModel, dp2: dict) -> dict:
 def server_latencies(model: StepModel, requests: list[CatalogueRequest], engine_config: EngineConfig, qps: float,
                      queries: int, pool: int, seed: int = POISSON_SEED, bound_s: float = 0.0) -> list[float]:
     """Latencies of a LoadGen-like Server run on the virtual clock: `queries` Poisson arrivals at `qps`, each a
-    sample drawn from the first `pool` requests (the performance sample set), joining the engine after its
-    preparation (run21's seconds per visual token, as the session-4 Poisson rows charge it). bound_s: the
-    scenario's latency bound from each query's issue, which the engine's scheduler weighs (0: none)."""
-    rng = random.Random(seed)
+    sample of the first `pool` requests (the performance sample set) in LoadGen's order for q3vl, shuffled whole
+    passes over the pool (contract.stats.permuted_draws), joining the engine after its preparation (run21's seconds
+    per visual token, as the session-4 Poisson rows charge it). bound_s: the scenario's latency bound from each
+    query's issue, which the engine's scheduler weighs (0: none). (Until 2026-12-07 each sample was drawn
+    independently, so a 2,000-query Interactive replay held 6-9 queries of the two 4,000 px samples where LoadGen
+    issues exactly 8.)"""
     arrivals = poisson_arrivals(qps, queries, seed)
-    chosen = [requests[rng.randrange(pool)] for _ in range(queries)]
+    chosen = [requests[i] for i in permuted_draws(pool, queries, seed)]
     per_visual = prepare_s_per_visual_token()
     joins = [t + per_visual * r.prompt.token_ids.count(IMAGE_PAD_ID) for t, r in zip(arrivals, chosen)]
     deadlines = [t + bound_s for t in arrivals] if bound_s else None
