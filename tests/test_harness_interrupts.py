@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 import ray
@@ -86,21 +85,21 @@ def test_a_deferred_step_outside_interruptible_delivers_to_pythons_own_handler()
         signal.signal(signal.SIGINT, previous)
 
 
-def test_sigterm_while_ray_starts_is_delivered_once_ray_is_up_and_shut_down_again():
+def test_sigterm_while_ray_starts_is_delivered_once_ray_is_up_and_shut_down_again(monkeypatch):
     assert not ray.is_initialized()
     # the test process's own helpers from earlier tests (multiprocessing's resource tracker) live until it exits
     before = set(descendants(os.getpid()))
     watch = ProcessWatch(os.getpid())
+    start_api_server = ray._private.node.Node.start_api_server
 
-    def signal_when_the_api_server_starts():  # where ray.init used to catch an interrupt and go on
-        if watch.wait_for("ray/dashboard/dashboard.py", timeout_s=120):
-            os.kill(os.getpid(), signal.SIGTERM)
+    def signal_once_the_api_server_started(node, *args, **kwargs):  # where ray.init used to catch one and go on
+        start_api_server(node, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # mid-start, from ray.init's own thread: never after it returned
 
-    sender = threading.Thread(target=signal_when_the_api_server_starts, daemon=True)
-    sender.start()
+    monkeypatch.setattr(ray._private.node.Node, "start_api_server", signal_once_the_api_server_started)
     with interruptible(), pytest.raises(Interrupted, match="SIGTERM"):
         init_ray(RaySection(num_cpus=1, num_gpus=0), address=None)
-    sender.join()
+    assert watch.wait_for("ray/dashboard/dashboard.py", timeout_s=0)  # its API server had started by the signal
     assert not ray.is_initialized()
     assert temp_dirs_of(os.getpid()) == []
     assert {pid: cmd for pid, cmd in watch.left_running().items() if pid not in before} == {}
