@@ -234,8 +234,8 @@ def _run9_prepare_s() -> float:
 
 
 def replay_requests(model: StepModel, requests: list[CatalogueRequest], joins: list[float],
-            encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE,
-            deadlines: list[float] | None = None) -> list[float]:
+                    encoded: Iterable[int] = (), engine_config: EngineConfig = VALIDATION_ENGINE,
+                    deadlines: list[float] | None = None) -> list[float]:
     """One engine on the virtual clock, request i joining at joins[i] with its own prompt and output length
     (VirtualCluster serves one request shape); each request's finishing time. `encoded`: image sizes (patches) the
     measured engine had encoded before (their cuDNN plans built). `deadlines`: each request's latency deadline on
