@@ -785,13 +785,26 @@ def test_a_step_with_tower_work_is_measured_beyond_a_decode_step_at_its_own_cont
 def test_the_scheduler_tells_its_step_clock_the_context_it_decodes_and_holds():
     sched = slack_scheduler()
     sched.step_clock = StepClock()
-    sched.add(seq("a", 6))
+    sched.add(bounded(seq("a", 6), 101.5))
     sched.add(seq("b", 10))
     step(sched)  # both prompts
     out = step(sched)  # both decode: positions 6 and 10, so 7 + 11 tokens of context read
     assert sched.step_clock.load_context_tokens == 7 + 11  # as this step was scheduled
     sched.observe_step(0.010, out)
     assert sched.step_clock.decode_s == pytest.approx(0.010) and sched.step_clock.decode_context == 7 + 11
+
+
+def test_the_held_context_is_summed_only_while_a_request_has_a_bound():
+    sched = slack_scheduler()
+    sched.add(seq("offline", 6))
+    step(sched)
+    assert sched.step_clock.load_context_tokens == 0  # no request asks for slack: the sum is skipped
+    sched.add(bounded(seq("interactive", 10), 101.5))
+    step(sched)
+    assert sched.step_clock.load_context_tokens == 7 + 10
+    sched.abort("interactive")
+    step(sched)
+    assert sched.step_clock.load_context_tokens == 0
 
 
 def test_the_step_clock_learns_the_prompt_tokens_rate_from_steps_with_long_prompts():

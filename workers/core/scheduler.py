@@ -216,6 +216,7 @@ class Scheduler:
         self._ahead_last: list[ImageEncode] = []  # the last step's encode_ahead (the next one's encoded_before)
         # Sequences apply() finished by length whose last token resolve() has still to put in place.
         self._ending: dict[str, Sequence] = {}
+        self._bounded = 0  # waiting and running sequences with a deadline (none: no slack is ever asked for)
 
     # ---- admission and removal ----------------------------------------------------------------
 
@@ -226,6 +227,7 @@ class Scheduler:
         if seq.deadline is None:
             self.waiting.append(seq)
             return
+        self._bounded += 1
         later = next((n for n, s in enumerate(self.waiting) if s.deadline is None or s.deadline > seq.deadline), None)
         if later is None:
             self.waiting.append(seq)
@@ -261,10 +263,9 @@ class Scheduler:
         return True
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+        if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            self._bounded -= seq.deadline is not None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -286,7 +287,9 @@ class Scheduler:
         scheduled: set[str] = set()
         out.encoder_drop, self._drop_next = self._drop_next, []
         out.encoded_before = self._ahead_last
-        self.step_clock.load_context_tokens = sum(s.num_tokens for s in (*self.running, *self.waiting))
+        # what the decode steps will read, for the slack of requests with a bound (Offline has none: not summed)
+        self.step_clock.load_context_tokens = (sum(s.num_tokens for s in (*self.running, *self.waiting))
+                                               if self._bounded else 0)
         self._continue_passes(encoder, out)
 
         # Decodes first (a step's decodes are cheap and each waits for the whole step), then the prefill chunks of
