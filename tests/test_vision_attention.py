@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-from lab.kernels.vision_attention_pingpong import PingPongConfig, attention_pingpong
 from workers.model import vision_attention as va
 from workers.model.vision_attention_gluon import GluonConfig, check_shapes, takes
 
@@ -231,23 +230,6 @@ def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, 
     frames = [(patches + 37, 1), (1000, 3), (50, 1)]
     q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches + 3)
     got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, "gluon", config)
-    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
-    assert not got.isnan().any()
-    assert relative_error(got, want) < 1e-2
-
-
-@pytest.mark.parametrize("patches", [4096, 16384])
-@pytest.mark.parametrize("config", [PingPongConfig(64, 3), PingPongConfig(64, 2)], ids=["n64s3", "n64s2"])
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
-def test_the_ping_pong_experiment_is_attention_within_each_frame_on_hopper(device, patches, config):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for sm_90")
-    # as the product's Gluon kernel: frames ending mid-tile, one shorter than a warpgroup's rows, the last at the end
-    frames = [(patches + 37, 1), (1000, 3), (50, 1)]
-    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches + 3)
-    plan = va.AttentionPlan(frames)
-    got = attention_pingpong(q, k, va.values_with_ones(v, 80), plan.table(config.block_m, q.device), 72**-0.5,
-                             config)
     want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
     assert not got.isnan().any()
     assert relative_error(got, want) < 1e-2

@@ -1,7 +1,6 @@
 """The Gluon vision attention as ptxas builds it for sm_90, checked on any machine (lab/kernels/sm90_compile.py,
 with the Triton that scripts/bootstrap.sh puts in .kernel-interpreter): its default tiles take the tensor cores'
-wgmma path and fit the registers that let two of its 256-thread programs share a multiprocessor (run94's choice); so
-does the ping-pong experiment's (lab/kernels/vision_attention_pingpong.py: two 4-warp partitions a program)."""
+wgmma path and fit the registers that let two of its 256-thread programs share a multiprocessor (run94's choice)."""
 
 from __future__ import annotations
 
@@ -39,11 +38,3 @@ def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_s
     assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
     assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
 
-
-@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
-def test_the_ping_pong_experiment_builds_for_sm90_with_two_programs_an_sm_and_no_spills():
-    built = build("from lab.kernels.vision_attention_pingpong import PingPongConfig; c = PingPongConfig()",
-                  "{'partitions': k.sass.count('USETMAXREG.DEALLOC.CTAPOOL 0x80')}")
-    assert built["hgmma"] > 0 and built["partitions"] >= 1  # wgmma, and warp-specialized (a partition's registers)
-    assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
-    assert 2 * 256 * built["registers"] <= REGISTERS_PER_SM, built  # two warpgroups a program, two programs an SM

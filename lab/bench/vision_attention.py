@@ -32,9 +32,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab.bench.gpu_timing import median_us
-from lab.kernels.vision_attention_pingpong import PingPongConfig, attention_pingpong
 from workers.model import vision_attention as va
-from workers.model.vision_attention_gluon import HEAD_PART, TAIL, GluonConfig
+from workers.model.vision_attention_gluon import GluonConfig
 from workers.model.vision import VisionTower, build_vision_module
 from workers.parallel import TensorParallel
 from workers.tiny_checkpoint import released_config, transformers_config
@@ -99,23 +98,13 @@ def gluon_name(c: GluonConfig) -> str:
     return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
 
 
-def pingpong_name(c: PingPongConfig) -> str:
-    return f"pingpong[n{c.block_n}s{c.stages}r{c.max_registers}]"
-
-
-def parse_pingpong_configs(text: str) -> list[PingPongConfig]:
-    """'N:S[:M:R]' items: keys a tile, K/V ring stages (block_m, registers a thread: 0 for ptxas's choice) of
-    lab.kernels.vision_attention_pingpong."""
-    return [PingPongConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
-
-
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
     """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
     return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
-                  gluon_configs=(), pingpong_configs=()) -> dict:
+                  gluon_configs=()) -> dict:
     q, k, v = tower_inputs(patches, device, seed=patches)
     scale = HEAD_DIM**-0.5
     plan = va.AttentionPlan([(patches, 1)])
@@ -146,9 +135,6 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
         record(config_name("triton", c), lambda c=c: va.attention_triton(q, k, v, plan, scale, c))
     for c in gluon_configs:
         record(gluon_name(c), lambda c=c: va.vision_attention(q, k, v, plan, scale, "gluon", c))
-    for c in pingpong_configs:  # the experiment: kernel figures only, beside the product's Gluon kernel
-        record(pingpong_name(c), lambda c=c: attention_pingpong(
-            q, k, va.values_with_ones(v, HEAD_PART + TAIL), plan.table(c.block_m, q.device), scale, c))
     for c in fp8_configs:
         name = config_name("triton_fp8", c)
         record(name, lambda c=c: va.attention_triton_fp8(q, k, v, plan, scale, c))
@@ -248,8 +234,6 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
     p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
-    p.add_argument("--pingpong-configs", default="", help="the ping-pong experiment (sm_90, "
-                   "lab/kernels/vision_attention_pingpong.py), N:S (keys a tile, K/V ring stages)")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
     p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
     p.add_argument("--tower-shards", default="", help="n,...: one rank's part of the tower split n ways (no "
@@ -273,8 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         for n in (int(x) for x in args.patches.split(",")):
             result["kernels"][str(n)] = figures = bench_kernels(n, configs, fp8_configs, args.reps, device,
                                                                       args.sdpa.split(","),
-                                                                      parse_gluon_configs(args.gluon_configs),
-                                                                      parse_pingpong_configs(args.pingpong_configs))
+                                                                      parse_gluon_configs(args.gluon_configs))
             print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
                                        if isinstance(v, dict)}}), file=sys.stderr, flush=True)
         candidates = {"triton": configs, "triton_fp8": fp8_configs, "gluon": parse_gluon_configs(args.gluon_configs)}

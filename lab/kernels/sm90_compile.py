@@ -3,7 +3,7 @@ code's counts, read off the cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
-Usage: python -m lab.kernels.sm90_compile [--kernel gluon|pingpong] [--configs ...] [--sass-dir DIR]
+Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--sass-dir DIR]
 (prints one JSON object)
 """
 
@@ -62,26 +62,22 @@ def _tool(name: str) -> str:
 
 
 def compile_attention(config) -> CompiledKernel:
-    """Compile for sm_90, at the tower's shapes, the Gluon kernel for config: the product's for a GluonConfig,
-    lab/kernels/vision_attention_pingpong.py's for a PingPongConfig."""
+    """Compile the product's Gluon kernel for sm_90 at the tower's shapes, with config's tiles (a GluonConfig)."""
     from triton.runtime.driver import driver
 
-    from lab.kernels import vision_attention_pingpong as pingpong
     from workers.model import vision_attention_gluon as vag
     if vag.gluon is None:
         raise RuntimeError("this Triton has no Gluon (triton.experimental.gluon)")
-    module, kernel_fn = ((pingpong, pingpong._pingpong_kernel) if isinstance(config, pingpong.PingPongConfig)
-                         else (vag, vag._gluon_vision_attention_kernel))
     seq = 4096
     q = torch.empty(seq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     values = torch.empty(seq, HEADS, V_COLS, dtype=torch.float16)
     table = torch.empty(seq // config.block_m, 4, dtype=torch.int32)
     out = torch.empty(seq, HEADS * HEAD_DIM, dtype=torch.bfloat16)
-    args, constants = module.kernel_args(q, q, values, table, out, HEAD_DIM**-0.5, config)
+    args, constants = vag.kernel_args(q, q, values, table, out, HEAD_DIM**-0.5, config)
     previous = driver._active  # None until something asked for a driver (none can be made without a GPU)
     driver.set_active(_Sm90Target())
     try:
-        kernel = kernel_fn.warmup(*args, grid=(1,), **constants)
+        kernel = vag._gluon_vision_attention_kernel.warmup(*args, grid=(1,), **constants)
     finally:
         driver._active = previous
     return read_cubin(kernel.asm["cubin"])
@@ -106,19 +102,15 @@ def read_cubin(cubin: bytes) -> CompiledKernel:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lab.bench.vision_attention import gluon_name, parse_gluon_configs, parse_pingpong_configs, pingpong_name
+    from lab.bench.vision_attention import gluon_name, parse_gluon_configs
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=["gluon", "pingpong"], default="gluon", help="the product's Gluon kernel, or "
-                   "the ping-pong experiment (lab/kernels/vision_attention_pingpong.py)")
-    p.add_argument("--configs", default=None, help="gluon: M:N:W:S (default 128:64:8:2); pingpong: N:S (default 64:3)")
+    p.add_argument("--configs", default="128:64:8:2", help="tiles, M:N:W:S (rows, keys, warps, K/V stages) each")
     p.add_argument("--sass-dir", type=Path, help="write each kernel's SASS here")
     args = p.parse_args(argv)
-    parse, name_of = ((parse_pingpong_configs, pingpong_name) if args.kernel == "pingpong"
-                      else (parse_gluon_configs, gluon_name))
     result = {}
-    for config in parse(args.configs or ("64:3" if args.kernel == "pingpong" else "128:64:8:2")):
+    for config in parse_gluon_configs(args.configs):
         compiled = compile_attention(config)
-        name = name_of(config)
+        name = gluon_name(config)
         if args.sass_dir:
             args.sass_dir.mkdir(parents=True, exist_ok=True)
             (args.sass_dir / f"{name}.sass").write_text(compiled.sass)

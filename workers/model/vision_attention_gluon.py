@@ -28,7 +28,10 @@ active 47% against 55% (ncu).
 Measured and removed (benchmarks/README.md, run94-run105): the next tile's scores issued a tile ahead (more registers
 than two programs an SM allow), the exponential on float32 arguments (fewer instructions, slower), the TMA loads in a
 warp of their own (warp specialisation: as fast with two programs an SM, 20% slower with one), the wait kept after
-the softmax (above), and 256-row tiles of 16 warps (half the L2 traffic, 344 TFLOP/s: one program an SM).
+the softmax (above), and 256-row tiles of 16 warps (half the L2 traffic, 344 TFLOP/s: one program an SM). run122:
+FlashAttention-3's ping-pong (the two warpgroups of a program as gl.warp_specialize partitions taking turns on the
+tensor cores through mbarriers; arXiv:2407.08608, section 3.1) was correct and slower, 337-393 against 439 useful
+TFLOP/s at 62,500 patches on an H100 (lab/kernels/vision_attention_pingpong.py until commit 4bd8daa).
 
 CUDA on sm_90 only: Gluon runs no interpreter, so on the CPU the tests check this kernel's host side and the GPU tests
 its numbers against float32 attention.
