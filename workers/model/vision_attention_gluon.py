@@ -168,6 +168,19 @@ if gluon is not None:
         return warpgroup_mma(q1, k1_s.index(stage).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
+    def _issue_values(p, acc0, acc1, v0_s, v1_s, v_bars, tile, p0_layout: gl.constexpr, p1_layout: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """Issue P @ V of key tile `tile` into the accumulators (asynchronous), once its V stage has landed; returns
+        the accumulators and the two P operands, which stay read until the MMAs are waited for."""
+        stage = tile % STAGES
+        mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
+        p0 = gl.convert_layout(p, p0_layout)
+        p1 = gl.convert_layout(p, p1_layout)
+        acc0 = warpgroup_mma(p0, v0_s.index(stage), acc0, is_async=True)
+        acc1 = warpgroup_mma(p1, v1_s.index(stage), acc1, is_async=True)
+        return acc0, acc1, p0, p1
+
+    @gluon.jit
     def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
         if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
@@ -247,12 +260,7 @@ if gluon is not None:
         for tile in range(1, n_tiles):
             s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
             prev = tile - 1
-            v_stage = prev % STAGES
-            mbarrier.wait(v_bars.index(v_stage), (prev // STAGES) & 1)
-            p0 = gl.convert_layout(p, p0_layout)
-            p1 = gl.convert_layout(p, p1_layout)
-            acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-            acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
+            acc0, acc1, p0, p1 = _issue_values(p, acc0, acc1, v0_s, v1_s, v_bars, prev, p0_layout, p1_layout, STAGES)
             # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
             s = warpgroup_mma_wait(2, deps=(s,))
             p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
@@ -264,13 +272,8 @@ if gluon is not None:
                        tile + STAGES < n_tiles, STAGES, BLOCK_N)
             _load_tile(v0_desc, v1_desc, v0_s, v1_s, v_bars, prev + STAGES, start, v_col,
                        prev + STAGES < n_tiles, STAGES, BLOCK_N)
-        last = n_tiles - 1
-        v_stage = last % STAGES
-        mbarrier.wait(v_bars.index(v_stage), (last // STAGES) & 1)
-        p0 = gl.convert_layout(p, p0_layout)
-        p1 = gl.convert_layout(p, p1_layout)
-        acc0 = warpgroup_mma(p0, v0_s.index(v_stage), acc0, is_async=True)
-        acc1 = warpgroup_mma(p1, v1_s.index(v_stage), acc1, is_async=True)
+        acc0, acc1, p0, p1 = _issue_values(p, acc0, acc1, v0_s, v1_s, v_bars, n_tiles - 1, p0_layout, p1_layout,
+                                           STAGES)
         acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
