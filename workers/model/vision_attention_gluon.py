@@ -31,7 +31,10 @@ warp of their own (warp specialisation: as fast with two programs an SM, 20% slo
 the softmax (above), and 256-row tiles of 16 warps (half the L2 traffic, 344 TFLOP/s: one program an SM). run122:
 FlashAttention-3's ping-pong (the two warpgroups of a program as gl.warp_specialize partitions taking turns on the
 tensor cores through mbarriers; arXiv:2407.08608, section 3.1) was correct and slower, 337-393 against 439 useful
-TFLOP/s at 62,500 patches on an H100 (lab/kernels/vision_attention_pingpong.py until commit 4bd8daa).
+TFLOP/s at 62,500 patches on an H100 (lab/kernels/vision_attention_pingpong.py until commit 4bd8daa). run125: a
+share of the exponentials as an fp16 cubic on the FMA pipes (FlashAttention-4's split, GluonConfig.poly_exp_every in
+commit 6b1e7f1), one pair in 4 / 2 / all: 355 / 395 / 358 against 432 at 62,500 patches (H100). ncu had the
+multi-function unit 47% busy in the default, the tensor pipe 55% and issue 60%: no unit sets the pace.
 
 CUDA on sm_90 only: Gluon runs no interpreter, so on the CPU the tests check this kernel's host side and the GPU tests
 its numbers against float32 attention.
