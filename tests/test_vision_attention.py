@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from workers.model import vision_attention as va
-from workers.model import vision_attention_gluon as vag
 from workers.model.vision_attention_gluon import GluonConfig, check_shapes, takes
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
@@ -234,62 +233,6 @@ def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, 
     want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
     assert not got.isnan().any()
     assert relative_error(got, want) < 1e-2
-
-
-@pytest.mark.parametrize("every", [1, 2, 4])
-@pytest.mark.parametrize("sharpness", [1.0, 6.0])
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
-def test_exponentials_on_the_fma_pipes_keep_the_gluon_kernels_error(device, every, sharpness):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90")
-    # sharpened scores put most of a row's exponentials far below 1, many in fp16's subnormals or under them
-    frames = [(8192 + 37, 1), (1000, 2)]
-    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=every)
-    q = (q.float() * sharpness).to(torch.bfloat16)
-    plan = va.AttentionPlan(frames)
-    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
-    base = relative_error(va.vision_attention(q, k, v, plan, 72**-0.5, "gluon", GluonConfig(128, 64, 8, 2)), want)
-    got = va.vision_attention(q, k, v, plan, 72**-0.5, "gluon", GluonConfig(128, 64, 8, 2, every))
-    assert not got.isnan().any()
-    assert relative_error(got, want) < 1.25 * base + 1e-4
-
-
-def test_the_polynomial_exponentials_constants_give_2_to_the_x_within_fp16_rounding():
-    """The PTX's own constants through a numpy model of its fp16 steps (each HFMA2 rounded once)."""
-    import re
-
-    import numpy as np
-    asm = vag.exp2_asm(1)
-    const = {name: int(value, 16) & 0xFFFF for name, value in re.findall(r"mov\.b32 (\w+), 0x([0-9A-F]+)", asm)}
-    magic = int(re.search(r"mad\.lo\.u32 t, t, 1024, 0x([0-9a-f]+)", asm).group(1), 16)
-    half = {name: np.array([bits], dtype=np.uint16).view(np.float16)[0] for name, bits in const.items()}
-
-    def fma(a, b, c):
-        return (a.astype(np.float32) * b.astype(np.float32) + np.float32(c)).astype(np.float16)
-
-    x = np.linspace(-30, 0, 300_001).astype(np.float16)
-    h = np.maximum(x, half["lo24"])
-    t = (h + half["m1536"]).astype(np.float16)
-    f = (h - (t - half["m1536"]).astype(np.float16)).astype(np.float16)
-    p = fma(fma(fma(f, half["c3"], half["c2"]), f, half["c1"]), f, half["c0"])
-    # the multiply-add runs on the pair's 32-bit word (x's halves against x reversed): no half may disturb the other
-    bits = t.view(np.uint16).astype(np.uint64)
-    word = (bits[::-1] << 16 | bits) * 1024 + magic
-    low, high = (word & 0xFFFF).astype(np.uint16), (word >> 16 & 0xFFFF).astype(np.uint16)[::-1]
-    assert (low == high).all()
-    got = (p.astype(np.float32) * low.view(np.float16).astype(np.float32)).astype(np.float16).astype(float)
-    want = np.exp2(x.astype(float))
-    normal = want >= 2.0**-14
-    assert np.abs(got[normal] / want[normal] - 1).max() < 6e-4  # fp16 rounds at 4.9e-4
-    assert np.abs(got[~normal] - want[~normal]).max() < 6e-8  # fp16's least subnormal is 6.0e-8
-
-
-def test_the_gluon_kernel_takes_only_the_exponential_splits_it_has():
-    q = torch.zeros(256, 16, 72, dtype=torch.bfloat16)
-    values = torch.zeros(256, 16, 80, dtype=torch.float16)
-    table = torch.zeros(2, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="poly_exp_every"):
-        vag.kernel_args(q, q, values, table, q.view(256, -1), 0.1, GluonConfig(128, 64, 8, 2, 3))
 
 
 def test_the_warm_up_compiles_the_kernel_that_large_frames_take():

@@ -95,12 +95,11 @@ def name_of(impl: str, c) -> str:
 
 
 def gluon_name(c: GluonConfig) -> str:
-    poly = f"p{c.poly_exp_every}" if c.poly_exp_every else ""
-    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{poly}]"
+    return f"gluon[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}]"
 
 
 def parse_gluon_configs(text: str) -> list[GluonConfig]:
-    """'M:N:W:S[:P]' items: block_m, block_n, warps, K/V ring stages (poly_exp_every) of the Gluon kernel."""
+    """'M:N:W:S' items: block_m, block_n, warps, K/V ring stages of the Gluon kernel."""
     return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 

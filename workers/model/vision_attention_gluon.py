@@ -64,49 +64,12 @@ class GluonConfig:
     block_n: int = 64
     num_warps: int = 4
     stages: int = 2
-    # one pair of exponentials in every poly_exp_every as a polynomial on the FMA pipes, the others on the
-    # multi-function unit (0: all there); FlashAttention-4's split of the exponentials (see _exp2_poly)
-    poly_exp_every: int = 0
 
 
 # run94 (benchmarks/README.md): 423 useful TFLOP/s at 62,500 patches with 8 warps, 406.7 with 4; 127 registers a
 # thread, so two 256-thread programs share an SM
 DEFAULT_GLUON_CONFIG = GluonConfig(128, 64, 8, 2)
 HEAD_PART, TAIL = 64, 16  # head_dim as a 64-wide part (128-byte rows) and a 16-wide tail (the MMA's k-step)
-POLY_EXP_PACKS = {0: 2, 1: 2, 2: 4, 4: 8}  # GluonConfig.poly_exp_every -> values an inline-asm call takes
-
-
-def _poly_exp2_asm() -> str:
-    """PTX for one pair of 2^x on the FMA pipes, x two float32 values at or below 0 (the scores less the row maxima),
-    operands {out} <- {lo}, {hi}: x rounded to fp16 and clamped at -24 (below it 2^x is under fp16's least
-    subnormal); n = round(x) by adding and taking away 1,536 (fp16's spacing is 1 there, so the sum's bits are
-    0x6600 + n); 2^(x - n) in [0.71, 1.41] as a cubic (relative error 1.4e-4, a least-squares fit on [-0.5, 0.5]),
-    its coefficients scaled by 2^-10; times 2^(n + 10), whose fp16 bits are (n + 25) << 10 (normal for n >= -24),
-    made from the sum's bits by one integer multiply-add ((bits - 0x65E7) * 1024 in each half; no carry crosses the
-    halves). Error within MUFU.EX2.F16's rounding: relative 5.5e-4 against 4.8e-4 over the normal range, absolute
-    4.9e-8 against 3.0e-8 below it (numpy model of the fp16 steps)."""
-    return ("cvt.rn.f16x2.f32 h, {hi}, {lo}; max.f16x2 h, h, lo24; add.f16x2 t, h, m1536; sub.f16x2 f, t, m1536; "
-            "sub.f16x2 f, h, f; fma.rn.f16x2 p, f, c3, c2; fma.rn.f16x2 p, p, f, c1; fma.rn.f16x2 p, p, f, c0; "
-            "mad.lo.u32 t, t, 1024, 0x62686400; mul.rn.f16x2 {out}, p, t;")
-
-
-_POLY_EXP2_SETUP = ("{ .reg .b32 h, t, f, p, lo24, m1536, c3, c2, c1, c0; mov.b32 lo24, 0xCE00CE00; "
-                    "mov.b32 m1536, 0x66006600; mov.b32 c3, 0x03860386; mov.b32 c2, 0x0BC10BC1; "
-                    "mov.b32 c1, 0x118C118C; mov.b32 c0, 0x14001400; ")
-
-
-def exp2_asm(every: int) -> str:
-    """The inline PTX of _exp2_mixed for GluonConfig.poly_exp_every = every: POLY_EXP_PACKS[every] float32 values in
-    ($n_out..), fp16 pairs out ($0..), the last pair of each call on the FMA pipes (every pair when every is 1)."""
-    pairs = POLY_EXP_PACKS[every] // 2
-    body = _POLY_EXP2_SETUP
-    for i in range(pairs):
-        lo, hi = f"${pairs + 2 * i}", f"${pairs + 2 * i + 1}"
-        if every == 1 or i == pairs - 1:
-            body += _poly_exp2_asm().format(out=f"${i}", lo=lo, hi=hi)
-        else:
-            body += f"cvt.rn.f16x2.f32 h, {hi}, {lo}; ex2.approx.f16x2 ${i}, h; "
-    return body + "}"
 
 
 def supports_gluon(x: torch.Tensor) -> bool:
@@ -173,13 +136,10 @@ def kernel_args(q: torch.Tensor, k: torch.Tensor, values_ones: torch.Tensor, tab
                 scale: float, config: GluonConfig) -> tuple[tuple, dict]:
     """The kernel's arguments and compile-time constants for attention_gluon's tensors (also what an ahead-of-time
     compile for sm_90 takes: tensors of these shapes on any device)."""
-    if config.poly_exp_every not in POLY_EXP_PACKS:
-        raise ValueError(f"poly_exp_every must be one of {sorted(POLY_EXP_PACKS)}, got {config.poly_exp_every}")
     args = (*descriptors(q, k, values_ones, config.block_m, config.block_n), out, table, out.stride(0),
             scale * math.log2(math.e))
     constants = dict(HEAD_DIM=q.shape[2], V_COLS=values_ones.shape[2], BLOCK_M=config.block_m,
-                     BLOCK_N=config.block_n, STAGES=config.stages, POLY_EVERY=config.poly_exp_every,
-                     num_warps=config.num_warps)
+                     BLOCK_N=config.block_n, STAGES=config.stages, num_warps=config.num_warps)
     return args, constants
 
 
@@ -190,24 +150,6 @@ if gluon is not None:
         """2^x for float32 x as fp16, two values an instruction (x rounded to f16 first)."""
         return gl.inline_asm_elementwise("{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }",
                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-
-    # exp2_asm's PTX and operand constraints for each poly_exp_every, as the kernel's compile-time constants
-    _ASM_1, _ASM_2, _ASM_4 = (gl.constexpr(exp2_asm(e)) for e in (1, 2, 4))
-    _OPERANDS_1, _OPERANDS_2, _OPERANDS_4 = (
-        gl.constexpr(",".join(["=r"] * (POLY_EXP_PACKS[e] // 2) + ["r"] * POLY_EXP_PACKS[e])) for e in (1, 2, 4))
-
-    @gluon.jit
-    def _exp2(x, POLY_EVERY: gl.constexpr):
-        """2^x for float32 x as fp16 (x rounded to f16 first): all on the multi-function unit, or one pair in every
-        POLY_EVERY on the FMA pipes (exp2_asm)."""
-        if POLY_EVERY == 0:
-            return _exp2_f16(x)
-        elif POLY_EVERY == 1:
-            return gl.inline_asm_elementwise(_ASM_1, _OPERANDS_1, [x], dtype=gl.float16, is_pure=True, pack=2)
-        elif POLY_EVERY == 2:
-            return gl.inline_asm_elementwise(_ASM_2, _OPERANDS_2, [x], dtype=gl.float16, is_pure=True, pack=4)
-        else:
-            return gl.inline_asm_elementwise(_ASM_4, _OPERANDS_4, [x], dtype=gl.float16, is_pure=True, pack=8)
 
     @gluon.jit
     def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
@@ -242,21 +184,20 @@ if gluon is not None:
         return acc0, acc1, p0, p1
 
     @gluon.jit
-    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                 POLY_EVERY: gl.constexpr):
+    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
         if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), POLY_EVERY)
+        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
         return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit
     def _gluon_vision_attention_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
                                        stride_on, qk_scale, HEAD_DIM: gl.constexpr, V_COLS: gl.constexpr,
                                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                       POLY_EVERY: gl.constexpr, num_warps: gl.constexpr):
+                                       num_warps: gl.constexpr):
         """Program (table row, head): BLOCK_M query rows of one frame against all its keys."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 16
@@ -316,7 +257,7 @@ if gluon is not None:
 
         s = _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N, POLY_EVERY)
+        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
         _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, k_col, STAGES < n_tiles, STAGES,
                    BLOCK_N)
         for tile in range(1, n_tiles):
@@ -325,7 +266,7 @@ if gluon is not None:
             acc0, acc1, p0, p1 = _issue_values(p, acc0, acc1, v0_s, v1_s, v_bars, prev, p0_layout, p1_layout, STAGES)
             # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
             s = warpgroup_mma_wait(2, deps=(s,))
-            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N, POLY_EVERY)
+            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
             acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
             acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
