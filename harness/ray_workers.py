@@ -11,6 +11,7 @@ import functools
 import ipaddress
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -169,7 +170,31 @@ def _ray_keeps_the_sigterm_handler() -> Iterator[None]:
         utils.set_sigterm_handler = original
 
 
+# How long the embedded Ray's start waits for its GCS server's port file (Ray's default 30 s; a loaded 2-core machine
+# has taken longer, and the start then failed with nothing to retry). RAY_GCS_WAIT_ENV set by the operator wins.
+GCS_PORT_WAIT_S = 120
+RAY_GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+
+
+@contextlib.contextmanager
+def _gcs_port_wait(seconds: int) -> Iterator[None]:
+    """RAY_GCS_WAIT_ENV at `seconds` while Ray starts (ray._private.node reads it then), unless it is set already."""
+    if RAY_GCS_WAIT_ENV in os.environ:
+        yield
+        return
+    os.environ[RAY_GCS_WAIT_ENV] = str(seconds)
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_GCS_WAIT_ENV, None)
+
+
 def _start_embedded(settings: RaySection, temp_dir: Path) -> None:
+    with _gcs_port_wait(GCS_PORT_WAIT_S):
+        _start_embedded_ray(settings, temp_dir)
+
+
+def _start_embedded_ray(settings: RaySection, temp_dir: Path) -> None:
     store = settings.object_store_memory_mb * 1024 * 1024 if settings.object_store_memory_mb else None
     # address "local": always a Ray of our own. Without an address ray.init joins whatever cluster RAY_ADDRESS
     # or /tmp/ray/ray_current_cluster names (another run's, a stray one) and then refuses num_cpus.

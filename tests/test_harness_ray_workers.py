@@ -17,7 +17,8 @@ import ray
 
 from contract.wire import pb
 from harness.ray_network import temp_dirs_of
-from harness.ray_workers import ServedEngine, WorkerFleet, WorkerSpec, _node_address, init_ray
+from harness.ray_workers import (GCS_PORT_WAIT_S, RAY_GCS_WAIT_ENV, ServedEngine, WorkerFleet, WorkerSpec, _node_address,
+                                 init_ray)
 from harness.system_config import PoolSection, RaySection
 from lab.soak.process_tree import descendants
 from router.client import RouterClient
@@ -157,6 +158,21 @@ def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatc
     session = init_ray(RaySection(num_cpus=1), address=None)
     assert session.owned and calls == ["init", "shutdown", "init"]
     session.close()
+
+
+@pytest.mark.parametrize("operator", [None, "45"])
+def test_the_embedded_ray_waits_longer_for_its_gcs_unless_the_operator_says(monkeypatch, operator):
+    if operator is None:
+        monkeypatch.delenv(RAY_GCS_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RAY_GCS_WAIT_ENV, operator)
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(os.environ.get(RAY_GCS_WAIT_ENV)))
+    session = init_ray(RaySection(num_cpus=1), address=None)
+    session.close()
+    assert seen == [operator or str(GCS_PORT_WAIT_S)] and GCS_PORT_WAIT_S > 30  # Ray's own default is 30 s
+    assert os.environ.get(RAY_GCS_WAIT_ENV) == operator  # as it was once Ray is up
 
 
 @pytest.mark.slow
