@@ -98,6 +98,19 @@ def test_layer_fusions_both_runs_each_precision_with_the_fused_launches_off_then
     assert norm_quant.FUSED and route_align.FUSED  # the last part ran with them on
 
 
+def test_decode_batches_measures_the_decode_steps_at_the_batch_sizes_asked_for(capsys):
+    result = bench_engine.main(["--shape", "tiny", "--skip-baseline", "--workloads", "none", "--decode-batches", "1,3,2"])
+    capsys.readouterr()
+    assert list(result["ours"]["decode"]) == ["1", "3", "2"]  # in the order asked (each after the one before)
+    try:
+        bench_engine.main(["--shape", "tiny", "--decode-batches", "1,0"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--decode-batches 1,0 was accepted")
+    assert "--decode-batches" in capsys.readouterr().err
+
+
 def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
     for argv in (["--workloads", "none"], ["--workloads", "none", "--skip-baseline", "--catalogue-only"]):
         try:

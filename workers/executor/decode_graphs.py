@@ -1,7 +1,10 @@
 """The flat batch of one step (StepBatch) and CUDA graphs that replay decode-only steps (DecodeGraphs).
 
 A decode-only step of n sequences replays the graph of the smallest captured batch size >= n; padded
-rows write their K/V into a scratch block and are never sampled.
+rows write their K/V into a scratch block and are never sampled. They all carry one token at position 0, so that
+they route to one set of experts in each MoE layer: left holding an earlier, larger batch's tokens, each padded row
+routed to experts of its own, and a step's experts are its weight reads (the step model's expert share, uniform
+routing: 5 sequences in the graph of 8 read ~50 of 128 experts a layer with 8 distinct tokens, ~40 with 6).
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ class DecodeGraphs:
         copy_into(self.block_tables[:n, :width], batch.block_tables)
         copy_into(self.context_lens[:n], torch.tensor(batch.context_lens, dtype=torch.int32))
         if size > n:  # padded rows: no real slot may be written, and their attention reads one scratch row
+            self.input_ids[n:size].fill_(0)  # one token at one position for all of them: one set of experts
+            self.positions[:, n:size].fill_(0)
             self.slot_mapping[n:size].fill_(self.scratch_slot)
             self.context_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(self.scratch_slot // self.block_size)
