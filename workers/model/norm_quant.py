@@ -35,9 +35,11 @@ if triton is not None:
     from workers.model.fused_norm_rope import _load_row_sum, _norm_row
 
 MAX_HIDDEN = 16384  # one row per program, held in registers
-# False: the norm and the quantisation launch apart, as before this kernel. Off until the H200 has run this kernel's
-# GPU tests and measured it (tests/test_fused_layer_kernels.py, issue 32's next run); bench_engine --layer-fusions
-# on|both sets it.
+# False: the norm and the quantisation launch apart, as before this kernel.
+# Off: measured with route_align's and norm_quant's kernels together (benchmarks/README.md, run89-90, one H200), they
+# took 192 launches out of a batch-256 decode step and none of its GPU time, and an 8k-token prefill step went from
+# 92.8 to 94.9 ms. Small decode batches, where a launch's fixed cost weighs most, are not measured yet
+# (bench_engine --layer-fusions both --decode-batches ...). bench_engine --layer-fusions on|both sets it.
 FUSED = False
 
 

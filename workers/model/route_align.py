@@ -35,8 +35,11 @@ MAX_TOKENS = 512  # steps up to this many tokens route and align in one launch (
 PAIRS_PER_PROGRAM = 64  # token-expert pairs one program routes and ranks
 PAIR_TILE = 1024  # pairs the last program scatters a pass
 BLOCK_TILE = 64  # blocks the last program fills a pass
-# False: moe_routing's three launches, as before this kernel. Off until the H200 has run this kernel's GPU tests and
-# measured it (tests/test_fused_layer_kernels.py, issue 32's next run); bench_engine --layer-fusions on|both sets it.
+# False: moe_routing's three launches, as before this kernel.
+# Off: measured with route_align's and norm_quant's kernels together (benchmarks/README.md, run89-90, one H200), they
+# took 192 launches out of a batch-256 decode step and none of its GPU time, and an 8k-token prefill step went from
+# 92.8 to 94.9 ms. Small decode batches, where a launch's fixed cost weighs most, are not measured yet
+# (bench_engine --layer-fusions both --decode-batches ...). bench_engine --layer-fusions on|both sets it.
 FUSED = False
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # the ticket counter of each device, 0 between launches
