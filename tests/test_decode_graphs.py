@@ -9,7 +9,7 @@ import torch
 
 from workers.executor.decode_graphs import DecodeGraphs, StepBatch, graph_batch_sizes
 
-BLOCK, SCRATCH_BLOCK, MAX_BATCH = 4, 9, 16
+BLOCK, SCRATCH_BLOCK, MAX_BATCH = 4, 9, 32
 
 
 class RecordingGraph:
@@ -47,24 +47,29 @@ def decode_batch(tokens: list[int], first_position: int) -> StepBatch:
                      num_decodes=n)
 
 
+def test_small_decode_batches_have_graphs_of_their_own_and_larger_ones_share_multiples_of_16():
+    assert graph_batch_sizes(512)[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32] and graph_batch_sizes(512)[-1] == 512
+    assert graph_batch_sizes(6) == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_decode_step_replays_the_smallest_graph_that_holds_it_with_its_rows_in_place():
     g = graphs_on_cpu()
-    logits = g.run(decode_batch([11, 12, 13, 14, 15], first_position=40))
-    (seen,) = g.graphs[8][0].seen
-    assert logits.shape == (5, 3) and not g.graphs[4][0].seen  # 5 sequences: the graph of 8, its first 5 rows
-    assert seen["input_ids"][:5].tolist() == [11, 12, 13, 14, 15]
-    assert seen["positions"][:, :5].tolist() == [[40, 41, 42, 43, 44]] * 3
-    assert seen["slot_mapping"][:5].tolist() == [100, 101, 102, 103, 104]
-    assert seen["context_lens"][:5].tolist() == [41, 42, 43, 44, 45]
+    logits = g.run(decode_batch(list(range(11, 20)), first_position=40))
+    (seen,) = g.graphs[16][0].seen
+    assert logits.shape == (9, 3) and not g.graphs[8][0].seen  # 9 sequences: the graph of 16, its first 9 rows
+    assert seen["input_ids"][:9].tolist() == list(range(11, 20))
+    assert seen["positions"][:, :9].tolist() == [list(range(40, 49))] * 3
+    assert seen["slot_mapping"][:9].tolist() == list(range(100, 109))
+    assert seen["context_lens"][:9].tolist() == list(range(41, 50))
 
 
 def test_padded_rows_write_only_the_scratch_slot_and_all_carry_one_token_after_a_larger_batch():
     g = graphs_on_cpu()
-    g.run(decode_batch(list(range(201, 209)), first_position=70))  # 8 sequences fill all of the graph's rows
-    g.run(decode_batch([11, 12, 13, 14, 15], first_position=40))  # then 5: rows 5-7 are padding
-    seen = g.graphs[8][0].seen[-1]
-    assert seen["slot_mapping"][5:8].tolist() == [g.scratch_slot] * 3
-    assert seen["context_lens"][5:8].tolist() == [1] * 3
-    assert seen["block_tables"][5:8, 0].tolist() == [SCRATCH_BLOCK] * 3
-    assert len(set(seen["input_ids"][5:8].tolist())) == 1  # not the 8-batch's tokens 206-208: one set of experts
-    assert len({tuple(column) for column in seen["positions"][:, 5:8].T.tolist()}) == 1
+    g.run(decode_batch(list(range(201, 217)), first_position=70))  # 16 sequences fill all of the graph's rows
+    g.run(decode_batch(list(range(11, 20)), first_position=40))  # then 9: rows 9-15 are padding
+    seen = g.graphs[16][0].seen[-1]
+    assert seen["slot_mapping"][9:16].tolist() == [g.scratch_slot] * 7
+    assert seen["context_lens"][9:16].tolist() == [1] * 7
+    assert seen["block_tables"][9:16, 0].tolist() == [SCRATCH_BLOCK] * 7
+    assert len(set(seen["input_ids"][9:16].tolist())) == 1  # not the 16-batch's tokens 210-216: one set of experts
+    assert len({tuple(column) for column in seen["positions"][:, 9:16].T.tolist()}) == 1
