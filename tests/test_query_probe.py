@@ -34,11 +34,12 @@ def test_a_bad_image_size_is_refused_before_anything_starts():
 def test_one_query_through_the_product_path_with_its_engine_timeline(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/probe_query.py", "--system", "cpu-tiny", "--image", "640x480", "--repeat", "2",
-         "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")],
+         "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--json", str(tmp_path / "p.json")],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "p.json").read_text()) == report  # --json: the same object, in a file
     assert (report["system"], report["image"]) == ("cpu-tiny", "640x480")
     assert report["image_tokens"] == (640 // 32) * (480 // 32)  # smart_resize keeps 640x480: 20 x 15 merged patches
     assert len(report["queries"]) == 2

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.interrupts import Interrupted
     from harness.system_config import ConfigError
 
-    parser = OneLineParser(prog="probe_query.py", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="probe_query.py", description="One query through the product path with one image of "
+                           "a given size, and where its time went; prints one JSON object.")
     parser.add_argument("--system", default=DEFAULT_SYSTEM, help="mlperf_configs/NAME.yaml or a YAML path")
     parser.add_argument("--image", default="4000x4000", metavar="WxH", help="the image's pixels (default 4000x4000)")
     parser.add_argument("--scenario", default="interactive", choices=("offline", "server", "interactive"),
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", type=engine_setting,
                         help="an engine setting over the system's (repeatable; VALUE read as YAML), e.g. --engine "
                              "vision_attention=triton")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the JSON object to PATH (as scripts/find_peak.py --json)")
     args = parser.parse_args(argv)
     try:
         width, height = (int(v) for v in args.image.lower().split("x"))
@@ -158,5 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(f"probe_query.py: interrupted by {exc}; everything started was stopped", file=sys.stderr)
         return 130
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result), flush=True)
     return 0
