@@ -74,6 +74,24 @@ def test_the_fit_recovers_the_correction_that_timed_the_steps():
     assert report["after"]["predicted_busy_s"] == pytest.approx(report["measured_busy_s"], rel=1e-3)
 
 
+def test_the_fit_reports_each_kind_of_step_against_the_fitted_model():
+    """A kind of step the model does not price (here decode steps of 5 sequences at 1.25x) stands apart."""
+    model = StepModel.build("h200", "qwen3-vl-30b-a3b")
+    truth = dataclasses.replace(model, correction=StepCorrection(1.2, 0.8, 2.0))
+    steps = steps_of(truth)
+    odd = StepWork(num_seqs=5, decode_context_tokens=5 * 900)
+    steps += [(odd, 1.25 * truth.step_ms(odd))] * 6
+    kinds = fit_steps(model, steps)["after_by_kind"]
+    assert kinds["decode, 5 sequences"]["steps"] == 6
+    assert kinds["decode, 5 sequences"]["measured_over_model"] == pytest.approx(1.25, rel=0.02)
+    assert kinds["decode, 1 sequence"]["measured_over_model"] == pytest.approx(1.0, rel=0.02)
+    assert kinds["decode, 65 and over"]["measured_over_model"] == pytest.approx(1.0, rel=0.02)
+    assert kinds["tower, 16,384-39,999 patches"]["steps"] == 1  # the step of tower blocks alone
+    assert sum(kind["steps"] for kind in kinds.values()) == len(steps)
+    measured_s = sum(ms for _, ms in steps) / 1e3
+    assert sum(kind["measured_s"] for kind in kinds.values()) == pytest.approx(measured_s, rel=1e-3)
+
+
 def test_time_that_lands_in_the_next_step_within_a_window_fits_the_same():
     """A step of tower blocks alone returns before its kernels end; its time shows up in the step after it."""
     model = StepModel.build("h200", "qwen3-vl-30b-a3b")

@@ -7,7 +7,13 @@ windows of consecutive steps (sums of both sides), because a step's measured tim
 GPU work: images encoded ahead are launched after sampling and finish inside the next step's sync, and a step of
 tower blocks alone returns before its kernels end (0.5 ms measured where the model charges ~50). A coefficient
 that comes out negative is held at its floor (0 for the overhead, and the term dropped for a scale) and the rest
-refitted. Plain least squares on three unknowns: normal equations, solved here without numpy."""
+refitted. Plain least squares on three unknowns: normal equations, solved here without numpy.
+
+The report also sets the fitted model against the steps by kind (step_kind: decode steps by their sequences, prompt
+chunks, tower work by its largest frame), summed over each kind's steps: where one kind sits off the fit, the engine
+does something the model does not price (benchmarks/README.md, thirty-seventh pass: decode steps of 3, 5, 6 and 7
+sequences 12-27% over it, replaying padded CUDA graphs). Single steps carry the neighbour's time noted above, so a
+kind of few steps, or of steps beside tower work, reads less than a kind of many."""
 
 from __future__ import annotations
 
@@ -87,7 +93,40 @@ def fit_steps(model: StepModel, steps: Sequence[tuple[StepWork, float]], source:
         "measured_busy_s": round(sum(ys) / 1e3, 3),
         "before": _errors(base, windows),
         "after": _errors(fitted, windows),
+        "after_by_kind": by_kind(fitted, steps),
     }
+
+
+# (largest frame's patches below this, kind) for steps with tower work
+TOWER_KINDS = ((4096, "tower, frames under 4,096 patches"), (16384, "tower, 4,096-16,383 patches"),
+               (40000, "tower, 16,384-39,999 patches"), (None, "tower, 40,000 patches and over"))
+
+
+def step_kind(work: StepWork) -> str:
+    """The kind of step `work` is, for by_kind: tower work by its largest frame, else prompt chunks, else decodes by
+    their sequences (each count to 8 apart: the engine's smallest CUDA graphs)."""
+    if work.vision_patches:
+        largest = max(work.vision_patches)
+        return next(name for bound, name in TOWER_KINDS if bound is None or largest < bound)
+    if work.prefill_tokens:
+        return "prompt chunks"
+    n = work.num_seqs
+    if n <= 8:
+        return f"decode, {n} sequence{'s' if n > 1 else ''}"
+    return "decode, 9-16" if n <= 16 else "decode, 17-64" if n <= 64 else "decode, 65 and over"
+
+
+def by_kind(model: StepModel, steps: Sequence[tuple[StepWork, float]]) -> dict[str, dict]:
+    """Per step_kind, in order of first appearance: its steps, their measured and modelled seconds and the ratio."""
+    sums: dict[str, list[float]] = {}
+    for work, ms in steps:
+        total = sums.setdefault(step_kind(work), [0, 0.0, 0.0])
+        total[0] += 1
+        total[1] += ms
+        total[2] += model.step_ms(work)
+    return {kind: {"steps": int(n), "measured_s": round(measured / 1e3, 3), "model_s": round(modelled / 1e3, 3),
+                   "measured_over_model": round(measured / modelled, 3) if modelled > 0 else None}
+            for kind, (n, measured, modelled) in sums.items()}
 
 
 def _errors(model: StepModel, windows: Sequence[Sequence[tuple[StepWork, float]]]) -> dict:
