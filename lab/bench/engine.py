@@ -36,8 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default both, tiny: fixed; none: only the vision, MoE, prefill and decode figures")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's step budget (default 8192; "
                    "the prefill figure then runs steps of this many tokens)")
-    p.add_argument("--decode-batches", default=None, metavar="B,...", help="the decode part's batch sizes, each after "
-                   "the one before (default 1,64,256; tiny 1,4)")
+    p.add_argument("--decode-batches", type=_batch_sizes, default=None, metavar="B,...", help="the decode part's "
+                   "batch sizes, each after the one before (default 1,64,256; tiny 1,4)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's most running sequences (default 512, as h200x1.yaml)")
     p.add_argument("--catalogue-only", action="store_true", help="only the catalogue workloads, each once (no vision, "
                    "MoE, prefill and decode figures, no prepared-first rerun)")
@@ -101,10 +101,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--profile-decode profiles CUDA kernels: it needs a CUDA device")
     if args.moe_configs is not None and not args.moe_configs.is_dir():
         p.error(f"--moe-configs {args.moe_configs}: not a folder")
-    if args.decode_batches is not None and not all(b.strip().isdigit() and int(b) > 0
-                                                   for b in args.decode_batches.split(",")):
-        p.error(f"--decode-batches {args.decode_batches!r}: comma-separated batch sizes of at least 1")
     return args
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """--decode-batches: comma-separated batch sizes, each at least 1."""
+    if not all(b.strip().isdigit() and int(b) > 0 for b in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated batch sizes of at least 1")
+    return [int(b) for b in text.split(",")]
 
 
 def workload(args) -> Workload:
@@ -114,7 +118,7 @@ def workload(args) -> Workload:
     if args.max_num_seqs:
         w.max_num_seqs = args.max_num_seqs
     if args.decode_batches:
-        w.decode_batches = [int(b) for b in args.decode_batches.split(",")]
+        w.decode_batches = args.decode_batches
     return w
 
 
