@@ -104,11 +104,13 @@ def read_cubin(cubin: bytes) -> CompiledKernel:
 def main(argv: list[str] | None = None) -> dict:
     from lab.bench.vision_attention import gluon_name, parse_gluon_configs
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="128:64:8:2", help="tiles, M:N:W:S (rows, keys, warps, K/V stages) each")
+    p.add_argument("--configs", default=None, help="tiles, M:N:W:S (rows, keys, warps, K/V stages) each (default: "
+                   "the product's, vision_attention_gluon.DEFAULT_GLUON_CONFIG)")
     p.add_argument("--sass-dir", type=Path, help="write each kernel's SASS here")
     args = p.parse_args(argv)
     result = {}
-    for config in parse_gluon_configs(args.configs):
+    from workers.model.vision_attention_gluon import DEFAULT_GLUON_CONFIG
+    for config in parse_gluon_configs(args.configs) if args.configs else [DEFAULT_GLUON_CONFIG]:
         compiled = compile_attention(config)
         name = gluon_name(config)
         if args.sass_dir:
