@@ -12,7 +12,7 @@ refitted. Plain least squares on three unknowns: normal equations, solved here w
 The report also sets the fitted model against the steps by kind (step_kind: decode steps by their sequences, prompt
 chunks, tower work by its largest frame), summed over each kind's steps: where one kind sits off the fit, the engine
 does something the model does not price (benchmarks/README.md, thirty-seventh pass: decode steps of 3, 5, 6 and 7
-sequences 12-27% over it, replaying padded CUDA graphs). Single steps carry the neighbour's time noted above, so a
+sequences 12-28% over it, replaying padded CUDA graphs). Single steps carry the neighbour's time noted above, so a
 kind of few steps, or of steps beside tower work, reads less than a kind of many."""
 
 from __future__ import annotations
