@@ -52,3 +52,16 @@ def test_one_query_through_the_product_path_with_its_engine_timeline(tmp_path):
         # the engine's time is inside the client's; the rest is the router and the wire
         assert sum(engine.values()) + query["outside_engine_s"] == pytest.approx(query["end_to_end_s"], abs=2e-3)
         assert 0 < query["first_token_s"] < query["end_to_end_s"]
+
+
+def test_a_json_path_that_cannot_be_written_loses_no_report(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = subprocess.run(
+        [sys.executable, "scripts/probe_query.py", "--system", "cpu-tiny", "--image", "320x320", "--repeat", "1",
+         "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--json", str(blocker / "p.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 1 and f"--json {blocker / 'p.json'}" in result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])  # the report, on stdout all the same
+    assert report["image"] == "320x320" and len(report["queries"]) == 1

@@ -161,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(f"probe_query.py: interrupted by {exc}; everything started was stopped", file=sys.stderr)
         return 130
+    print(json.dumps(result), flush=True)  # first: a --json path that cannot be written loses nothing
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as exc:
+            print(f"probe_query.py: --json {args.json}: {exc} (the report is on stdout above)", file=sys.stderr)
+            return 1
     return 0
