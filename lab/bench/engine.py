@@ -79,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-decode", type=Path, default=None, help="torch.profiler tables of 8 decode steps at the "
                    "largest decode batch by GPU time, then of 8 more by host time (the host's ops recorded too), appended "
                    "to this file per precision, with the GPU's busy share of their wall time (decode_profile in the JSON)")
+    p.add_argument("--beside-tower", default=None, metavar="SIDE,...", help="after the decode figures, a tower pass "
+                   "of a square image of SIDE patches a side (188: 3,000 px, 250: 4,000 px) beside decode steps, once "
+                   "per --beside-sms entry (lab/bench/tower_beside_decode.py; CUDA only)")
+    p.add_argument("--beside-sms", default="0", metavar="N,...", help="with --beside-tower: 0 for the tower on a "
+                   "plain second stream, N for a green context of N SMs (default 0)")
+    p.add_argument("--beside-batch", type=int, default=4, help="with --beside-tower: decoding requests (default 4)")
+    p.add_argument("--beside-context", type=int, default=8192, help="with --beside-tower: their prompt tokens")
     p.add_argument("--part", choices=["all", "ours", "baseline"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -99,6 +106,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}, or none")
     if args.profile_decode is not None and not args.device.startswith("cuda"):
         p.error("--profile-decode profiles CUDA kernels: it needs a CUDA device")
+    args.beside = None
+    if args.beside_tower is not None:
+        if not args.device.startswith("cuda"):
+            p.error("--beside-tower runs the tower beside CUDA decode steps: it needs a CUDA device")
+        if args.catalogue_only:
+            p.error("--beside-tower is one of the parts --catalogue-only leaves out")
+        from lab.bench.tower_beside_decode import BesideTower
+
+        try:
+            args.beside = BesideTower.parse(args.beside_tower, args.beside_sms, args.beside_batch, args.beside_context)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.moe_configs is not None and not args.moe_configs.is_dir():
         p.error(f"--moe-configs {args.moe_configs}: not a folder")
     return args
@@ -160,7 +179,7 @@ def main(argv=None) -> dict:
                 ["text_config"]["num_hidden_layers"], "device": _device_name(args.device),
                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": asdict(w),
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                         if k not in ("out", "part", "config_dir")},
+                         if k not in ("out", "part", "config_dir", "beside")},
             }
             for precision in args.precisions.split(","):
                 bench_precision(args, argv, w, config_dir, precision, result)

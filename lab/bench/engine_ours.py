@@ -129,6 +129,8 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     kernel_options(args)
     workloads = catalogues(args, w)
     max_model_len = max([4096] + [longest_request(r) for r in workloads.values()])
+    if args.beside is not None:  # its decoding requests last through every measurement
+        max_model_len = max(max_model_len, args.beside.context + args.beside.tokens_needed())
     cfg = EngineConfig(
         checkpoint=checkpoint, load_format="random", device=args.device, max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=max_model_len,
@@ -250,4 +252,9 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
                               "phases_ms_median": median_phases_ms(phases)}
         log.info("decode batch %d: %s", batch, decode[str(batch)])
     result["decode"] = decode
+    if args.beside is not None:
+        from lab.bench.tower_beside_decode import measure
+
+        result["beside_tower"] = measure(engine, sync, add_text, args.beside)
+        log.info("tower beside decode steps: %s", result["beside_tower"])
     return result
