@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lab.bench import engine as bench_engine
-from lab.bench.tower_beside_decode import PLAIN_STREAM, BesideTower
+from lab.bench.tower_beside_decode import PLAIN_STREAM, BesideTower, over_serial
 
 
 def test_the_measurements_are_read_from_the_command_lines_lists():
@@ -33,6 +33,14 @@ def test_the_decoding_requests_last_through_every_mode_of_every_image():
     assert BesideTower((188,), (0,)).tokens_needed() < spec.tokens_needed()
 
 
+def test_both_at_once_is_weighed_against_the_pass_alone_then_the_steps_alone():
+    # run129's 4,000 px pass in a green context of 96 SMs: 1,676 ms for the pass and 96 steps of 7.58 ms beside it,
+    # where one after the other they take 1,252 + 96 x 7.58 ms
+    assert over_serial(1675.6, 1252.0, 96, 7.577) == 0.847
+    assert over_serial(500.0, 400.0, 10, 10.0) == 1.0  # no gain
+    assert over_serial(1264.0, 1252.0, 0, 7.577) > 1.0  # the steps waited for the whole pass
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--workloads", "none", "--beside-tower", "8"], "needs a CUDA device"),
     (["--catalogue-only", "--beside-tower", "8", "--device", "cuda"], "--catalogue-only leaves out"),
@@ -56,6 +64,6 @@ def test_on_a_gpu_each_mode_gives_the_towers_time_beside_the_decode_steps(capsys
     row = beside["16"]
     assert row["patches"] == 256 and row["tower_alone_ms"] > 0
     plain = row["plain_stream"]
-    assert plain["tower_ms"] > 0 and plain["decode_steps"] >= 0
+    assert plain["tower_ms"] > 0 and plain["decode_steps"] >= 0 and plain["over_serial"] > 0
     green = row["green_16_sms"]  # a figure, or why this torch cannot make one
     assert ("tower_ms" in green) != ("error" in green)

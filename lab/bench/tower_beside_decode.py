@@ -10,8 +10,8 @@ attention is bound by the SMs' math and the decode step by memory and launch lat
   tower confined to a green context of N SMs (CUDA 12.8+'s SM partitioning, torch.cuda.green_contexts; the decode
   steps keep the whole GPU and so get at least the other SMs).
 
-Each mode gives the tower's own GPU time, the decode steps' median and how many ran beside it: the numbers a
-scheduler needs to decide whether a pass should run beside the decodes rather than in their steps. The green
+Each mode gives the tower's own GPU time, the decode steps' median and how many ran beside it, and over_serial:
+the numbers a scheduler needs to decide whether a pass should run beside the decodes rather than in their steps. The green
 contexts' API moved between torch releases; a mode this torch cannot run says why instead of a figure.
 """
 
@@ -111,6 +111,9 @@ def measure(engine, sync, add_text, spec: BesideTower) -> dict:
                 row[key] = _beside(engine, vision, pixels, grid, num_sms, device, spec.max_overlap_steps)
             except RuntimeError as exc:
                 row[key] = {"error": str(exc)}
+            else:
+                row[key]["over_serial"] = over_serial(row[key]["wall_ms"], row["tower_alone_ms"],
+                                                      row[key]["decode_steps"], result["decode_alone_ms"])
             sync()
         result[str(side)] = row
     for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
@@ -119,6 +122,12 @@ def measure(engine, sync, add_text, spec: BesideTower) -> dict:
         engine.step()
     sync()
     return result
+
+
+def over_serial(wall_ms: float, tower_alone_ms: float, steps: int, step_alone_ms: float) -> float:
+    """The time a pass and the decode steps beside it took together, over what the same work takes one after the
+    other: the pass alone on every SM, then the steps at their time alone (below 1: running both at once pays)."""
+    return round(wall_ms / (tower_alone_ms + steps * step_alone_ms), 3)
 
 
 def _image(vision, side: int, in_features: int, device):
