@@ -11,8 +11,8 @@ attention is bound by the SMs' math and the decode step by memory and launch lat
   steps keep the whole GPU and so get at least the other SMs).
 
 Each mode gives the tower's own GPU time, the decode steps' median and how many ran beside it, and over_serial:
-the numbers a scheduler needs to decide whether a pass should run beside the decodes rather than in their steps. The green
-contexts' API moved between torch releases; a mode this torch cannot run says why instead of a figure.
+the numbers a scheduler needs to decide whether a pass should run beside the decodes rather than in their steps.
+The green contexts' API moved between torch releases; a mode this torch cannot run says why instead of a figure.
 """
 
 from __future__ import annotations
