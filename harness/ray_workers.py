@@ -205,10 +205,11 @@ def _start_embedded_ray(settings: RaySection, temp_dir: Path) -> None:
     try:
         start()
     except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up in time
-        if "timed out during startup" not in str(exc):
+        if not _start_timed_out(exc):
             raise
-        # A loaded host can be slow to start the raylet; a second start usually succeeds.
-        logger.warning("embedded Ray did not start in time (%s); starting it once more", exc)
+        # A loaded host can be slow to start the raylet or the GCS server; a second start usually succeeds.
+        logger.warning("embedded Ray did not start in time (%s); starting it once more%s", exc,
+                       _gcs_server_log_tail(temp_dir))
         ray.shutdown()
         start()
     node_ip = ray.util.get_node_ip_address()
@@ -216,6 +217,28 @@ def _start_embedded_ray(settings: RaySection, temp_dir: Path) -> None:
         raise RuntimeError(
             f"the embedded Ray came up on {node_ip}, not on loopback: {LOCAL_MODE_ENV} must not be 1, and harness "
             "must be imported before ray (it sets the switch Ray reads at import)")
+
+
+def _start_timed_out(exc: Exception) -> bool:
+    """Whether ray.init failed waiting for its own processes: the node's start (a bare Exception) or the GCS
+    server's port file (a RuntimeError from ray._private.node's wait, RAY_GCS_WAIT_ENV seconds; CI, 2026-12-07: a
+    2-core machine's test run once waited 120 s for it)."""
+    text = str(exc)
+    return "timed out during startup" in text or ("Timed out waiting for file" in text and "gcs_server_port" in text)
+
+
+def _gcs_server_log_tail(temp_dir: Path, lines: int = 5) -> str:
+    """The last lines of the GCS server's own logs in the embedded Ray's session files (its cause, where it wrote
+    one), for the warning; '' when there are none."""
+    tails = []
+    for log in sorted(temp_dir.glob("session_*/logs/gcs_server.*")):
+        try:
+            text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            continue
+        if text:
+            tails.append(f"{log.name}: " + " | ".join(text))
+    return "; the GCS server's log: " + "; ".join(tails) if tails else ""
 
 
 class WorkerFleet:

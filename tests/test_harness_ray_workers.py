@@ -4,6 +4,7 @@ through it, and an actor that dies is restarted by Ray and registers again at it
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -158,6 +159,42 @@ def test_an_embedded_ray_that_times_out_starting_is_started_once_more(monkeypatc
     session = init_ray(RaySection(num_cpus=1), address=None)
     assert session.owned and calls == ["init", "shutdown", "init"]
     session.close()
+
+
+def test_an_embedded_ray_whose_gcs_server_never_published_its_port_is_started_once_more(monkeypatch, caplog):
+    calls = []
+
+    def init(**kwargs):
+        calls.append("init")
+        if calls.count("init") == 1:
+            session = Path(kwargs["_temp_dir"]) / "session_1" / "logs"
+            session.mkdir(parents=True)
+            (session / "gcs_server.err").write_text("starting\nbind failed: address in use\n")
+            raise RuntimeError(f"Timed out waiting for file {session.parent}/gcs_server_port_0a1b")  # what Ray raises
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with caplog.at_level(logging.WARNING, logger="harness.ray_workers"):
+        session = init_ray(RaySection(num_cpus=1), address=None)
+    assert session.owned and calls == ["init", "shutdown", "init"]
+    session.close()
+    assert "gcs_server.err: starting | bind failed: address in use" in caplog.text  # its own words, in the warning
+
+
+def test_an_embedded_ray_that_fails_otherwise_is_not_started_again(monkeypatch):
+    calls = []
+
+    def init(**kwargs):
+        calls.append("init")
+        raise RuntimeError("Timed out waiting for file /tmp/x/raylet_socket")  # not the GCS server's port
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(RuntimeError, match="raylet_socket"):
+        init_ray(RaySection(num_cpus=1), address=None)
+    assert calls.count("init") == 1
 
 
 @pytest.mark.parametrize("operator", [None, "45"])
