@@ -249,6 +249,62 @@ def test_the_warm_up_runs_the_large_frame_kernel_on_cuda(device, impl):
     assert va.warm_up_kernel(impl, 16, 72, torch.device(device), torch.bfloat16) == expected
 
 
+def test_a_plan_lists_each_frames_first_row_for_varlen_kernels():
+    assert va.AttentionPlan(RUNS).cu_lengths(torch.device("cpu")).tolist() == [0, 37, 74, 94, 99]
+    assert va.AttentionPlan(RUNS).cu_lengths(torch.device("cpu")).dtype == torch.int32
+
+
+def test_flash_attn4_without_its_package_stops_the_warm_up_naming_key_and_package(monkeypatch):
+    from workers.model import vision_attention_fa4 as fa4
+
+    monkeypatch.setattr(fa4.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="engine.vision_attention 'flash_attn4' needs the flash-attn-4 package"):
+        va.warm_up_kernel("flash_attn4", 16, 72, torch.device("cuda"), torch.bfloat16)
+    assert va.warm_up_kernel("flash_attn4", 16, 72, torch.device("cpu"), torch.bfloat16) == "none"
+
+
+def test_flash_attn4_is_one_varlen_call_over_the_plans_frames(monkeypatch):
+    """FlashAttention-4's entry point gets every frame in one call: cumulative lengths, the largest frame, the
+    scale; its [N, heads, dim] output comes back as the tower's [N, heads * dim] rows."""
+    import sys
+    import types
+
+    from workers.model import vision_attention_fa4 as fa4
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return va.attention_reference(q, k, v, RUNS, kwargs["softmax_scale"]).view(q.shape), None
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
+    monkeypatch.setattr(fa4, "installed", lambda: True)
+    q, k, v = draw(RUNS, 2, 24, "cpu", torch.float32)
+    plan = va.AttentionPlan(RUNS)
+    got = fa4.attention_fa4(q, k, v, plan.runs, plan.cu_lengths(q.device), 0.2)
+    assert torch.equal(got, va.attention_reference(q, k, v, RUNS, 0.2))
+    assert len(calls) == 1
+    assert calls[0]["cu_seqlens_q"].tolist() == calls[0]["cu_seqlens_k"].tolist() == [0, 37, 74, 94, 99]
+    assert calls[0]["max_seqlen_q"] == calls[0]["max_seqlen_k"] == 37 and calls[0]["softmax_scale"] == 0.2
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
+def test_flash_attn4_is_attention_within_each_frame_on_cuda(device):
+    from workers.model import vision_attention_fa4 as fa4
+
+    if not fa4.installed():
+        pytest.skip("needs the optional flash-attn-4 package")
+    frames = [(16384 + 37, 1), (1000, 3), (50, 1)]  # frames ending mid-tile, one shorter than a tile
+    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=5)
+    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, "flash_attn4")
+    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
+    assert not got.isnan().any()
+    assert relative_error(got, want) < 1e-2
+    assert va.warm_up_kernel("flash_attn4", 16, 72, torch.device(device), torch.bfloat16) == "flash_attn4"
+
+
 def test_the_gluon_kernel_refuses_shapes_it_was_not_written_for():
     q = torch.zeros(8, 2, 72, dtype=torch.bfloat16)
     check_shapes(q, q, q)

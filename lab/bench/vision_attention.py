@@ -7,6 +7,7 @@ strided view of the fused qkv), at each --patches count as one frame:
   and without quantising Q/K/V);
 - `attention_tflops`: useful work (4 * heads * 72 * N^2) over the median time; `error_vs_fp32`: the relative
   Frobenius error of the first 1,024 query rows against float32 attention over the same inputs.
+- FlashAttention-4 (--flash-attn4; the optional flash-attn-4 package, workers/model/vision_attention_fa4.py);
 - `varlen`: one step's mix of images in one call (SDPA: one call per run of equal sizes; ours: one launch).
 - `tower` (--tower-side S): the whole 235B tower (random weights) on one S x S-patch image with each attention, ms
   (median), and the outputs' error against transformers' float32 module on --accuracy-side A.
@@ -91,6 +92,8 @@ def config_name(impl: str, c: va.KernelConfig) -> str:
 
 
 def name_of(impl: str, c) -> str:
+    if impl == "flash_attn4":
+        return impl  # no tiles of ours to name
     return gluon_name(c) if impl == "gluon" else config_name(impl, c)
 
 
@@ -104,7 +107,7 @@ def parse_gluon_configs(text: str) -> list[GluonConfig]:
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
-                  gluon_configs=()) -> dict:
+                  gluon_configs=(), flash_attn4: bool = False) -> dict:
     q, k, v = tower_inputs(patches, device, seed=patches)
     scale = HEAD_DIM**-0.5
     plan = va.AttentionPlan([(patches, 1)])
@@ -135,6 +138,8 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
         record(config_name("triton", c), lambda c=c: va.attention_triton(q, k, v, plan, scale, c))
     for c in gluon_configs:
         record(gluon_name(c), lambda c=c: va.vision_attention(q, k, v, plan, scale, "gluon", c))
+    if flash_attn4:
+        record("flash_attn4", lambda: va.vision_attention(q, k, v, plan, scale, "flash_attn4"))
     for c in fp8_configs:
         name = config_name("triton_fp8", c)
         record(name, lambda c=c: va.attention_triton_fp8(q, k, v, plan, scale, c))
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
     p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
+    p.add_argument("--flash-attn4", action="store_true", help="also FlashAttention-4 (the optional flash-attn-4 "
+                   "package), in the kernels, the varlen call and the tower")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
     p.add_argument("--tower-side", type=int, default=250, help="0: no tower figures")
     p.add_argument("--tower-shards", default="", help="n,...: one rank's part of the tower split n ways (no "
@@ -257,15 +264,18 @@ def main(argv: list[str] | None = None) -> dict:
         for n in (int(x) for x in args.patches.split(",")):
             result["kernels"][str(n)] = figures = bench_kernels(n, configs, fp8_configs, args.reps, device,
                                                                       args.sdpa.split(","),
-                                                                      parse_gluon_configs(args.gluon_configs))
+                                                                      parse_gluon_configs(args.gluon_configs),
+                                                                      args.flash_attn4)
             print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
                                        if isinstance(v, dict)}}), file=sys.stderr, flush=True)
         candidates = {"triton": configs, "triton_fp8": fp8_configs, "gluon": parse_gluon_configs(args.gluon_configs)}
         candidates = {impl: cs for impl, cs in candidates.items() if cs}
         best = {impl: best_config(result["kernels"], impl, cs) for impl, cs in candidates.items()}
         result["best_configs"] = {impl: vars(c) for impl, c in best.items()}
+        if args.flash_attn4:
+            best["flash_attn4"] = None
         result["varlen"] = bench_varlen(best, args.reps, device)
-        va.DEFAULT_CONFIGS.update(best)  # the towers below run the chosen tiles
+        va.DEFAULT_CONFIGS.update({impl: c for impl, c in best.items() if c is not None})  # the towers: chosen tiles
         if args.tower_side:
             module = tower_module(device, torch.bfloat16)
             result["tower"] = bench_tower(module, args.tower_side, args.accuracy_side, best, max(3, args.reps // 2),

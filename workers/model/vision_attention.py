@@ -22,6 +22,8 @@ Four implementations, and a rule among them, chosen by EngineConfig.vision_atten
   KernelConfig(tma=False): 143 TFLOP/s.);
 - "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
   (Hopper only);
+- "flash_attn4": FlashAttention-4's CuTe DSL kernels (workers/model/vision_attention_fa4.py), where the optional
+  flash-attn-4 package is installed; named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
 - "auto": "gluon" (on sm_90; "triton" on other GPUs) for a call whose largest frame has AUTO_KERNEL_FROM_PATCHES or
   more, else "sdpa".
 
@@ -54,11 +56,13 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+from workers.model.vision_attention_fa4 import attention_fa4
+from workers.model.vision_attention_fa4 import require as require_fa4
 from workers.model.vision_attention_gluon import (
     DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, supports_gluon, takes,
 )
 
-IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon")
+IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "flash_attn4")
 # "auto": our kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
 # (run94) the Gluon kernel ran 0.71x cuDNN at 4,096 patches, 1.02x at 16,384 and 1.26x at 62,500, and 1.27x on one
 # launch over a step's mix of sizes with a 62,500-patch frame in it (Triton's, run80: 0.75-0.89x, 0.96x, 1.15x).
@@ -146,6 +150,7 @@ class AttentionPlan:
         self._key_starts, self.key_width = aligned_starts(self._bounds)  # the aligned key layout's, in columns
         self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._key_columns: dict[torch.device, torch.Tensor] = {}
+        self._cu_lengths: dict[torch.device, torch.Tensor] = {}
 
     def table(self, block_m: int, device: torch.device) -> torch.Tensor:
         key = (block_m, device)
@@ -160,6 +165,13 @@ class AttentionPlan:
             lengths = torch.tensor([e - s for s, e in self._bounds], dtype=torch.int64)
             self._key_columns[device] = (torch.arange(self.patches) + shifts.repeat_interleave(lengths)).to(device)
         return self._key_columns[device]
+
+    def cu_lengths(self, device: torch.device) -> torch.Tensor:
+        """int32 [frames + 1]: each frame's first row, then the patches (FlashAttention's cu_seqlens)."""
+        if device not in self._cu_lengths:
+            starts = [start for start, _ in self._bounds] + [self.patches]
+            self._cu_lengths[device] = torch.tensor(starts, dtype=torch.int32).to(device)
+        return self._cu_lengths[device]
 
     def useful_flops(self, num_heads: int, head_dim: int) -> float:
         """4 * heads * head_dim * sum of frame_len^2: QK^T and PV, multiply-adds counted as two."""
@@ -177,7 +189,9 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
     if impl == "auto":
         impl = large_frame_kernel(impl) if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
-    if impl == "sdpa" or not supports_triton(q):
+    if impl == "flash_attn4" and q.is_cuda:
+        return attention_fa4(q, k, v, plan.runs, plan.cu_lengths(q.device), scale)
+    if impl in ("sdpa", "flash_attn4") or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":
         if gluon_runs(q, k, v):
@@ -205,7 +219,11 @@ def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.devic
     not pay its compile (with "auto", the Gluon kernel's took a lone 4,000 px query from 2.0 to 3.4 s, run95: the
     warm-up's images are small, and run SDPA). Returns the implementation run, "none" where nothing compiles."""
     kernel = large_frame_kernel(impl)
-    if kernel == "sdpa" or device.type != "cuda" or triton is None:
+    if kernel == "sdpa" or device.type != "cuda":
+        return "none"
+    if kernel == "flash_attn4":
+        require_fa4()  # before anything starts: the key and the missing package named
+    elif triton is None:
         return "none"
     frame = 256
     generator = torch.Generator(device=device).manual_seed(0)
