@@ -1,7 +1,7 @@
 """The vision tower's attention: bidirectional, within each frame, over the packed patches of a step's images
 (varlen), at the tower's head_dim 72.
 
-Four implementations, and a rule among them, chosen by EngineConfig.vision_attention:
+Five implementations, and a rule among them, chosen by EngineConfig.vision_attention:
 - "sdpa": torch's scaled_dot_product_attention, one call per run of equal-size frames (cuDNN on the H200; it runs
   head_dim 72 as fast as 128, so it does 128/72 of the useful work);
 - "triton": our flash-attention forward in Triton. One launch covers every frame of the call: a table lists each
