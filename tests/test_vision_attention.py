@@ -254,6 +254,14 @@ def test_a_plan_lists_each_frames_first_row_for_varlen_kernels():
     assert va.AttentionPlan(RUNS).cu_lengths(torch.device("cpu")).dtype == torch.int32
 
 
+def test_flash_attn4_takes_calls_with_a_large_frame_and_leaves_the_rest_to_sdpa(monkeypatch):
+    monkeypatch.setattr(va, "FA4_FROM_PATCHES", 37)
+    assert va.call_kernel("flash_attn4", va.AttentionPlan(RUNS)) == "flash_attn4"  # largest frame: 37 patches
+    monkeypatch.setattr(va, "FA4_FROM_PATCHES", 38)
+    assert va.call_kernel("flash_attn4", va.AttentionPlan(RUNS)) == "sdpa"
+    assert va.call_kernel("gluon", va.AttentionPlan(RUNS)) == "gluon"  # a named kernel runs at every size
+
+
 def test_flash_attn4_without_its_package_stops_the_warm_up_naming_key_and_package(monkeypatch):
     from workers.model import vision_attention_fa4 as fa4
 

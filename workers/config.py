@@ -48,8 +48,9 @@ class EngineConfig(BaseModel):
         "on the H200, one call per run of equal-size frames), 'triton' (our kernel: one launch over every frame of a "
         "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), "
         "'gluon' (workers/model/vision_attention_gluon.py: the MMAs beneath the softmax, Hopper only, 'triton' on "
-        "other GPUs), 'flash_attn4' (FlashAttention-4's CuTe DSL kernels, workers/model/vision_attention_fa4.py: needs "
-        "the optional flash-attn-4 package, which the engine's warm-up checks), or 'auto': 'gluon' for a tower call "
+        "other GPUs), 'flash_attn4' (FlashAttention-4's CuTe DSL kernels, workers/model/vision_attention_fa4.py, for a "
+        "tower call whose largest image has 16,384 patches or more, else 'sdpa': needs the optional flash-attn-4 "
+        "package, which the engine's warm-up checks), or 'auto': 'gluon' for a tower call "
         "whose largest image has 24,000 patches or more (where it is the faster on the H200), else 'sdpa'. The CPU "
         "runs SDPA whichever is named."
     )

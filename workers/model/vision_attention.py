@@ -23,7 +23,8 @@ Five implementations, and a rule among them, chosen by EngineConfig.vision_atten
 - "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
   (Hopper only);
 - "flash_attn4": FlashAttention-4's CuTe DSL kernels (workers/model/vision_attention_fa4.py), where the optional
-  flash-attn-4 package is installed; named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
+  flash-attn-4 package is installed, for a call whose largest frame has FA4_FROM_PATCHES or more, else "sdpa";
+  named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
 - "auto": "gluon" (on sm_90; "triton" on other GPUs) for a call whose largest frame has AUTO_KERNEL_FROM_PATCHES or
   more, else "sdpa".
 
@@ -67,6 +68,10 @@ IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "flash_attn4
 # (run94) the Gluon kernel ran 0.71x cuDNN at 4,096 patches, 1.02x at 16,384 and 1.26x at 62,500, and 1.27x on one
 # launch over a step's mix of sizes with a 62,500-patch frame in it (Triton's, run80: 0.75-0.89x, 0.96x, 1.15x).
 AUTO_KERNEL_FROM_PATCHES = 24_000
+# "flash_attn4": FlashAttention-4 for a call whose largest frame has at least this many patches, cuDNN's below. On an
+# H100 (run136) it ran 0.83x cuDNN at 4,096 patches, 1.25x at 16,384 and 1.30x at 35,344 and 62,500 (between 4,096
+# and 16,384 not measured).
+FA4_FROM_PATCHES = 16_384
 FP8_MAX = 448.0  # e4m3's largest finite value
 P_SCALE = 256.0  # probabilities in [0, 1] times this before their e4m3 rounding: 2^8 more range below 1
 # bf16 with lazy rescaling: a row keeps its softmax reference until its maximum grows by more than 2^8, so its
@@ -187,8 +192,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
     if q.shape[0] != plan.patches:
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
-    if impl == "auto":
-        impl = large_frame_kernel(impl) if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
+    impl = call_kernel(impl, plan)
     if impl == "flash_attn4" and q.is_cuda:
         return attention_fa4(q, k, v, plan.runs, plan.cu_lengths(q.device), scale)
     if impl in ("sdpa", "flash_attn4") or not supports_triton(q):
@@ -209,6 +213,16 @@ def gluon_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return supports_gluon(q) and takes(q, k, v)
 
 
+def call_kernel(impl: str, plan: AttentionPlan) -> str:
+    """The implementation a call over plan's frames runs under `impl`: "auto" and "flash_attn4" take SDPA for a call
+    whose largest frame is under their sizes (AUTO_KERNEL_FROM_PATCHES, FA4_FROM_PATCHES)."""
+    if impl == "auto":
+        return large_frame_kernel(impl) if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
+    if impl == "flash_attn4" and plan.largest_frame < FA4_FROM_PATCHES:
+        return "sdpa"
+    return impl
+
+
 def large_frame_kernel(impl: str) -> str:
     """The implementation `impl` runs for a frame of AUTO_KERNEL_FROM_PATCHES patches or more."""
     return "gluon" if impl == "auto" else impl
@@ -225,7 +239,7 @@ def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.devic
         require_fa4()  # before anything starts: the key and the missing package named
     elif triton is None:
         return "none"
-    frame = 256
+    frame = FA4_FROM_PATCHES if kernel == "flash_attn4" else 256  # "flash_attn4" takes SDPA below its size
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(frame, num_heads, head_dim, device=device, generator=generator).to(dtype)
                for _ in range(3))

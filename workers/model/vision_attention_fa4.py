@@ -2,7 +2,8 @@
 https://github.com/Dao-AILab/flash-attention, flash_attn/cute). Its Hopper forward is FlashAttention-3's schedule:
 a producer warp feeding K and V tiles by TMA, two consumer warpgroups whose MMAs run beneath each other's softmax,
 here 192 x 144 tiles with head_dim 72 padded to 80 in shared memory, not in global memory. One launch covers a tower
-call's frames (varlen, through cumulative frame lengths).
+call's frames (varlen, through cumulative frame lengths). vision_attention runs it for a call whose largest frame
+has FA4_FROM_PATCHES or more, SDPA (cuDNN) below, where cuDNN was the faster.
 
 Optional: the package (with `nvidia-cutlass-dsl[cu13]`, ~240 MB unpacked) is imported only when
 EngineConfig.vision_attention names "flash_attn4"; CPU installs and CI do not have it, and the GPU image does not
