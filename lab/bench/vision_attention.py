@@ -34,6 +34,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
+from workers.model.vision_attention_fa4 import PACKAGE as FA4_PACKAGE
+from workers.model.vision_attention_fa4 import installed as installed_fa4
 from workers.model.vision_attention_gluon import GluonConfig
 from workers.model.vision import VisionTower, build_vision_module
 from workers.parallel import TensorParallel
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or va.triton is None:
         sys.exit("bench_vision_attention: needs CUDA and triton")
+    if args.flash_attn4 and not installed_fa4():
+        sys.exit(f"bench_vision_attention --flash-attn4: the {FA4_PACKAGE} package is not installed here")
     device = "cuda"
     configs, fp8_configs = parse_configs(args.configs), parse_configs(args.fp8_configs)
     result: dict = {
