@@ -188,6 +188,27 @@ def test_kv_cache_too_small_for_all_requests_preempts_and_still_matches_transfor
 
 
 @pytest.mark.gpu
+def test_a_pass_spread_beside_the_steps_in_a_green_context_gives_the_steps_own_tokens_on_cuda(checkpoint):
+    """engine.vision_green_sms: the blocks of a pass spread over steps (an encoder budget below the image's cost,
+    beside a text request) run on a green context's stream; the tokens are those of the blocks on the step's own
+    stream."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    image = PromptInput([IM_START, VISION_START] + [IMAGE_PAD] * 4 + [VISION_END, 5, 6], [png(64, 64, seed=11)])
+
+    def tokens(sms: int) -> dict[str, list[int]]:
+        engine = make_engine(checkpoint, device="cuda", max_num_encoder_tokens=2, vision_green_sms=sms)
+        assert engine.executor.tower_stream.active == bool(sms)
+        assert engine.scheduler.limits.passes_beside == bool(sms)
+        encoded = record_encodes(engine)
+        got = run_to_completion(engine, {0: [("img", image), ("text", PromptInput([1, 2, 3, 4, 5, 6, 7, 8]))]})
+        assert any(what.startswith("blocks") for _, rid, what in encoded if rid == "img")  # spread over steps
+        return got
+
+    assert tokens(64) == tokens(0)
+
+
+@pytest.mark.gpu
 def test_engine_runs_on_cuda_in_bfloat16_with_the_kv_pool_sized_from_free_memory(checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -200,6 +200,27 @@ def test_an_image_costlier_than_a_steps_budget_is_encoded_over_steps_while_other
     assert ("big", 0) not in sched.encoder_cache  # freed once its last rows are in the KV cache
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["on-the-steps-stream", "beside-the-steps"])
+def test_with_passes_beside_the_steps_the_step_clock_learns_no_blocks_and_skips_the_step_that_joins_a_pass(beside):
+    """engine.vision_green_sms: a spread pass's blocks run beside the steps, so no step's time holds them, and the
+    step that first reads the pass's outputs waits for its blocks still running: the clock learns neither."""
+    bm = BlockManager(64, 4)
+    limits = SchedulerLimits(8, 16, 1000, max_num_encoder_tokens=8, vision=VisionCost(depth=4), passes_beside=beside)
+    sched = Scheduler(limits, bm, frozenset({EOS}))
+    sched.add(image_seq("big", 30, [(2, 20)]))  # 20 rows: 5 a block, a block a step (as the test above)
+    sched.add(seq("text", 12, max_tokens=5))
+    seen = []
+    sched.step_clock.observe_step = lambda seconds, cost, prompt, context: seen.append((seconds, cost))
+    for i in range(5):
+        out = sched.schedule()
+        sched.observe_step(0.01 * (i + 1), out)
+        sched.update(out, {c.seq.request_id: 7 for c in out.chunks if c.samples})
+    if beside:  # step 4 ran the last block and read the image (as above): not observed; no block cost in the others
+        assert seen == [(0.01, 0), (0.02, 0), (0.03, 0), (0.05, 0)]
+    else:
+        assert [cost for _, cost in seen] == [5, 5, 5, 5, 0]
+
+
 def test_a_finished_or_failed_request_leaves_nothing_in_the_encoder_cache():
     sched = encoder_scheduler(budget=12, encoder=16)
     sched.add(image_seq("a", 12, [(2, 6)]))
@@ -371,6 +392,8 @@ def test_prefix_caching_is_off_by_default():
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"min_pixels": 10, "max_pixels": 5}, "min_pixels"),
         ({"max_batch": 3}, "max_batch"),
+        ({"vision_green_sms": -1}, "vision_green_sms"),
+        ({"vision_green_sms": 64, "tensor_parallel_size": 2}, "vision_green_sms"),
     ],
 )
 def test_bad_engine_config_names_the_key(settings, key):

@@ -164,12 +164,24 @@ class EngineConfig(BaseModel):
         "unmeasured: benchmarks/README.md, twenty-eighth pass)."
     )
 
+    vision_green_sms: int = Field(
+        0, ge=0, description="On CUDA, run the blocks of tower passes spread over steps on the stream of a green "
+        "context of this many SMs, beside the text tower's steps, which wait for a pass only where they read its "
+        "outputs (workers/executor/tower_stream.py); 0: on the step's own stream, each step carrying its share of "
+        "blocks. Whole images stay on the step's stream. On one H100 a tower pass with 64 SMs beside 32 decoding "
+        "requests took 0.85x of the two one after the other (bench_engine.py --beside-tower); through the engine "
+        "this is not yet measured, so it is off by default. One rank only; the CPU, without streams, ignores it."
+    )
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        if self.vision_green_sms and self.tensor_parallel_size > 1:
+            raise ValueError(f"vision_green_sms ({self.vision_green_sms}) runs a one-rank engine's tower beside its "
+                             f"steps; this engine has tensor_parallel_size {self.tensor_parallel_size}")
         if self.image_decode == "nvjpeg" and not self.is_cuda:
             raise ValueError(f"image_decode 'nvjpeg' decodes on a CUDA device; this engine's device is {self.device!r}")
         return self

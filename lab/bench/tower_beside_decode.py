@@ -62,24 +62,16 @@ class BesideTower:
 
 
 def tower_stream(num_sms: int, device):
-    """The stream the tower runs on: an ordinary one (PLAIN_STREAM), or one of a green context of num_sms SMs,
-    with the context (kept alive while the stream is used). Raises RuntimeError where this torch cannot."""
+    """The stream the tower runs on: an ordinary one (PLAIN_STREAM), or one of a green context of num_sms SMs
+    (workers/executor/tower_stream.py, the engine's own), with the context (kept alive while the stream is used).
+    Raises RuntimeError where this torch cannot."""
     import torch
+
+    from workers.executor.tower_stream import green_stream
 
     if num_sms == PLAIN_STREAM:
         return torch.cuda.Stream(device), None
-    try:
-        from torch.cuda import green_contexts
-    except ImportError as exc:
-        raise RuntimeError(f"this torch ({torch.__version__}) has no torch.cuda.green_contexts") from exc
-    if not getattr(green_contexts, "SUPPORTED", True):
-        raise RuntimeError(f"this torch ({torch.__version__}) was built without green contexts")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    context = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
-    if not hasattr(context, "Stream"):
-        raise RuntimeError(f"this torch's ({torch.__version__}) GreenContext has no Stream(): its work could only "
-                           "run with the context made current, which makes the engine's stream wait for it")
-    return context.Stream(), context
+    return green_stream(num_sms, device)
 
 
 def measure(engine, sync, add_text, spec: BesideTower) -> dict:

@@ -140,7 +140,8 @@ class SchedulerLimits:
     that while a pass over the largest image holds its rows the other prompts' images still find room: with twice
     the budget alone, 16,384 rows, a 4,000 px image's 15,625 left no room for a 1,024-row image, and the prompts
     behind it stalled for its whole pass, Interactive on one H200, run101). encode_ahead: spend the step's unused
-    encoder budget on the next step's prompts."""
+    encoder budget on the next step's prompts. passes_beside: the executor runs passes' blocks beside the steps
+    (engine.vision_green_sms on CUDA), so a step's time holds none of them."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -152,6 +153,7 @@ class SchedulerLimits:
     vision: VisionCost = VisionCost()
     encoder_pass_share: float = 0.5
     max_image_tokens: int = 0
+    passes_beside: bool = False
 
     @classmethod
     def of(cls, config: EngineConfig, vision: VisionCost = VisionCost()) -> SchedulerLimits:
@@ -162,7 +164,8 @@ class SchedulerLimits:
         encoder = config.max_num_encoder_tokens or (config.max_num_batched_tokens * shares if shares > 1 else None)
         return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                    config.max_num_prefill_tokens, encoder, config.encoder_cache_tokens,
-                   config.encode_ahead, vision, config.encoder_pass_share, config.max_pixels // FACTOR**2)
+                   config.encode_ahead, vision, config.encoder_pass_share, config.max_pixels // FACTOR**2,
+                   bool(config.vision_green_sms) and config.is_cuda)
 
     @property
     def prefill_tokens(self) -> int:
@@ -210,6 +213,7 @@ class Scheduler:
         self.encoder_cache = EncoderCache(limits.cache_tokens)
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
+        self._joins: set[ImageKey] = set()  # passes finished beside the steps (passes_beside) that no step read yet
         self._logged: set[ImageKey] = set()  # images whose first whole-or-spread decision was logged
         self._waits_logged: set[ImageKey] = set()  # images whose first wait for others (_defers) was logged
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
@@ -499,10 +503,19 @@ class Scheduler:
     def observe_step(self, seconds: float, out: SchedulerOutput) -> None:
         """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take. The tower
         work in a step's time is its encode_now and the step before's encode_ahead (encoded_before), not its own
-        encode_ahead: that runs behind its sampling, after the tokens whose arrival ends its time."""
-        vision = self.limits.vision
+        encode_ahead: that runs behind its sampling, after the tokens whose arrival ends its time. With passes_beside
+        a pass's blocks are in no step's time, and the step that first reads a pass's outputs waits for its blocks
+        still running: that step is not observed."""
+        if self._joins:
+            read = {(c.seq.request_id, image.index) for c in out.chunks for image in c.seq.images
+                    if image.overlaps(c.start, c.start + c.num_tokens)}
+            if read & self._joins:
+                self._joins -= read
+                return
+        vision, beside = self.limits.vision, self.limits.passes_beside
         cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else e.num_blocks *
-                   vision.block_cost(e.image.num_tokens) for e in (*out.encoded_before, *out.encode_now))
+                   vision.block_cost(e.image.num_tokens) for e in (*out.encoded_before, *out.encode_now)
+                   if not (beside and e.num_blocks))
         if out.chunks or cost:
             prompt_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
             context = sum(c.start + 1 for c in out.chunks if c.num_tokens == 1)
@@ -583,6 +596,8 @@ class Scheduler:
             encoder.take(blocks * per_block)
             if done + blocks == vision.depth:
                 del self._passes[key]
+                if self.limits.passes_beside:
+                    self._joins.add(key)
                 self.encoder_cache.mark_ready(key)  # its last blocks run before this step's chunks read it
                 self.encoder_cache.mark_started(key)  # never evicted: a pass's work is not thrown away
             else:
@@ -591,6 +606,7 @@ class Scheduler:
     def _forget_images(self, request_id: str) -> list[ImageKey]:
         for key in [k for k in self._passes if k[0] == request_id]:
             del self._passes[key]
+        self._joins -= {k for k in self._joins if k[0] == request_id}
         self._logged -= {k for k in self._logged if k[0] == request_id}
         self._waits_logged -= {k for k in self._waits_logged if k[0] == request_id}
         return self.encoder_cache.free_request(request_id)

@@ -25,6 +25,7 @@ from workers.kv_cache import KvCache, KvExport, cache_dtype
 from workers.inputs.image_processing import merge_block_patches, normalise_patches
 from workers.executor.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs, StepBatch, full_budget_batch
 from workers.executor.step_graphs import MixedStepGraphs, step_graph_sizes
+from workers.executor.tower_stream import TowerStream
 from workers.model import fused_moe
 from workers.inputs.mm_inputs import MultiModalInput
 from workers.model.moe import SparseMoeBlock
@@ -176,6 +177,10 @@ class ModelRunner:
         # Vision-tower outputs the scheduler listed, until it frees them: (embeds, DeepStack) per image.
         self._encoded: dict[ImageKey, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._passes: dict[ImageKey, TowerState] = {}  # vision passes spread over steps, between their blocks
+        # Where the passes' blocks run (engine.vision_green_sms): beside the steps, each finished pass's outputs
+        # behind an event the step that reads them waits for; else on the step's stream (no events).
+        self.tower_stream = TowerStream(self.device, config.vision_green_sms if self.vision is not None else 0)
+        self._pass_done: dict[ImageKey, torch.cuda.Event] = {}
         self.graphs: DecodeGraphs | None = None
         if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
             self.graphs = DecodeGraphs(
@@ -265,6 +270,7 @@ class ModelRunner:
         inputs = StepInputs(batch, self._visual_rows(chunks, batch.query_starts), imports)
         for key in out.encoder_free:
             self._encoded.pop(key, None)
+            self._pass_done.pop(key, None)
         if self.ranks is not None:
             self.ranks.send_step(inputs)
         sampling = [(i, c.seq) for i, c in enumerate(chunks) if c.samples]
@@ -380,6 +386,8 @@ class ModelRunner:
                     raise RuntimeError(f"image {image.index} of request {chunk.seq.request_id} is not encoded: the "
                                        f"step reads its rows {first}-{last - 1} but the scheduler never listed it")
                 emb, ds = encoded
+                if (key := (chunk.seq.request_id, image.index)) in self._pass_done:  # made beside the steps
+                    self.tower_stream.hand_over(self._pass_done.pop(key), [emb, *ds])
                 rows.append(torch.arange(first, last) - lo + starts[i])
                 embeds.append(emb[first - image.start : last - image.start])
                 deepstack.append([d[first - image.start : last - image.start] for d in ds])
@@ -420,22 +428,36 @@ class ModelRunner:
                 sizes = [tokens for _, tokens in work.whole]
                 for (key, _), emb, *ds in zip(work.whole, embeds.split(sizes), *(d.split(sizes) for d in deepstack)):
                     self._encoded[key] = (emb, list(ds))
-        for blocks in work.passes:
-            if blocks.first_block == 0:
-                self._passes[blocks.key] = self.vision.begin(normalise_patches(blocks.patches, self.vision.dtype),
-                                                             blocks.grid)
-            state = self._passes.get(blocks.key)
-            if state is None or state.next_block != blocks.first_block:
-                request_id, index = blocks.key
-                raise RuntimeError(f"image {index} of request {request_id}: the scheduler listed blocks from "
-                                   f"{blocks.first_block}, the pass is at {None if state is None else state.next_block}")
-            self.vision.run_blocks(state, blocks.num_blocks)
-            if state.next_block == self.vision.depth:
-                del self._passes[blocks.key]
-                out = self.vision.finish(state)
-                if out is not None:
-                    emb, ds = out
-                    self._encoded[blocks.key] = (emb, list(ds))
+        if not work.passes:
+            return
+        if self.tower_stream.active:  # the grids' tables cached on the step's stream, which whole images read too
+            for blocks in work.passes:
+                if blocks.first_block == 0:
+                    self.vision.tower.tables([tuple(g) for g in blocks.grid.tolist()])
+            self.tower_stream.uses([b.patches for b in work.passes if b.patches is not None])
+        with self.tower_stream.beside():
+            for blocks in work.passes:
+                self._run_blocks(blocks)
+
+    def _run_blocks(self, blocks: PassBlocks) -> None:
+        if blocks.first_block == 0:
+            state = self.vision.begin(normalise_patches(blocks.patches, self.vision.dtype), blocks.grid)
+            self.tower_stream.uses([state.cos, state.sin, state.pending])  # the cached tables
+            self._passes[blocks.key] = state
+        state = self._passes.get(blocks.key)
+        if state is None or state.next_block != blocks.first_block:
+            request_id, index = blocks.key
+            raise RuntimeError(f"image {index} of request {request_id}: the scheduler listed blocks from "
+                               f"{blocks.first_block}, the pass is at {None if state is None else state.next_block}")
+        self.vision.run_blocks(state, blocks.num_blocks)
+        if state.next_block == self.vision.depth:
+            del self._passes[blocks.key]
+            out = self.vision.finish(state)
+            if out is not None:
+                emb, ds = out
+                self._encoded[blocks.key] = (emb, list(ds))
+                if (done := self.tower_stream.mark()) is not None:
+                    self._pass_done[blocks.key] = done
 
     def _image_patches(self, encode: ImageEncode) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's uint8 patches on the device and its grid row: its resized pixels copied there (on CUDA from
@@ -447,6 +469,7 @@ class ModelRunner:
 
     def _drop_image(self, key: ImageKey) -> None:
         self._encoded.pop(key, None)
+        self._pass_done.pop(key, None)
         if self.drop_pass(key) and self._shares_tower:
             self.ranks.send(("vision_drop", key))
 
