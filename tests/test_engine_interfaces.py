@@ -13,7 +13,7 @@ import pytest
 from workers.serve.async_engine import AsyncEngine
 from workers.engine import LLMEngine, WallTimer
 from workers.engine_api import (
-    EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine, StepLauncher, StepTimer,
+    EngineCore, Executor, LaunchedStep, RequestInputs, ServingEngine, StepLauncher, StepTimer, TowerBeside,
 )
 from workers.executor.model_runner import LaunchedTokens, ModelRunner
 from workers.inputs.request_inputs import ModelInputs
@@ -35,6 +35,7 @@ def parameters(function) -> list[tuple[str, object, object]]:
     (ModelRunner, Executor), (SimulatedExecutor, Executor), (ModelInputs, RequestInputs), (SimulatedInputs, RequestInputs),
     (ModelRunner, StepLauncher), (LaunchedTokens, LaunchedStep), (SimulatedExecutor, StepLauncher),
     (SimulatedStep, LaunchedStep), (WallTimer, StepTimer), (SimulatedTimer, StepTimer),
+    (ModelRunner, TowerBeside), (SimulatedExecutor, TowerBeside),
 ])
 def test_each_engine_has_every_method_of_its_interface_with_the_same_signature(implementation, protocol):
     for name, declared in members(protocol).items():
@@ -63,6 +64,7 @@ def test_a_built_engine_is_an_instance_of_its_interface(tiny_moe_checkpoint):
     assert isinstance(core, EngineCore) and isinstance(sim, EngineCore)
     assert isinstance(core.executor, Executor) and isinstance(sim.executor, Executor)
     assert isinstance(core.executor, StepLauncher) and isinstance(sim.executor, StepLauncher)
+    assert isinstance(core.executor, TowerBeside) and isinstance(sim.executor, TowerBeside)
     assert isinstance(core.inputs, RequestInputs) and isinstance(sim.inputs, RequestInputs)
     assert isinstance(core.timer, StepTimer) and isinstance(sim.timer, StepTimer)
     # one engine: the simulated one is an LLMEngine (its step loop, scheduler and request lifecycle, one constructor)

@@ -200,25 +200,29 @@ def test_an_image_costlier_than_a_steps_budget_is_encoded_over_steps_while_other
     assert ("big", 0) not in sched.encoder_cache  # freed once its last rows are in the KV cache
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["on-the-steps-stream", "beside-the-steps"])
-def test_with_passes_beside_the_steps_the_step_clock_learns_no_blocks_and_skips_the_step_that_joins_a_pass(beside):
-    """engine.vision_green_sms: a spread pass's blocks run beside the steps, so no step's time holds them, and the
-    step that first reads the pass's outputs waits for its blocks still running: the clock learns neither."""
+def test_beside_the_steps_a_pass_is_listed_whole_and_its_rows_wait_until_the_executor_reports_it_done():
+    """engine.vision_green_sms: a pass too large for a step's budget runs whole beside the steps (its blocks in no
+    step's time: the step clock learns none), its request's image rows wait until the executor says the pass is
+    done, and the other requests' steps go on meanwhile."""
     bm = BlockManager(64, 4)
-    limits = SchedulerLimits(8, 16, 1000, max_num_encoder_tokens=8, vision=VisionCost(depth=4), passes_beside=beside)
+    limits = SchedulerLimits(8, 16, 1000, max_num_encoder_tokens=8, vision=VisionCost(depth=4), passes_beside=True)
     sched = Scheduler(limits, bm, frozenset({EOS}))
-    sched.add(image_seq("big", 30, [(2, 20)]))  # 20 rows: 5 a block, a block a step (as the test above)
+    sched.add(image_seq("big", 30, [(2, 20)]))  # 20 rows: more than a step's 8
     sched.add(seq("text", 12, max_tokens=5))
-    seen = []
-    sched.step_clock.observe_step = lambda seconds, cost, prompt, context: seen.append((seconds, cost))
-    for i in range(5):
+    costs = []
+    sched.step_clock.observe_step = lambda seconds, cost, prompt, context: costs.append(cost)
+    steps = []
+    for _ in range(3):
         out = sched.schedule()
-        sched.observe_step(0.01 * (i + 1), out)
+        sched.observe_step(0.01, out)
         sched.update(out, {c.seq.request_id: 7 for c in out.chunks if c.samples})
-    if beside:  # step 4 ran the last block and read the image (as above): not observed; no block cost in the others
-        assert seen == [(0.01, 0), (0.02, 0), (0.03, 0), (0.05, 0)]
-    else:
-        assert [cost for _, cost in seen] == [5, 5, 5, 5, 0]
+        steps.append(([(e.key, e.first_block, e.num_blocks) for e in out.encode_now], chunks(out)))
+    assert steps[0] == ([(("big", 0), 0, 4)], [("big", 0, 2), ("text", 0, 12)])  # every block, in the first step
+    assert steps[1] == ([], [("text", 12, 1)]) and steps[2] == ([], [("text", 13, 1)])  # big waits; text decodes
+    assert costs == [0, 0, 0] and sched.passes_in_flight
+    sched.passes_done([("big", 0), ("gone", 0)])  # (a pass of a request dropped meanwhile is ignored)
+    assert not sched.passes_in_flight
+    assert ("big", 2, 15) in chunks(sched.schedule())  # its image rows, once the pass is done
 
 
 def test_a_finished_or_failed_request_leaves_nothing_in_the_encoder_cache():

@@ -165,12 +165,14 @@ class EngineConfig(BaseModel):
     )
 
     vision_green_sms: int = Field(
-        0, ge=0, description="On CUDA, run the blocks of tower passes spread over steps on the stream of a green "
-        "context of this many SMs, beside the text tower's steps, which wait for a pass only where they read its "
-        "outputs (workers/executor/tower_stream.py); 0: on the step's own stream, each step carrying its share of "
-        "blocks. Whole images stay on the step's stream. On one H100 a tower pass with 64 SMs beside 32 decoding "
-        "requests took 0.85x of the two one after the other (bench_engine.py --beside-tower); through the engine "
-        "this is not yet measured, so it is off by default. One rank only; the CPU, without streams, ignores it."
+        0, ge=0, description="On CUDA, run a tower pass too large for a step's encoder budget whole on the stream of a "
+        "green context of this many SMs, beside the text tower's steps (workers/executor/tower_stream.py): the other "
+        "requests' steps go on, slowed, while it runs; its request's image rows wait until the executor reports the "
+        "pass done. 0: such a pass is spread over the steps a few blocks at a time, each step carrying its share. "
+        "Whole images stay on the step's stream. On one H100 a pass with 64 SMs beside 32 decoding requests took "
+        "0.85x of the two one after the other (bench_engine.py --beside-tower); the simulated engine charges the "
+        "pass total/N its time and each step beside it (total/(total - N))^0.6 (workers/sim/engine.py). Through the "
+        "engine not yet measured, so off by default. One rank only; the CPU, without streams, ignores it."
     )
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from contract.types import EngineLoad, FinishReason, PromptInput, RequestOutput,
 from workers.core.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.engine_api import (
-    Executor, LaunchedStep, ModelFacts, PreparedRequest, RequestInputs, StepLauncher, StepTimer,
+    Executor, LaunchedStep, ModelFacts, PreparedRequest, RequestInputs, StepLauncher, StepTimer, TowerBeside,
 )
 from workers.core.encoder_cache import VisionCost
 from workers.kv_cache import KvExport
@@ -103,6 +103,13 @@ class LLMEngine:
             log.info("engine.overlap_decode_steps: this engine's executor cannot queue steps ahead; steps run one at "
                      "a time")
         self._step_trace = StepTrace(config.step_trace_dir) if config.step_trace_dir else None
+        # config.vision_green_sms on CUDA: tower passes run beside the steps, usable once the executor says so
+        self._beside: TowerBeside | None = None
+        if self.scheduler.limits.passes_beside:
+            if not isinstance(executor, TowerBeside):
+                raise TypeError(f"engine.vision_green_sms: {type(executor).__name__} cannot run tower passes beside "
+                                "its steps")
+            self._beside = executor
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -271,6 +278,8 @@ class LLMEngine:
         queued = len(outputs)  # admission errors and aborts: they never entered a step
         started = time.monotonic()
         self.timer.began(started)
+        if self._beside is not None:
+            self.scheduler.passes_done(self._beside.finished_passes())
         out, launched = self._schedule()
         scheduled = time.monotonic()
         executed = self._execute(out, launched)
@@ -291,7 +300,10 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput, launched: LaunchedStep | None) -> _Executed:
         """Has the executor run out, one step at a time or (overlap) launched behind the step before."""
         if out.is_empty:
-            self.executor.idle()
+            if self._beside is not None and self.scheduler.passes_in_flight:
+                self._beside.wait_passes()  # all that is left to run is a pass beside the steps
+            else:
+                self.executor.idle()
             return _Executed()
         if self._overlap:
             return self._execute_overlapped(out, launched)
@@ -357,8 +369,9 @@ class LLMEngine:
             self.scheduler.observe_step(self.timer.seconds(started, updated), out)
         if self._step_trace is not None:
             if not out.is_empty:
-                self._step_trace.record(started, updated, step_work(out, self.model_facts.vision.depth),
-                                        len(self.scheduler.waiting), len(self.scheduler.running), phases)
+                work = step_work(out, self.model_facts.vision.depth, self.scheduler.limits.passes_beside)
+                self._step_trace.record(started, updated, work, len(self.scheduler.waiting),
+                                        len(self.scheduler.running), phases)
             self._step_trace.progress(out, changed, started, updated)  # also a rejection in an otherwise empty step
         self._steps += 1
 

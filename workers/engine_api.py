@@ -5,9 +5,10 @@
   LLMEngine (workers/engine.py) implements it, whatever its executor (LLMEngine.from_config: the checkpoint's model;
   workers.sim.engine.simulated: the step model's).
 * Executor: what runs the batch the scheduler chose, behind LLMEngine (a StepLauncher also queues it without
-  waiting). ModelRunner (workers/executor/model_runner.py: the model on one device or a tensor-parallel group) and
-  SimulatedExecutor (workers/sim/engine.py: no model; each step lasts what the step model says of that batch, its
-  images included) implement it. ModelFacts: what the engine knows of the model behind it.
+  waiting; a TowerBeside also runs tower passes beside its steps). ModelRunner (workers/executor/model_runner.py: the
+  model on one device or a tensor-parallel group) and SimulatedExecutor (workers/sim/engine.py: no model; each step
+  lasts what the step model says of that batch, its images included) implement it. ModelFacts: what the engine
+  knows of the model behind it.
 * StepTimer: the clock LLMEngine's steps are timed on. WallTimer (workers/engine.py) for a model on a device,
   SimulatedTimer (workers/sim/engine.py) for the step model's.
 * RequestInputs: what makes a request's Sequence before admission (validation, image decoding, positions).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from contract.types import EngineLoad, PromptInput, RequestOutput, SamplingParams
-from workers.core.encoder_cache import VisionCost
+from workers.core.encoder_cache import ImageKey, VisionCost
 from workers.request_options import NO_OPTIONS, RequestOptions
 
 if TYPE_CHECKING:
@@ -154,6 +155,20 @@ class StepLauncher(Protocol):
         """Queues out (any step: prompt chunks, decodes, images, KV imports). after: the step still running whose
         samples some of out's input tokens are (workers.core.sequence.PENDING_TOKEN in token_ids: each such
         sequence is among after.request_ids); None: every input token is on the host."""
+        ...
+
+
+@runtime_checkable
+class TowerBeside(Protocol):
+    """An executor that can run tower passes beside its steps (EngineConfig.vision_green_sms): the scheduler lists a
+    pass whole when it starts, and it is usable once the executor reports it done."""
+
+    def finished_passes(self) -> list[ImageKey]:
+        """The passes running beside the steps that finished since the last call."""
+        ...
+
+    def wait_passes(self) -> None:
+        """Nothing else to run: blocks until the oldest pass running beside the steps is done."""
         ...
 
 

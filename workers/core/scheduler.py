@@ -213,7 +213,6 @@ class Scheduler:
         self.encoder_cache = EncoderCache(limits.cache_tokens)
         # Passes spread over steps, oldest first: the next block of each.
         self._passes: dict[ImageKey, tuple[Sequence, ImageSpan, int]] = {}
-        self._joins: set[ImageKey] = set()  # passes finished beside the steps (passes_beside) that no step read yet
         self._logged: set[ImageKey] = set()  # images whose first whole-or-spread decision was logged
         self._waits_logged: set[ImageKey] = set()  # images whose first wait for others (_defers) was logged
         self._drop_next: list[ImageKey] = []  # encoder state a failed step left behind, dropped in the next
@@ -504,14 +503,7 @@ class Scheduler:
         """The engine ran `out` in `seconds`: StepClock learns what its tower work and its other work take. The tower
         work in a step's time is its encode_now and the step before's encode_ahead (encoded_before), not its own
         encode_ahead: that runs behind its sampling, after the tokens whose arrival ends its time. With passes_beside
-        a pass's blocks are in no step's time, and the step that first reads a pass's outputs waits for its blocks
-        still running: that step is not observed."""
-        if self._joins:
-            read = {(c.seq.request_id, image.index) for c in out.chunks for image in c.seq.images
-                    if image.overlaps(c.start, c.start + c.num_tokens)}
-            if read & self._joins:
-                self._joins -= read
-                return
+        a pass's blocks run beside the steps: in no step's time."""
         vision, beside = self.limits.vision, self.limits.passes_beside
         cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else e.num_blocks *
                    vision.block_cost(e.image.num_tokens) for e in (*out.encoded_before, *out.encode_now)
@@ -558,6 +550,9 @@ class Scheduler:
             if image_cost > encoder.total and vision.depth > 1:  # never fits one step: its first blocks now
                 if self._yields(seq, image_cost):
                     return whole, split, cut
+                if self.limits.passes_beside:  # every block at once, beside the steps (passes_done ends it)
+                    split.append((image, vision.depth))
+                    return whole, split, cut
                 blocks = min(vision.depth - 1, int((encoder.left - cost) // vision.block_cost(image.num_tokens)))
                 if blocks == 0 and first and not encoder.used:
                     blocks = 1
@@ -574,11 +569,14 @@ class Scheduler:
             self.encoder_cache.add(key, image.num_tokens, ready=False)
             self._passes[key] = (seq, image, blocks)
             out.encode_now.append(ImageEncode(seq, image, 0, blocks))
-            encoder.take(blocks * vision.block_cost(image.num_tokens))
+            if not self.limits.passes_beside:  # beside the steps a pass takes none of a step's time
+                encoder.take(blocks * vision.block_cost(image.num_tokens))
 
     def _continue_passes(self, encoder: _EncoderBudget, out: SchedulerOutput) -> None:
         """The next blocks of the passes spread over steps, oldest first; at least one block a step for the oldest,
         and at most encoder_pass_share of the step's budget while other work may want the rest."""
+        if self.limits.passes_beside:  # each pass was listed whole when it started: passes_done ends it
+            return
         vision = self.limits.vision
         reserved = encoder.total * (1 - self.limits.encoder_pass_share)  # for whole images
         for key, (seq, image, done) in list(self._passes.items()):
@@ -596,17 +594,27 @@ class Scheduler:
             encoder.take(blocks * per_block)
             if done + blocks == vision.depth:
                 del self._passes[key]
-                if self.limits.passes_beside:
-                    self._joins.add(key)
                 self.encoder_cache.mark_ready(key)  # its last blocks run before this step's chunks read it
                 self.encoder_cache.mark_started(key)  # never evicted: a pass's work is not thrown away
             else:
                 self._passes[key] = (seq, image, done + blocks)
 
+    @property
+    def passes_in_flight(self) -> bool:
+        """Whether passes run beside the steps (passes_beside) that the executor has not reported done."""
+        return self.limits.passes_beside and bool(self._passes)
+
+    def passes_done(self, keys: list[ImageKey]) -> None:
+        """The executor finished these passes beside the steps (passes_beside): their outputs are ready to read.
+        Keys of passes dropped meanwhile (a preempted, aborted or failed request's) are ignored."""
+        for key in keys:
+            if self._passes.pop(key, None) is not None:
+                self.encoder_cache.mark_ready(key)
+                self.encoder_cache.mark_started(key)  # never evicted: a pass's work is not thrown away
+
     def _forget_images(self, request_id: str) -> list[ImageKey]:
         for key in [k for k in self._passes if k[0] == request_id]:
             del self._passes[key]
-        self._joins -= {k for k in self._joins if k[0] == request_id}
         self._logged -= {k for k in self._logged if k[0] == request_id}
         self._waits_logged -= {k for k in self._waits_logged if k[0] == request_id}
         return self.encoder_cache.free_request(request_id)

@@ -57,12 +57,13 @@ def median_phases_ms(steps: list[dict[str, float]]) -> dict[str, float]:
 PATCHES_PER_VISUAL_TOKEN = 4  # Qwen3-VL merges 2 x 2 patches into one visual token
 
 
-def step_work(out: SchedulerOutput, vision_depth: int) -> StepWork:
+def step_work(out: SchedulerOutput, vision_depth: int, passes_beside: bool = False) -> StepWork:
     """The work of a scheduled batch: its chunks (prompt tokens, of which visual, and decodes' context), and the images
     the vision tower encodes within its time: the step before's encode_ahead (queued behind that step's sampling,
     so this step's kernels follow it) and its own encode_now, with the share of the tower's `vision_depth` blocks
-    each runs (a pass spread over steps runs a few). Its own encode_ahead runs after its tokens, in the next step's
-    time. vision_plans is left to the caller (it needs history)."""
+    each runs (a pass spread over steps runs a few; passes_beside: a pass runs beside the steps, in none of their
+    time). Its own encode_ahead runs after its tokens, in the next step's time. vision_plans is left to the caller
+    (it needs history)."""
     work = StepWork(num_seqs=len(out.chunks))
     for chunk in out.chunks:
         seq = chunk.seq
@@ -74,7 +75,7 @@ def step_work(out: SchedulerOutput, vision_depth: int) -> StepWork:
         work.prefill_tokens += prefill
         for image in seq.images:
             work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
-    encodes = (*out.encoded_before, *out.encode_now)
+    encodes = [e for e in (*out.encoded_before, *out.encode_now) if not (passes_beside and e.num_blocks)]
     work.vision_patches = [encode.image.num_tokens * PATCHES_PER_VISUAL_TOKEN for encode in encodes]
     work.vision_shares = [encode.num_blocks / vision_depth if encode.num_blocks else 1.0 for encode in encodes]
     return work

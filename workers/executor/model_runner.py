@@ -180,7 +180,8 @@ class ModelRunner:
         # Where the passes' blocks run (engine.vision_green_sms): beside the steps, each finished pass's outputs
         # behind an event the step that reads them waits for; else on the step's stream (no events).
         self.tower_stream = TowerStream(self.device, config.vision_green_sms if self.vision is not None else 0)
-        self._pass_done: dict[ImageKey, torch.cuda.Event] = {}
+        self._pass_done: dict[ImageKey, torch.cuda.Event] = {}  # until a step reads the pass's outputs
+        self._in_flight: dict[ImageKey, torch.cuda.Event] = {}  # until finished_passes reports the pass done
         self.graphs: DecodeGraphs | None = None
         if config.is_cuda and not config.enforce_eager and DecodeGraphs.supported(self.dtype):
             self.graphs = DecodeGraphs(
@@ -457,7 +458,20 @@ class ModelRunner:
                 emb, ds = out
                 self._encoded[blocks.key] = (emb, list(ds))
                 if (done := self.tower_stream.mark()) is not None:
-                    self._pass_done[blocks.key] = done
+                    self._pass_done[blocks.key] = self._in_flight[blocks.key] = done
+
+    def finished_passes(self) -> list[ImageKey]:
+        """The TowerBeside protocol: passes whose last block has run on the side stream since the last call (a pass
+        runs whole there, and its outputs exist once its event has passed)."""
+        done = [key for key, event in self._in_flight.items() if event.query()]
+        for key in done:
+            del self._in_flight[key]
+        return done
+
+    def wait_passes(self) -> None:
+        """The TowerBeside protocol: blocks until the oldest pass on the side stream is done."""
+        if self._in_flight:
+            next(iter(self._in_flight.values())).synchronize()
 
     def _image_patches(self, encode: ImageEncode) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's uint8 patches on the device and its grid row: its resized pixels copied there (on CUDA from
@@ -470,6 +484,7 @@ class ModelRunner:
     def _drop_image(self, key: ImageKey) -> None:
         self._encoded.pop(key, None)
         self._pass_done.pop(key, None)
+        self._in_flight.pop(key, None)
         if self.drop_pass(key) and self._shares_tower:
             self.ranks.send(("vision_drop", key))
 

@@ -1,4 +1,4 @@
-"""Where the vision tower's spread passes run: on the step's own stream (the default), or on the stream of a CUDA
+"""Where the vision tower's large passes run: on the step's own stream (the default), or on the stream of a CUDA
 green context holding some of the GPU's SMs (EngineConfig.vision_green_sms), beside the text tower's steps.
 
 On one stream a pass spread over steps adds its blocks to each step's time, and the decodes beside it wait for them.
@@ -7,9 +7,10 @@ On a plain second stream the tower's blocks take every SM and the decode steps s
 H100's 132 SMs, 32 requests decoded at 1.4x their step time while a 4,000 px pass took 2.0x as long, the two
 together 0.85x of one after the other (benchmarks/README.md, thirty-eighth and thirty-ninth passes, run129-139).
 
-The side stream's order keeps a pass's blocks in order across steps; the step's stream waits for a pass's last block
-(an event) only where a step reads the pass's outputs. Tensors cross streams with their uses recorded
-(Tensor.record_stream), so the caching allocator does not hand their memory to the other stream's work early.
+The scheduler lists such a pass whole; the model runner queues it on the side stream and reports it done once its
+event has passed (ModelRunner.finished_passes), and only then does a step read its outputs (after waiting for the
+event all the same). Tensors cross streams with their uses recorded (Tensor.record_stream), so the caching
+allocator does not hand their memory to the other stream's work early.
 """
 
 from __future__ import annotations

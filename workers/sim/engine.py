@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from contract.tokenizer import EOS_TOKEN_IDS, IM_END_ID, token_runs
 from contract.types import PromptInput, RequestOutput, SamplingParams
 from workers.config import EngineConfig
-from workers.core.encoder_cache import VisionCost
+from workers.core.encoder_cache import ImageKey, VisionCost
 from workers.engine import LLMEngine
 from workers.engine_api import ModelFacts
 from workers.kv_cache import KvExport
@@ -36,6 +36,12 @@ VOCAB = 150_000  # generated ids stay below Qwen's special ids
 # costed as the real engine's scheduler costs it.
 QWEN3_VL_VISION = VisionCost.of_tower(27, 1152, 4304, 2)
 GENERATION_DEFAULTS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=150)  # Qwen3-VL's release
+# A tower pass beside the steps in a green context of s of the GPU's n SMs (engine.vision_green_sms), as an H100
+# measured it (benchmarks/README.md, thirty-eighth and thirty-ninth passes, bench_engine.py --beside-tower): the pass
+# takes n / s as long (64 SMs: 2.04x, 80: 1.64x, 96: 1.37x), a step's work beside it (n / (n - s))^0.6 as long
+# (decode batches of 4 and 32: 1.39-1.49x at 64 SMs, 1.71-1.79x at 80, 2.2-2.3x at 96). Prompt chunks beside a pass
+# were not measured: the same factor.
+BESIDE_STEP_EXPONENT = 0.6
 
 
 def next_token(context_len: int, salt: int) -> int:
@@ -51,10 +57,11 @@ class SimulatedStep:
     work: StepWork
     sampled: dict[str, int]
     request_ids: list[str]
+    beside: list[tuple[ImageKey, int]] = field(default_factory=list)  # passes it starts beside the steps: patches
     waited_s: float = 0.0
 
     def wait(self) -> dict[str, int]:
-        self.executor._run(self.work)
+        self.executor._run(self.work, self.beside)
         self.waited_s = self.executor.last_wait_s
         return self.sampled
 
@@ -79,6 +86,8 @@ class SimulatedExecutor:
         self.busy_s = 0.0
         self.step_started = time.monotonic()  # set by SimulatedTimer when a step begins: its sleep ends relative to it
         self.encoded_sizes: set[int] = set()  # image sizes (patches) encoded so far: the real tower's cuDNN plans
+        self.beside = BesidePasses.of(config, step_model)  # engine.vision_green_sms on CUDA, else None
+        self.now_s = 0.0  # the executor's own clock: its steps' lengths summed (where the passes beside them run)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         return self.launch(out).wait()
@@ -91,16 +100,37 @@ class SimulatedExecutor:
         """The step's tokens now (they depend on the sequences' lengths only, pending tokens counted), its length
         charged by wait()."""
         sampled = self._sample(out)
-        return SimulatedStep(self, self.work(out), sampled, list(sampled))
+        beside = [(e.key, e.image.num_tokens * 4) for e in out.encode_now if e.num_blocks] if self.beside else []
+        return SimulatedStep(self, self.work(out), sampled, list(sampled), beside)
 
     def idle(self) -> None:
         self._run(StepWork(num_seqs=0))
 
-    def _run(self, work: StepWork) -> None:
+    def finished_passes(self) -> list[ImageKey]:
+        """The TowerBeside protocol: passes beside the steps whose modelled end has passed on the executor's clock."""
+        return self.beside.finished(self.now_s) if self.beside else []
+
+    def wait_passes(self) -> None:
+        """The TowerBeside protocol: the clock moves to the oldest pass's end (slept when realtime)."""
+        self.last_step_s = max(self.beside.next_end() - self.now_s, 0.0) if self.beside else 0.0
+        self.now_s += self.last_step_s
+        self._sleep()
+
+    def _run(self, work: StepWork, beside: list[tuple[ImageKey, int]] = ()) -> None:
         work.vision_plans = len(set(work.vision_patches) - self.encoded_sizes)
         self.encoded_sizes.update(work.vision_patches)
-        self.last_step_s = self.step_model.step_ms(work) / 1e3
+        alone_s = self.step_model.step_ms(work) / 1e3
+        if self.beside is not None:
+            for key, patches in beside:  # queued on the side stream at the step's start, one after another
+                self.beside.start(key, self.step_model.vision_ms(patches) * self.step_model.correction.vision_scale
+                                  / 1e3, self.now_s)
+            alone_s = self.beside.stretch(alone_s, self.now_s)
+        self.last_step_s = alone_s
+        self.now_s += alone_s
         self.busy_s += self.last_step_s
+        self._sleep()
+
+    def _sleep(self) -> None:
         self.last_wait_s = 0.0
         if self.realtime:
             self.last_wait_s = max(self.step_started + self.last_step_s * self.sim.time_scale - time.monotonic(), 0.0)
@@ -127,8 +157,9 @@ class SimulatedExecutor:
 
     def work(self, out: SchedulerOutput) -> StepWork:
         """What the step model charges for a scheduled batch: its chunks, and the images the scheduler has the
-        vision tower encode in it (now and ahead), as the real engine's runner carries them out."""
-        return step_work(out, self.vision_depth)
+        vision tower encode in it (now and ahead), as the real engine's runner carries them out (passes beside the
+        steps apart)."""
+        return step_work(out, self.vision_depth, self.beside is not None)
 
     def _sample(self, out: SchedulerOutput) -> dict[str, int]:
         sampled = {}
@@ -139,6 +170,50 @@ class SimulatedExecutor:
             done = seq.num_generated_tokens + 1 >= self.sim.output_tokens and not seq.prefill_only
             sampled[seq.request_id] = IM_END_ID if done else next_token(seq.num_tokens, seq.num_prompt_tokens)
         return sampled
+
+
+class BesidePasses:
+    """The passes a simulated engine runs beside its steps (engine.vision_green_sms), one after another as a stream
+    runs them, on the executor's clock: each takes tower_factor times its time alone, and a step's work while one
+    runs step_factor times its own (BESIDE_STEP_EXPONENT)."""
+
+    def __init__(self, sms: int, total_sms: int):
+        if not 0 < sms < total_sms:
+            raise ValueError(f"engine.vision_green_sms {sms}: between 0 and the GPU's {total_sms} SMs")
+        self.tower_factor = total_sms / sms
+        self.step_factor = (total_sms / (total_sms - sms)) ** BESIDE_STEP_EXPONENT
+        self.busy_until = 0.0
+        self._ends: dict[ImageKey, float] = {}
+
+    @classmethod
+    def of(cls, config: EngineConfig, step_model: StepModel) -> BesidePasses | None:
+        if not (config.vision_green_sms and config.is_cuda):
+            return None
+        total = step_model.hardware.sms
+        if total is None:
+            raise ValueError(f"engine.vision_green_sms: hardware profile {step_model.hardware.name!r} gives no SM "
+                             "count (sms)")
+        return cls(config.vision_green_sms, total)
+
+    def start(self, key: ImageKey, alone_s: float, now: float) -> None:
+        self.busy_until = max(self.busy_until, now) + alone_s * self.tower_factor
+        self._ends[key] = self.busy_until
+
+    def stretch(self, alone_s: float, now: float) -> float:
+        """How long a step of alone_s seconds' work takes from `now`, slowed while a pass runs beside it."""
+        beside_s = max(self.busy_until - now, 0.0)
+        if alone_s * self.step_factor <= beside_s:
+            return alone_s * self.step_factor
+        return beside_s + alone_s - beside_s / self.step_factor
+
+    def finished(self, now: float) -> list[ImageKey]:
+        done = [key for key, end in self._ends.items() if end <= now + 1e-12]
+        for key in done:
+            del self._ends[key]
+        return done
+
+    def next_end(self) -> float:
+        return min(self._ends.values(), default=0.0)
 
 
 class SimulatedTimer:

@@ -74,6 +74,8 @@ class HardwareProfile(BaseModel):
     dense_tflops: dict[str, float]
     nvlink_gb_s: float = Field(gt=0)
     gpus_per_node: int = Field(ge=1)
+    sms: int | None = Field(None, ge=1, description="streaming multiprocessors, which green contexts partition "
+                            "(engine.vision_green_sms); None: not given")
     sources: list[str] = Field(min_length=1)
 
     def tflops(self, precision: Precision) -> float:
