@@ -65,3 +65,18 @@ def test_plan_layout_replays_a_trace_file_with_its_bound(catalogue, tmp_path, ca
     with pytest.raises(SystemExit):
         main(["--replay-arrivals", str(trace)])
     assert "go together" in capsys.readouterr().err
+
+
+def test_a_burst_replays_with_its_large_pass_beside_the_steps(catalogue):
+    """engine.vision_green_sms: a pass larger than the step's encoder budget (sample 5's 2,209-row image against
+    2,048, arriving behind two others) runs beside the steps; a step that only starts it lasts no time, which is
+    not a stall."""
+    model = product_path_model(weights="fp8", kv_dtype="fp8")
+    burst = trace_arrivals([line(catalogue, s, 0.02 * i, 0.5, query=s) for i, s in enumerate((0, 1, 5))])
+    settings = dict(checkpoint=Path("simulated"), max_num_seqs=64, max_num_batched_tokens=8192,
+                    max_num_encoder_tokens=2048)
+    spread = replay_arrivals(model, burst, catalogue, EngineConfig(**settings), bound_s=1.5)
+    beside = replay_arrivals(model, burst, catalogue, EngineConfig(**settings, device="cuda", vision_green_sms=64),
+                             bound_s=1.5)
+    assert spread["requests"] == beside["requests"] == 3
+    assert beside["replayed"] != spread["replayed"]  # the pass ran whole beside the steps, not a share a step

@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bound (Interactive 1.5, Server 12)")
     parser.add_argument("--prompt-variant", default="v6.1", choices=["v6.0", "v6.1"], help="with "
                         "--replay-arrivals: the prompts' variant (the product path's systems ask for v6.1)")
+    parser.add_argument("--vision-green-sms", type=int, default=0, metavar="N", help="with --replay-arrivals: "
+                        "engine.vision_green_sms on a CUDA engine (large passes beside the steps on N SMs; 0: spread)")
     args = parser.parse_args(argv)
     if (args.replay_arrivals is None) != (args.bound_s is None):
         parser.error("--replay-arrivals and --bound-s go together")
@@ -189,7 +191,8 @@ def _replay_arrivals(args: argparse.Namespace) -> dict:
         catalogue = realistic_catalogue(args.workload_samples, RUNS.product_path.catalogue_seed, args.prompt_variant)
         engine = EngineConfig(checkpoint=Path("simulated"), max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_num_prefill_tokens=args.prefill_caps[0])
+                              max_num_prefill_tokens=args.prefill_caps[0], vision_green_sms=args.vision_green_sms,
+                              device="cuda" if args.vision_green_sms else "cpu")
         model = product_path_model(args.step_correction, args.weights, args.kv_dtype)
         report = replay_arrivals(model, arrivals, catalogue, engine, args.bound_s)
     except (ValueError, FileNotFoundError) as exc:
@@ -198,7 +201,8 @@ def _replay_arrivals(args: argparse.Namespace) -> dict:
     return {"trace": str(args.replay_arrivals), "step_correction": fit, "weights": args.weights,
             "kv_dtype": args.kv_dtype, "engine": {"max_num_seqs": args.max_num_seqs,
                                                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                                                  "max_num_prefill_tokens": args.prefill_caps[0]}, **report}
+                                                  "max_num_prefill_tokens": args.prefill_caps[0],
+                                                  "vision_green_sms": args.vision_green_sms}, **report}
 
 
 def main(argv: list[str] | None = None) -> None:
