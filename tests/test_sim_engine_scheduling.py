@@ -59,9 +59,9 @@ def test_a_simulated_pass_beside_the_steps_slows_them_as_measured_and_its_rows_w
     encoded = record_encodes(sim)
     steps, run = [], executor._run
 
-    def spy(work, beside=()):
+    def spy(work, passes=()):
         started = executor.now_s
-        run(work, beside)
+        run(work, passes)
         steps.append((started, work, executor.last_step_s))
     executor._run = spy
     first_image_rows = None

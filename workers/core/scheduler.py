@@ -76,8 +76,9 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class ImageEncode:
     """One image of seq through the vision tower: the whole tower (num_blocks 0), or blocks [first_block,
-    first_block + num_blocks) of a pass spread over several steps (an image too large for one step's budget),
-    whose output is usable once its last block has run."""
+    first_block + num_blocks) of a pass spread over several steps (an image too large for one step's budget; with
+    SchedulerLimits.passes_beside every block at once, beside the steps), whose output is usable once its last
+    block has run."""
 
     seq: Sequence
     image: ImageSpan
@@ -140,8 +141,9 @@ class SchedulerLimits:
     that while a pass over the largest image holds its rows the other prompts' images still find room: with twice
     the budget alone, 16,384 rows, a 4,000 px image's 15,625 left no room for a 1,024-row image, and the prompts
     behind it stalled for its whole pass, Interactive on one H200, run101). encode_ahead: spend the step's unused
-    encoder budget on the next step's prompts. passes_beside: the executor runs passes' blocks beside the steps
-    (engine.vision_green_sms on CUDA), so a step's time holds none of them."""
+    encoder budget on the next step's prompts. passes_beside (engine.vision_green_sms on CUDA): an image costing more
+    than a step's budget is listed whole, as every block of a pass, which the executor runs beside the steps (in no
+    step's time); its rows are usable once the executor reports the pass done (Scheduler.passes_done)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int

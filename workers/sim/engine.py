@@ -27,7 +27,7 @@ from workers.inputs.mm_inputs import PromptError
 from workers.core.scheduler import SchedulerOutput
 from workers.core.sequence import Sequence
 from workers.sim.config import SimulationConfig
-from workers.core.step_work import StepWork, step_work
+from workers.core.step_work import PATCHES_PER_VISUAL_TOKEN, StepWork, step_work
 from workers.sim.step_model import StepModel
 from workers.sim.trace import RequestTrace
 
@@ -57,11 +57,11 @@ class SimulatedStep:
     work: StepWork
     sampled: dict[str, int]
     request_ids: list[str]
-    beside: list[tuple[ImageKey, int]] = field(default_factory=list)  # passes it starts beside the steps: patches
+    passes: list[tuple[ImageKey, int]] = field(default_factory=list)  # those it starts beside the steps: patches
     waited_s: float = 0.0
 
     def wait(self) -> dict[str, int]:
-        self.executor._run(self.work, self.beside)
+        self.executor._run(self.work, self.passes)
         self.waited_s = self.executor.last_wait_s
         return self.sampled
 
@@ -100,8 +100,9 @@ class SimulatedExecutor:
         """The step's tokens now (they depend on the sequences' lengths only, pending tokens counted), its length
         charged by wait()."""
         sampled = self._sample(out)
-        beside = [(e.key, e.image.num_tokens * 4) for e in out.encode_now if e.num_blocks] if self.beside else []
-        return SimulatedStep(self, self.work(out), sampled, list(sampled), beside)
+        passes = [(e.key, e.image.num_tokens * PATCHES_PER_VISUAL_TOKEN) for e in out.encode_now
+                  if e.num_blocks and self.beside is not None]
+        return SimulatedStep(self, self.work(out), sampled, list(sampled), passes)
 
     def idle(self) -> None:
         self._run(StepWork(num_seqs=0))
@@ -116,12 +117,12 @@ class SimulatedExecutor:
         self.now_s += self.last_step_s
         self._sleep()
 
-    def _run(self, work: StepWork, beside: list[tuple[ImageKey, int]] = ()) -> None:
+    def _run(self, work: StepWork, passes: list[tuple[ImageKey, int]] = ()) -> None:
         work.vision_plans = len(set(work.vision_patches) - self.encoded_sizes)
         self.encoded_sizes.update(work.vision_patches)
         alone_s = self.step_model.step_ms(work) / 1e3
         if self.beside is not None:
-            for key, patches in beside:  # queued on the side stream at the step's start, one after another
+            for key, patches in passes:  # queued on the side stream at the step's start, one after another
                 self.beside.start(key, self.step_model.vision_ms(patches) * self.step_model.correction.vision_scale
                                   / 1e3, self.now_s)
             alone_s = self.beside.stretch(alone_s, self.now_s)
