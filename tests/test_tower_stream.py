@@ -50,3 +50,6 @@ def test_the_steps_stream_reads_side_work_after_it_is_done_on_cuda():
     for _ in range(20):
         want = torch.tanh(want @ x) * 0.5
     assert got == pytest.approx(want.sum().item(), rel=1e-4)
+    del stream  # its green context goes before x: nothing of x's may be recorded on the context's stream (run140)
+    del x
+    torch.cuda.synchronize()

@@ -9,8 +9,11 @@ together 0.85x of one after the other (benchmarks/README.md, thirty-eighth and t
 
 The scheduler lists such a pass whole; the model runner queues it on the side stream and reports it done once its
 event has passed (ModelRunner.finished_passes), and only then does a step read its outputs (after waiting for the
-event all the same). Tensors cross streams with their uses recorded (Tensor.record_stream), so the caching
-allocator does not hand their memory to the other stream's work early.
+event all the same). Outputs read on the step's stream have that use recorded (Tensor.record_stream), so the caching
+allocator does not hand their memory on early. Inputs the side stream reads are held instead until its work on them
+is done: a use recorded on a green context's stream makes the allocator record events there when the tensor is
+freed, which aborts the process once the context is gone (run140: "CUDA error: context is destroyed" from
+CUDACachingAllocator's insert_events, at exit).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class TowerStream:
         self.device = device
         self.sms = sms if device.type == "cuda" else 0
         self.stream, self._context = green_stream(self.sms, device) if self.sms else (None, None)
+        self._inputs: list[torch.Tensor] = []  # read by side work queued since the last mark
+        self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # until the side stream passes the event
 
     @property
     def active(self) -> bool:
@@ -63,18 +68,22 @@ class TowerStream:
             yield
 
     def uses(self, tensors: list[torch.Tensor]) -> None:
-        """Tensors the step's stream made that the side stream's work reads: their memory stays theirs until that
-        work is done, wherever the host drops them."""
+        """Tensors the step's stream made that the side stream's work reads: held until the side stream has passed
+        the next mark, wherever the host drops them."""
         if self.stream is not None:
-            for tensor in tensors:
-                tensor.record_stream(self.stream)
+            self._inputs.extend(tensors)
 
     def mark(self) -> torch.cuda.Event | None:
-        """An event after the side stream's work so far (none without a side stream)."""
+        """An event after the side stream's work so far (none without a side stream); the inputs of the work before
+        it are let go once the side stream has passed it."""
         if self.stream is None:
             return None
         event = torch.cuda.Event()
         event.record(self.stream)
+        self._held = [(e, held) for e, held in self._held if not e.query()]
+        if self._inputs:
+            self._held.append((event, self._inputs))
+            self._inputs = []
         return event
 
     def hand_over(self, event: torch.cuda.Event | None, outputs: list[torch.Tensor]) -> None:
