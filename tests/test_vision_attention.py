@@ -269,6 +269,10 @@ def test_flash_attn4_without_its_package_stops_the_warm_up_naming_key_and_packag
     with pytest.raises(RuntimeError, match="engine.vision_attention 'flash_attn4' needs the flash-attn-4 package"):
         va.warm_up_kernel("flash_attn4", 16, 72, torch.device("cuda"), torch.bfloat16)
     assert va.warm_up_kernel("flash_attn4", 16, 72, torch.device("cpu"), torch.bfloat16) == "none"
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn.cute", None)  # its import fails
+    q, k, v = draw([(4, 1)], 1, 16, "cpu", torch.float32)
+    with pytest.raises(RuntimeError, match="needs the flash-attn-4 package"):  # called without a warm-up too
+        fa4.attention_fa4(q, k, v, va.AttentionPlan([(4, 1)]).cu_lengths(q.device), 4, 0.25)
 
 
 def test_flash_attn4_is_one_varlen_call_over_the_plans_frames(monkeypatch):
@@ -288,10 +292,9 @@ def test_flash_attn4_is_one_varlen_call_over_the_plans_frames(monkeypatch):
     module = types.ModuleType("flash_attn.cute")
     module.flash_attn_varlen_func = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn.cute", module)
-    monkeypatch.setattr(fa4, "installed", lambda: True)
     q, k, v = draw(RUNS, 2, 24, "cpu", torch.float32)
     plan = va.AttentionPlan(RUNS)
-    got = fa4.attention_fa4(q, k, v, plan.runs, plan.cu_lengths(q.device), 0.2)
+    got = fa4.attention_fa4(q, k, v, plan.cu_lengths(q.device), plan.largest_frame, 0.2)
     assert torch.equal(got, va.attention_reference(q, k, v, RUNS, 0.2))
     assert len(calls) == 1
     assert calls[0]["cu_seqlens_q"].tolist() == calls[0]["cu_seqlens_k"].tolist() == [0, 37, 74, 94, 99]

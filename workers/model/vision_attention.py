@@ -194,7 +194,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
     impl = call_kernel(impl, plan)
     if impl == "flash_attn4" and q.is_cuda:
-        return attention_fa4(q, k, v, plan.runs, plan.cu_lengths(q.device), scale)
+        return attention_fa4(q, k, v, plan.cu_lengths(q.device), plan.largest_frame, scale)
     if impl in ("sdpa", "flash_attn4") or not supports_triton(q):
         return attention_reference(q, k, v, plan.runs, scale)
     if impl == "gluon":

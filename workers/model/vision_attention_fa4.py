@@ -32,23 +32,28 @@ def installed() -> bool:
         return False
 
 
+MISSING = (f"engine.vision_attention 'flash_attn4' needs the {PACKAGE} package (pip install '{PACKAGE}' "
+           "'nvidia-cutlass-dsl[cu13]'), which is not installed here")
+
+
 def require() -> None:
     """Raise, naming the key and the package, where flash-attn-4 is missing."""
     if not installed():
-        raise RuntimeError(f"engine.vision_attention 'flash_attn4' needs the {PACKAGE} package "
-                           f"(pip install '{PACKAGE}' 'nvidia-cutlass-dsl[cu13]'), which is not installed here")
+        raise RuntimeError(MISSING)
 
 
-def attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
-                  cu_lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_lengths: torch.Tensor, largest_frame: int,
+                  scale: float) -> torch.Tensor:
     """q, k, v [N, heads, dim] (unit stride along dim, 16-byte aligned rows: the tower's q, k and its fused qkv's v
-    view) -> [N, heads * dim]: softmax(q k^T * scale) v within each frame of runs (patches per frame, consecutive
-    frames), one launch; cu_lengths int32 [frames + 1], each frame's first row, then N (AttentionPlan.cu_lengths)."""
-    require()
-    from flash_attn.cute import flash_attn_varlen_func
+    view) -> [N, heads * dim]: softmax(q k^T * scale) v within each frame, one launch; cu_lengths int32
+    [frames + 1], each frame's first row, then N (AttentionPlan.cu_lengths); largest_frame, its largest frame's
+    patches."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as exc:
+        raise RuntimeError(MISSING) from exc
 
-    largest = max(length for length, _ in runs)
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_lengths, cu_seqlens_k=cu_lengths, max_seqlen_q=largest,
-                                 max_seqlen_k=largest, softmax_scale=scale)
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_lengths, cu_seqlens_k=cu_lengths,
+                                 max_seqlen_q=largest_frame, max_seqlen_k=largest_frame, softmax_scale=scale)
     out = out[0] if isinstance(out, tuple) else out  # (out, lse)
     return out.reshape(q.shape[0], -1)
