@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from workers.model import vision_attention as va
+from workers.model import vision_attention_gluon_fp8 as fp8_gluon
 from workers.model.vision_attention_gluon import GluonConfig, check_shapes, takes
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
@@ -198,6 +199,75 @@ def test_fp8_descriptor_operands_are_padded_and_transposed_for_aligned_tiles():
     assert relative_error(back, v) < 0.05 and qk_scale.shape == (2,)
 
 
+def test_fp8_gluon_operands_carry_a_ones_row_that_sums_p():
+    plan = va.AttentionPlan([(5, 1), (20, 1)])
+    q, k, v = draw(plan.runs, 2, 72, "cpu", torch.float32, seed=6)
+    q8, k8, vt, qk_scale, v_scale = va.quantize_for_descriptors(q, k, v, plan, 96, 80)
+    assert q8.shape == k8.shape == (25, 2, 96) and vt.shape == (160, 48)  # 80 rows a head, keys as before
+    rows = vt.float().reshape(2, 80, 48)
+    assert torch.equal(rows[:, 72], torch.ones(2, 48)) and not rows[:, 73:].any()  # the ones row, then zeros
+    keys = torch.cat([rows[:, :72, :5], rows[:, :72, 16:36]], dim=2)
+    assert relative_error(keys.permute(2, 0, 1) * v_scale[None, :, None], v) < 0.05
+    assert not rows[:, :72, 5:16].any() and not rows[:, :72, 36:].any()  # the gaps between frames: zeros
+
+
+def fp8_gluon_scheme(q, k, v, plan: va.AttentionPlan, scale: float) -> torch.Tensor:
+    """What the FP8 Gluon kernel computes from its operands, in float64 on the CPU: the scores of e4m3 q and k,
+    P = 2^8 exp(scores - row max) rounded to e4m3, P @ V^T's rows over each frame's key columns, divided by P @ the
+    ones row, times V's scale."""
+    q8, k8, vt, qk_scale, v_scale = va.quantize_for_descriptors(q, k, v, plan, 96, 80)
+    heads, dim = q.shape[1], q.shape[2]
+    rows = vt.double().reshape(heads, 80, plan.key_width)
+    out = torch.empty(q.shape[0], heads, dim, dtype=torch.float64)
+    for (start, end), key_col in zip(va.frame_bounds(plan.runs), va.aligned_starts(va.frame_bounds(plan.runs))[0]):
+        scores = torch.einsum("qhd,khd->hqk", q8[start:end].double(), k8[start:end].double())
+        scores = scores * (scale * qk_scale.double())[:, None, None]
+        p = (256 * torch.exp(scores - scores.amax(-1, keepdim=True))).to(torch.float8_e4m3fn).double()
+        keys = rows[:, :, key_col:key_col + end - start]
+        sums = torch.einsum("hqk,hvk->qhv", p, keys)
+        out[start:end] = sums[:, :, :dim] / sums[:, :, dim:dim + 1] * v_scale.double()[None, :, None]
+    return out.reshape(q.shape[0], heads * dim)
+
+
+def test_the_fp8_gluon_kernels_operands_hold_attention_within_each_frame():
+    plan = va.AttentionPlan(RUNS)
+    q, k, v = draw(RUNS, 2, 72, "cpu", torch.float32, seed=7)
+    got = fp8_gluon_scheme(q, k, v, plan, 72**-0.5)
+    assert relative_error(got, exact(q, k, v, RUNS)) < 0.05
+
+
+def test_the_fp8_gluon_kernel_refuses_operands_it_was_not_written_for():
+    qk = torch.zeros(8, 2, 96, dtype=torch.float8_e4m3fn)
+    vt = torch.zeros(160, 16, dtype=torch.float8_e4m3fn)
+    assert fp8_gluon.check_operands(qk, qk, vt, 72) == (8, 2)
+    with pytest.raises(ValueError, match="head_dim"):
+        fp8_gluon.check_operands(qk, qk, vt, 64)
+    with pytest.raises(ValueError, match=r"\[N, heads, 96\]"):
+        fp8_gluon.check_operands(torch.zeros(8, 2, 72, dtype=torch.float8_e4m3fn), qk, vt, 72)
+    with pytest.raises(ValueError, match="vt must be"):
+        fp8_gluon.check_operands(qk, qk, torch.zeros(144, 16, dtype=torch.float8_e4m3fn), 72)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_gluon.check_operands(qk, qk, vt.to(torch.bfloat16), 72)
+
+
+@pytest.mark.parametrize("patches", [4096, 16384])
+@pytest.mark.parametrize("config", [fp8_gluon.GluonFp8Config(128, 64, 8, 2, True),
+                                    fp8_gluon.GluonFp8Config(64, 64, 4, 2, True),
+                                    fp8_gluon.GluonFp8Config(128, 32, 8, 2, True),
+                                    fp8_gluon.GluonFp8Config(128, 64, 8, 2, False)],
+                         ids=["m128n64w8-promote", "m64n64w4-promote", "m128n32w8-promote", "m128n64w8"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
+def test_fp8_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, config):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90")
+    frames = [(patches + 37, 1), (1000, 3), (50, 1)]  # frames ending mid-tile, one shorter than a tile
+    q, k, v = draw(frames, 16, 72, device, torch.bfloat16, seed=patches + 5)
+    got = va.vision_attention(q, k, v, va.AttentionPlan(frames), 72**-0.5, "gluon_fp8", config)
+    want = va.attention_reference(q.float(), k.float(), v.float(), frames, 72**-0.5)
+    assert not got.isnan().any()
+    assert relative_error(got, want) < 8e-2
+
+
 @pytest.mark.parametrize("patches", [4096, 16384])
 @pytest.mark.parametrize("impl,config,bound", [
     ("triton", None, 1e-2), ("triton", va.KernelConfig(128, 64, 4, 3, warp_specialize=True), 1e-2),
@@ -237,12 +307,13 @@ def test_gluon_kernel_is_attention_within_each_frame_on_hopper(device, patches, 
 
 def test_the_warm_up_compiles_the_kernel_that_large_frames_take():
     assert va.large_frame_kernel("auto") == "gluon" and va.large_frame_kernel("triton_fp8") == "triton_fp8"
+    assert va.large_frame_kernel("gluon_fp8") == "gluon_fp8"
     # nothing to compile for SDPA, nor off CUDA
     assert va.warm_up_kernel("sdpa", 16, 72, torch.device("cuda"), torch.bfloat16) == "none"
     assert va.warm_up_kernel("auto", 16, 72, torch.device("cpu"), torch.bfloat16) == "none"
 
 
-@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("impl", ["auto", "triton", "gluon_fp8"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_CUDA)])
 def test_the_warm_up_runs_the_large_frame_kernel_on_cuda(device, impl):
     expected = va.large_frame_kernel(impl)

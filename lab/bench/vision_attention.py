@@ -7,6 +7,8 @@ strided view of the fused qkv), at each --patches count as one frame:
   and without quantising Q/K/V);
 - `attention_tflops`: useful work (4 * heads * 72 * N^2) over the median time; `error_vs_fp32`: the relative
   Frobenius error of the first 1,024 query rows against float32 attention over the same inputs.
+- the Gluon kernels (sm_90): bf16 at each --gluon-configs, FP8 at each --gluon-fp8-configs (the FP8 time with the
+  quantisation; `gluon_fp8_quantize_ms` its share);
 - FlashAttention-4 (--flash-attn4; the optional flash-attn-4 package, workers/model/vision_attention_fa4.py);
 - `varlen`: one step's mix of images in one call (SDPA: one call per run of equal sizes; ours: one launch).
 - `tower` (--tower-side S): the whole 235B tower (random weights) on one S x S-patch image with each attention, ms
@@ -36,7 +38,9 @@ from lab.bench.gpu_timing import median_us
 from workers.model import vision_attention as va
 from workers.model.vision_attention_fa4 import PACKAGE as FA4_PACKAGE
 from workers.model.vision_attention_fa4 import installed as installed_fa4
+from workers.model import vision_attention_gluon_fp8 as fp8_gluon
 from workers.model.vision_attention_gluon import GluonConfig
+from workers.model.vision_attention_gluon_fp8 import GluonFp8Config
 from workers.model.vision import VisionTower, build_vision_module
 from workers.parallel import TensorParallel
 from workers.tiny_checkpoint import released_config, transformers_config
@@ -96,6 +100,8 @@ def config_name(impl: str, c: va.KernelConfig) -> str:
 def name_of(impl: str, c) -> str:
     if impl == "flash_attn4":
         return impl  # no tiles of ours to name
+    if impl == "gluon_fp8":
+        return gluon_fp8_name(c)
     return gluon_name(c) if impl == "gluon" else config_name(impl, c)
 
 
@@ -108,8 +114,22 @@ def parse_gluon_configs(text: str) -> list[GluonConfig]:
     return [GluonConfig(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 
+def gluon_fp8_name(c: GluonFp8Config) -> str:
+    return f"gluon_fp8[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}p{int(c.promote)}]"
+
+
+def parse_gluon_fp8_configs(text: str) -> list[GluonFp8Config]:
+    """'M:N:W:S:P' items: block_m, block_n, warps, K/V ring stages, promote (1: each tile's P @ V added in float32)
+    of the FP8 Gluon kernel."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        m, n, w, stages, promote = (int(x) for x in item.split(":"))
+        configs.append(GluonFp8Config(m, n, w, stages, bool(promote)))
+    return configs
+
+
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
-                  gluon_configs=(), flash_attn4: bool = False) -> dict:
+                  gluon_configs=(), flash_attn4: bool = False, gluon_fp8_configs=()) -> dict:
     q, k, v = tower_inputs(patches, device, seed=patches)
     scale = HEAD_DIM**-0.5
     plan = va.AttentionPlan([(patches, 1)])
@@ -140,6 +160,11 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
         record(config_name("triton", c), lambda c=c: va.attention_triton(q, k, v, plan, scale, c))
     for c in gluon_configs:
         record(gluon_name(c), lambda c=c: va.vision_attention(q, k, v, plan, scale, "gluon", c))
+    for c in gluon_fp8_configs:
+        record(gluon_fp8_name(c), lambda c=c: va.vision_attention(q, k, v, plan, scale, "gluon_fp8", c))
+    if gluon_fp8_configs:  # the quantisation's share: the operands made for the FP8 Gluon kernel alone
+        out["gluon_fp8_quantize_ms"] = round(median_ms(lambda: va.quantize_for_descriptors(
+            q, k, v, plan, fp8_gluon.QK_COLS, fp8_gluon.V_ROWS), reps), 3)
     if flash_attn4:
         record("flash_attn4", lambda: va.vision_attention(q, k, v, plan, scale, "flash_attn4"))
     for c in fp8_configs:
@@ -241,6 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
     p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
+    p.add_argument("--gluon-fp8-configs", default="", help="FP8 Gluon kernel (sm_90), M:N:W:S:P (P 1: each key "
+                   "tile's P @ V added in float32)")
     p.add_argument("--flash-attn4", action="store_true", help="also FlashAttention-4 (the optional flash-attn-4 "
                    "package), in the kernels, the varlen call and the tower")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")
@@ -269,10 +296,12 @@ def main(argv: list[str] | None = None) -> dict:
             result["kernels"][str(n)] = figures = bench_kernels(n, configs, fp8_configs, args.reps, device,
                                                                       args.sdpa.split(","),
                                                                       parse_gluon_configs(args.gluon_configs),
-                                                                      args.flash_attn4)
+                                                                      args.flash_attn4,
+                                                                      parse_gluon_fp8_configs(args.gluon_fp8_configs))
             print(json.dumps({str(n): {k: v.get("attention_tflops", v.get("error")) for k, v in figures.items()
                                        if isinstance(v, dict)}}), file=sys.stderr, flush=True)
-        candidates = {"triton": configs, "triton_fp8": fp8_configs, "gluon": parse_gluon_configs(args.gluon_configs)}
+        candidates = {"triton": configs, "triton_fp8": fp8_configs, "gluon": parse_gluon_configs(args.gluon_configs),
+                      "gluon_fp8": parse_gluon_fp8_configs(args.gluon_fp8_configs)}
         candidates = {impl: cs for impl, cs in candidates.items() if cs}
         best = {impl: best_config(result["kernels"], impl, cs) for impl, cs in candidates.items()}
         result["best_configs"] = {impl: vars(c) for impl, c in best.items()}

@@ -1,9 +1,9 @@
-"""The Gluon vision attention compiled for sm_90 on any machine, GPU or not: its registers, spills and the machine
+"""The Gluon vision attention kernels (bf16 and FP8) compiled for sm_90 on any machine, GPU or not: its registers, spills and the machine
 code's counts, read off the cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
-Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--sass-dir DIR]
+Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--fp8-configs M:N:W:S:P,...] [--sass-dir DIR]
 (prints one JSON object)
 """
 
@@ -29,6 +29,7 @@ class CompiledKernel:
     spill_instructions: int  # LDL/STL in the SASS
     sass_instructions: int
     hgmma: int
+    qgmma: int  # FP8 wgmma
     bar_sync: int
     sass: str
 
@@ -62,25 +63,37 @@ def _tool(name: str) -> str:
 
 
 def compile_attention(config) -> CompiledKernel:
-    """Compile the product's Gluon kernel for sm_90 at the tower's shapes, with config's tiles (a GluonConfig)."""
-    from triton.runtime.driver import driver
-
+    """Compile the product's Gluon kernel for sm_90 at the tower's shapes, with config's tiles: a GluonConfig (bf16)
+    or a GluonFp8Config (FP8)."""
     from workers.model import vision_attention_gluon as vag
+    from workers.model import vision_attention_gluon_fp8 as fp8
     if vag.gluon is None:
         raise RuntimeError("this Triton has no Gluon (triton.experimental.gluon)")
     seq = 4096
-    q = torch.empty(seq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    values = torch.empty(seq, HEADS, V_COLS, dtype=torch.float16)
     table = torch.empty(seq // config.block_m, 4, dtype=torch.int32)
     out = torch.empty(seq, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    if isinstance(config, fp8.GluonFp8Config):
+        qk = torch.empty(seq, HEADS, fp8.QK_COLS, dtype=torch.float8_e4m3fn)
+        vt = torch.empty(HEADS * fp8.V_ROWS, seq, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(HEADS)
+        args, constants = fp8.kernel_args(qk, qk, vt, table, out, scales, scales, HEAD_DIM, HEAD_DIM**-0.5, config)
+        return _compile(fp8._gluon_fp8_vision_attention_kernel, args, constants)
+    q = torch.empty(seq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    values = torch.empty(seq, HEADS, V_COLS, dtype=torch.float16)
     args, constants = vag.kernel_args(q, q, values, table, out, HEAD_DIM**-0.5, config)
+    return _compile(vag._gluon_vision_attention_kernel, args, constants)
+
+
+def _compile(kernel, args: tuple, constants: dict) -> CompiledKernel:
+    from triton.runtime.driver import driver
+
     previous = driver._active  # None until something asked for a driver (none can be made without a GPU)
     driver.set_active(_Sm90Target())
     try:
-        kernel = vag._gluon_vision_attention_kernel.warmup(*args, grid=(1,), **constants)
+        compiled = kernel.warmup(*args, grid=(1,), **constants)
     finally:
         driver._active = previous
-    return read_cubin(kernel.asm["cubin"])
+    return read_cubin(compiled.asm["cubin"])
 
 
 def read_cubin(cubin: bytes) -> CompiledKernel:
@@ -97,22 +110,26 @@ def read_cubin(cubin: bytes) -> CompiledKernel:
     return CompiledKernel(
         registers=int(found.group(1)), stack_bytes=int(found.group(2)),
         spill_instructions=sum(op.startswith(("LDL", "STL")) for op in ops), sass_instructions=len(ops),
-        hgmma=sum(op.startswith("HGMMA") for op in ops), bar_sync=sum(op.startswith("BAR.SYNC") for op in ops),
+        hgmma=sum(op.startswith("HGMMA") for op in ops), qgmma=sum(op.startswith("QGMMA") for op in ops), bar_sync=sum(op.startswith("BAR.SYNC") for op in ops),
         sass=sass)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lab.bench.vision_attention import gluon_name, parse_gluon_configs
+    from lab.bench.vision_attention import gluon_fp8_name, gluon_name, parse_gluon_configs, parse_gluon_fp8_configs
+    from workers.model.vision_attention_gluon import GluonConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=None, help="tiles, M:N:W:S (rows, keys, warps, K/V stages) each (default: "
                    "the product's, vision_attention_gluon.DEFAULT_GLUON_CONFIG)")
+    p.add_argument("--fp8-configs", default="", help="FP8 kernel's tiles, M:N:W:S:P (P 1: each key tile's P @ V "
+                   "added in float32)")
     p.add_argument("--sass-dir", type=Path, help="write each kernel's SASS here")
     args = p.parse_args(argv)
     result = {}
     from workers.model.vision_attention_gluon import DEFAULT_GLUON_CONFIG
-    for config in parse_gluon_configs(args.configs) if args.configs else [DEFAULT_GLUON_CONFIG]:
+    configs = parse_gluon_configs(args.configs or "") if args.configs or args.fp8_configs else [DEFAULT_GLUON_CONFIG]
+    for config in configs + parse_gluon_fp8_configs(args.fp8_configs):
         compiled = compile_attention(config)
-        name = gluon_name(config)
+        name = gluon_name(config) if isinstance(config, GluonConfig) else gluon_fp8_name(config)
         if args.sass_dir:
             args.sass_dir.mkdir(parents=True, exist_ok=True)
             (args.sass_dir / f"{name}.sass").write_text(compiled.sass)

@@ -1,7 +1,7 @@
 """The vision tower's attention: bidirectional, within each frame, over the packed patches of a step's images
 (varlen), at the tower's head_dim 72.
 
-Five implementations, and a rule among them, chosen by EngineConfig.vision_attention:
+Six implementations, and a rule among them, chosen by EngineConfig.vision_attention:
 - "sdpa": torch's scaled_dot_product_attention, one call per run of equal-size frames (cuDNN on the H200; it runs
   head_dim 72 as fast as 128, so it does 128/72 of the useful work);
 - "triton": our flash-attention forward in Triton. One launch covers every frame of the call: a table lists each
@@ -22,6 +22,8 @@ Five implementations, and a rule among them, chosen by EngineConfig.vision_atten
   KernelConfig(tma=False): 143 TFLOP/s.);
 - "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
   (Hopper only);
+- "gluon_fp8": workers/model/vision_attention_gluon_fp8.py, the Gluon kernel on e4m3 Q, K, P and V, quantised as
+  "triton_fp8"'s with V^T's ones row (Hopper only; "triton_fp8" on other GPUs);
 - "flash_attn4": FlashAttention-4's CuTe DSL kernels (workers/model/vision_attention_fa4.py), where the optional
   flash-attn-4 package is installed, for a call whose largest frame has FA4_FROM_PATCHES or more, else "sdpa";
   named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
@@ -59,11 +61,13 @@ except ImportError:  # CPU-only installs
 
 from workers.model.vision_attention_fa4 import attention_fa4
 from workers.model.vision_attention_fa4 import require as require_fa4
+from workers.model import vision_attention_gluon_fp8 as fp8_gluon
 from workers.model.vision_attention_gluon import (
     DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, supports_gluon, takes,
 )
+from workers.model.vision_attention_gluon_fp8 import DEFAULT_GLUON_FP8_CONFIG, GluonFp8Config
 
-IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "flash_attn4")
+IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "gluon_fp8", "flash_attn4")
 # "auto": our kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
 # (run94) the Gluon kernel ran 0.71x cuDNN at 4,096 patches, 1.02x at 16,384 and 1.26x at 62,500, and 1.27x on one
 # launch over a step's mix of sizes with a 62,500-patch frame in it (Triton's, run80: 0.75-0.89x, 0.96x, 1.15x).
@@ -100,7 +104,7 @@ class KernelConfig:
 # 62,500 patches of the tile shapes swept (warp specialisation and lazy rescaling gained nothing, run79-80; half_exp
 # 386 against 374 TFLOP/s, with P and V in fp16 a third less error against float32, run84).
 DEFAULT_CONFIGS = {"triton": KernelConfig(128, 64, 4, 3, half_exp=True), "triton_fp8": KernelConfig(128, 64, 4, 3),
-                   "gluon": DEFAULT_GLUON_CONFIG}
+                   "gluon": DEFAULT_GLUON_CONFIG, "gluon_fp8": DEFAULT_GLUON_FP8_CONFIG}
 
 
 def supports_triton(x: torch.Tensor) -> bool:
@@ -203,6 +207,10 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
             table = plan.table(gluon_config.block_m, q.device)
             return attention_gluon(q, k, values_with_ones(v, HEAD_PART + TAIL), table, scale, gluon_config)
         impl, config = "triton", None
+    if impl == "gluon_fp8":
+        if gluon_fp8_runs(q):
+            return attention_gluon_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["gluon_fp8"])
+        impl, config = "triton_fp8", None
     if impl == "triton":
         return attention_triton(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton"])
     return attention_triton_fp8(q, k, v, plan, scale, config or DEFAULT_CONFIGS["triton_fp8"])
@@ -211,6 +219,11 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
 def gluon_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether "gluon" runs the Gluon kernel for these inputs (else Triton's)."""
     return supports_gluon(q) and takes(q, k, v)
+
+
+def gluon_fp8_runs(q: torch.Tensor) -> bool:
+    """Whether "gluon_fp8" runs the FP8 Gluon kernel for q (else Triton's FP8 kernel)."""
+    return supports_gluon(q) and fp8_gluon.QK_PART < q.shape[2] < fp8_gluon.V_ROWS
 
 
 def call_kernel(impl: str, plan: AttentionPlan) -> str:
@@ -246,6 +259,8 @@ def warm_up_kernel(impl: str, num_heads: int, head_dim: int, device: torch.devic
     vision_attention(q, k, v, AttentionPlan([(frame, 1)]), head_dim**-0.5, kernel)
     if kernel == "gluon" and not gluon_runs(q, k, v):
         return "triton"  # what "gluon" runs where the Gluon kernel does not
+    if kernel == "gluon_fp8" and not gluon_fp8_runs(q):
+        return "triton_fp8"
     return kernel
 
 
@@ -389,12 +404,14 @@ def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config:
 
 
 def quantize_for_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-                             padded_dim: int):
+                             padded_dim: int, value_rows: int | None = None):
     """e4m3 operands laid out for tensor descriptors (whose offsets along a row must be 16-byte aligned, one byte an
-    element): q and k [N, heads, padded_dim], zero past head_dim; V transposed, [heads * head_dim, keys], keys
-    contiguous in the plan's aligned key layout (each frame from a multiple of 16, zeros between). Returns them with
-    the per-head scales of q * k and of v (amax / 448 over the call)."""
+    element): q and k [N, heads, padded_dim], zero past head_dim; V transposed, [heads * value_rows, keys] (value_rows
+    default head_dim; more: row head_dim of each head is ones, the rest zeros), keys contiguous in the plan's aligned
+    key layout (each frame from a multiple of 16, zeros between). Returns them with the per-head scales of q * k and
+    of v (amax / 448 over the call)."""
     seq, heads, dim = q.shape
+    value_rows = value_rows or dim
     out, scales = [], []
     for t in (q, k):
         t8, t_scale = quantize_per_head(t)
@@ -404,9 +421,19 @@ def quantize_for_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         scales.append(t_scale)
     v8, v_scale = quantize_per_head(v)
     columns = plan.key_columns(q.device)
-    vt = v8.new_zeros(heads * dim, plan.key_width)
-    vt.view(torch.uint8).index_copy_(1, columns, v8.permute(1, 2, 0).reshape(heads * dim, seq).view(torch.uint8))
-    return out[0], out[1], vt, scales[0] * scales[1], v_scale
+    vt = v8.new_zeros(heads, value_rows, plan.key_width)
+    if value_rows > dim:
+        vt[:, dim] = 1.0  # the ones row: P @ V's sums of P (the gaps between frames meet P = 0)
+    vt[:, :dim].view(torch.uint8).index_copy_(2, columns, v8.permute(1, 2, 0).view(torch.uint8))
+    return out[0], out[1], vt.view(heads * value_rows, plan.key_width), scales[0] * scales[1], v_scale
+
+
+def attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
+                        config: GluonFp8Config = DEFAULT_GLUON_FP8_CONFIG) -> torch.Tensor:
+    """The FP8 Gluon kernel (workers/model/vision_attention_gluon_fp8.py) on q, k, v quantised per head; bf16 out."""
+    q8, k8, vt, qk_scales, v_scales = quantize_for_descriptors(q, k, v, plan, fp8_gluon.QK_COLS, fp8_gluon.V_ROWS)
+    return fp8_gluon.attention_gluon_fp8(q8, k8, vt, plan.table(config.block_m, q.device), qk_scales, v_scales,
+                                         q.shape[2], scale, config)
 
 
 def _launch_fp8_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config: KernelConfig, d0: int, d1: int):

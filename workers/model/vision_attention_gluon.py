@@ -283,24 +283,26 @@ if gluon is not None:
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        _store_rows(acc0, acc1, o_ptr, stride_on, q_start, end, head, HEAD_DIM, BLOCK_M, o0_layout, o1_layout)
+        _store_rows(acc0, acc1, o_ptr, stride_on, q_start, end, head, 1.0, HEAD_DIM, BLOCK_M, o0_layout, o1_layout)
 
     @gluon.jit
-    def _store_rows(acc0, acc1, o_ptr, stride_on, row0, end, head, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-                    o0_layout: gl.constexpr, o1_layout: gl.constexpr):
+    def _store_rows(acc0, acc1, o_ptr, stride_on, row0, end, head, v_scale, HEAD_DIM: gl.constexpr,
+                    ROWS: gl.constexpr, o0_layout: gl.constexpr, o1_layout: gl.constexpr):
         """ROWS query rows from row0 (those before the frame's end) of one head, P @ V's 64-wide part and tail
-        divided by each row's sum of P, which sits in the tail's column HEAD_DIM (V's ones column)."""
+        divided by each row's sum of P, which sits in the tail's column HEAD_DIM (V's ones column), times v_scale
+        (V's quantisation scale; 1.0 for bf16)."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 16
         cols1 = gl.arange(0, D1, layout=gl.SliceLayout(0, o1_layout))
         l_i = gl.sum(gl.where(gl.expand_dims(cols1 == HEAD_DIM - D0, 0), acc1, gl.zeros_like(acc1)), 1)
         rows1 = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o1_layout))
         base1 = o_ptr + gl.expand_dims(rows1.to(gl.int64) * stride_on + head * HEAD_DIM + D0, 1)
-        out1 = (acc1 / gl.expand_dims(l_i, 1)).to(gl.bfloat16)
+        out1 = (acc1 / gl.expand_dims(l_i, 1) * v_scale).to(gl.bfloat16)
         gl.store(base1 + gl.expand_dims(cols1, 0), out1,
                  mask=gl.expand_dims(rows1 < end, 1) & gl.expand_dims(cols1 < HEAD_DIM - D0, 0))
         cols0 = gl.arange(0, D0, layout=gl.SliceLayout(0, o0_layout))
         rows0 = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o0_layout))
         base0 = o_ptr + gl.expand_dims(rows0.to(gl.int64) * stride_on + head * HEAD_DIM, 1)
-        out0 = (acc0 / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)).to(gl.bfloat16)
+        l0 = gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o0_layout)), 1)
+        out0 = (acc0 / l0 * v_scale).to(gl.bfloat16)
         gl.store(base0 + gl.expand_dims(cols0, 0), out0, mask=gl.expand_dims(rows0 < end, 1))
