@@ -12,6 +12,7 @@ import torch
 
 from workers.model import vision_attention as va
 from workers.model import vision_attention_gluon_fp8 as fp8_gluon
+from workers.model import vision_fp8_operands as fp8_operands
 from workers.model.vision_attention_gluon import GluonConfig, check_shapes, takes
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and va.triton is not None
@@ -209,6 +210,29 @@ def test_fp8_gluon_operands_carry_a_ones_row_that_sums_p():
     keys = torch.cat([rows[:, :72, :5], rows[:, :72, 16:36]], dim=2)
     assert relative_error(keys.permute(2, 0, 1) * v_scale[None, :, None], v) < 0.05
     assert not rows[:, :72, 5:16].any() and not rows[:, :72, 36:].any()  # the gaps between frames: zeros
+
+
+@ON_INTERPRETER
+@pytest.mark.parametrize("padded", [72, 96])
+def test_the_fp8_operand_kernels_lay_out_what_torch_does(monkeypatch, padded):
+    plan = va.AttentionPlan(RUNS)
+    # values e4m3 holds exactly (the interpreter's own e4m3 rounding is not the GPU's), each head's amax 448 x scale
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 256, (plan.patches, 3, 2, 72), generator=g, dtype=torch.uint8)
+    exact8 = codes.view(torch.float8_e4m3fn).float().nan_to_num(0.0)
+    exact8[0, :, :, 0] = 448.0
+    q, k, v = (exact8 * torch.tensor([0.5, 3.0])[None, None, :, None]).unbind(1)  # v: a strided view, as the tower's
+    scale = fp8_operands.head_scales(q)
+    assert scale.tolist() == [0.5, 3.0]
+    columns = plan.key_columns(torch.device("cpu"))
+    results = {}
+    for triton_runs in (False, True):
+        monkeypatch.setattr(fp8_operands, "_triton_runs", lambda x, runs=triton_runs: runs)
+        vt = torch.zeros(2, 80, plan.key_width, dtype=torch.float8_e4m3fn)
+        fp8_operands.quantize_transposed(v, scale, columns, vt)
+        results[triton_runs] = (fp8_operands.quantize_rows(q, scale, padded).view(torch.uint8), vt.view(torch.uint8))
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+    assert results[True][1].any() and not results[True][1][:, 72:].any()  # rows past head_dim left as they were
 
 
 def fp8_gluon_scheme(q, k, v, plan: va.AttentionPlan, scale: float) -> torch.Tensor:

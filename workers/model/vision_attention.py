@@ -62,6 +62,7 @@ except ImportError:  # CPU-only installs
 from workers.model.vision_attention_fa4 import attention_fa4
 from workers.model.vision_attention_fa4 import require as require_fa4
 from workers.model import vision_attention_gluon_fp8 as fp8_gluon
+from workers.model import vision_fp8_operands as fp8_operands
 from workers.model.vision_attention_gluon import (
     DEFAULT_GLUON_CONFIG, HEAD_PART, TAIL, GluonConfig, attention_gluon, supports_gluon, takes,
 )
@@ -76,7 +77,6 @@ AUTO_KERNEL_FROM_PATCHES = 24_000
 # H100 (run136) it ran 0.83x cuDNN at 4,096 patches, 1.25x at 16,384 and 1.30x at 35,344 and 62,500 (between 4,096
 # and 16,384 not measured).
 FA4_FROM_PATCHES = 16_384
-FP8_MAX = 448.0  # e4m3's largest finite value
 P_SCALE = 256.0  # probabilities in [0, 1] times this before their e4m3 rounding: 2^8 more range below 1
 # bf16 with lazy rescaling: a row keeps its softmax reference until its maximum grows by more than 2^8, so its
 # probabilities stay below 256 (bf16 and float32 hold that with their full precision). FP8's probabilities, already
@@ -323,8 +323,7 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
 
 def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, heads, dim] -> (e4m3 [N, heads, dim], float32 scale [heads]): one scale per head, amax / 448."""
-    amax = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-12)
-    scale = amax / FP8_MAX
+    scale = fp8_operands.head_scales(x)
     return (x.float() / scale[None, :, None]).to(torch.float8_e4m3fn), scale
 
 
@@ -406,26 +405,20 @@ def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config:
 def quantize_for_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
                              padded_dim: int, value_rows: int | None = None):
     """e4m3 operands laid out for tensor descriptors (whose offsets along a row must be 16-byte aligned, one byte an
-    element): q and k [N, heads, padded_dim], zero past head_dim; V transposed, [heads * value_rows, keys] (value_rows
-    default head_dim; more: row head_dim of each head is ones, the rest zeros), keys contiguous in the plan's aligned
-    key layout (each frame from a multiple of 16, zeros between). Returns them with the per-head scales of q * k and
-    of v (amax / 448 over the call)."""
+    element; workers/model/vision_fp8_operands.py): q and k [N, heads, padded_dim], zero past head_dim; V transposed,
+    [heads * value_rows, keys] (value_rows default head_dim; more: row head_dim of each head is ones, the rest zeros),
+    keys contiguous in the plan's aligned key layout (each frame from a multiple of 16, zeros between). Returns them
+    with the per-head scales of q * k and of v (amax / 448 over the call)."""
     seq, heads, dim = q.shape
     value_rows = value_rows or dim
-    out, scales = [], []
-    for t in (q, k):
-        t8, t_scale = quantize_per_head(t)
-        padded = t8.new_zeros(seq, heads, padded_dim)
-        padded[:, :, :dim] = t8
-        out.append(padded)
-        scales.append(t_scale)
-    v8, v_scale = quantize_per_head(v)
-    columns = plan.key_columns(q.device)
-    vt = v8.new_zeros(heads, value_rows, plan.key_width)
+    q_scale, k_scale, v_scale = (fp8_operands.head_scales(t) for t in (q, k, v))
+    q8 = fp8_operands.quantize_rows(q, q_scale, padded_dim)
+    k8 = fp8_operands.quantize_rows(k, k_scale, padded_dim)
+    vt = torch.zeros(heads, value_rows, plan.key_width, dtype=torch.float8_e4m3fn, device=q.device)
     if value_rows > dim:
         vt[:, dim] = 1.0  # the ones row: P @ V's sums of P (the gaps between frames meet P = 0)
-    vt[:, :dim].view(torch.uint8).index_copy_(2, columns, v8.permute(1, 2, 0).view(torch.uint8))
-    return out[0], out[1], vt.view(heads * value_rows, plan.key_width), scales[0] * scales[1], v_scale
+    fp8_operands.quantize_transposed(v, v_scale, plan.key_columns(q.device), vt)
+    return q8, k8, vt.view(heads * value_rows, plan.key_width), q_scale * k_scale, v_scale
 
 
 def attention_gluon_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, scale: float,
