@@ -1,7 +1,7 @@
 """The Gluon vision attention kernels as ptxas builds them for sm_90, checked on any machine
 (lab/kernels/sm90_compile.py, with the Triton that scripts/bootstrap.sh puts in .kernel-interpreter): the bf16
 kernel's default tiles take the tensor cores' wgmma path and fit the registers that let two of its 256-thread
-programs share a multiprocessor (run94's choice); the FP8 kernel's take FP8 wgmma and spill nothing."""
+programs share a multiprocessor (run94's choice); the FP8 kernel's take FP8 wgmma and, capped, fit two as well."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_s
 
 
 @pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
-def test_the_fp8_gluon_kernel_builds_for_sm90_on_fp8_tensor_cores_without_spills():
-    built = build("from workers.model.vision_attention_gluon_fp8 import DEFAULT_GLUON_FP8_CONFIG as c", "{}")
+def test_the_fp8_gluon_kernel_builds_for_sm90_on_fp8_tensor_cores_with_two_programs_an_sm():
+    built = build("from workers.model.vision_attention_gluon_fp8 import DEFAULT_GLUON_FP8_CONFIG as c",
+                  "{'threads': 32 * c.num_warps}")
     assert built["qgmma"] > 0 and built["hgmma"] == 0  # every MMA on e4m3 operands
-    assert built["spill_instructions"] == 0 and built["stack_bytes"] == 0
+    assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
+    assert built["stack_bytes"] <= 8, built  # the register cap's one spilled value at most

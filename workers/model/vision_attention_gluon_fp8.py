@@ -49,17 +49,21 @@ P_SHIFT = 8.0  # log2 of vision_attention.P_SCALE
 
 @dataclass(frozen=True)
 class GluonFp8Config:
-    """Query rows and keys a tile, warps (4: one warpgroup; 8: two), K/V ring stages, and whether each key tile's
-    P @ V is added to the running accumulators in float32 (else the MMA accumulates across the frame)."""
+    """Query rows and keys a tile, warps (4: one warpgroup; 8: two), K/V ring stages, whether each key tile's P @ V
+    is added to the running accumulators in float32 (else the MMA accumulates across the frame), and a register cap
+    a thread (0: ptxas's choice; 128 lets two 256-thread programs share a multiprocessor)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     stages: int = 2
     promote: bool = True
+    max_registers: int = 0
 
 
-DEFAULT_GLUON_FP8_CONFIG = GluonFp8Config()
+# Two 256-thread programs an SM, as the bf16 kernel's tiles: promote's running sums take ptxas to 141 registers, and
+# a cap of 128 costs one 8-byte spill (lab/kernels/sm90_compile.py)
+DEFAULT_GLUON_FP8_CONFIG = GluonFp8Config(128, 64, 8, 2, promote=True, max_registers=128)
 
 
 def check_operands(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, head_dim: int) -> tuple[int, int]:
@@ -110,6 +114,8 @@ def kernel_args(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, table: tor
             out, table, qk_scales, v_scales, out.stride(0), scale * math.log2(math.e))
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=m, BLOCK_N=n, STAGES=config.stages, PROMOTE=config.promote,
                      num_warps=config.num_warps)
+    if config.max_registers:
+        constants["maxnreg"] = config.max_registers
     return args, constants
 
 
@@ -226,16 +232,20 @@ if gluon is not None:
             else:
                 acc0 = warpgroup_mma(p_s, v0_s.index(stage).permute((1, 0)), acc0, is_async=True)
                 acc1 = warpgroup_mma(p_s, v1_s.index(stage).permute((1, 0)), acc1, is_async=True)
-            # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
-            s = warpgroup_mma_wait(2, deps=(s,))
-            p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
             if PROMOTE:
-                # the running sums hold the tiles before prev in prev's reference: add prev's tile, then move all
-                # to this tile's reference
-                t0, t1 = warpgroup_mma_wait(0, deps=(t0, t1))
-                acc0 = (acc0 + t0) * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-                acc1 = (acc1 + t1) * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
+                # both MMAs waited for before the softmax (where ptxas puts P @ V's wait in any case: the module
+                # docstring), prev's tile added to the running sums, which hold the tiles before it in prev's
+                # reference; its registers are free again for the softmax's
+                s, t0, t1 = warpgroup_mma_wait(0, deps=(s, t0, t1))
+                acc0 = acc0 + t0
+                acc1 = acc1 + t1
+                p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+                acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
+                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
             else:
+                # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
+                s = warpgroup_mma_wait(2, deps=(s,))
+                p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
                 acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
                 acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
                 acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
