@@ -49,11 +49,11 @@ class EngineConfig(BaseModel):
         "tower call, bf16), 'triton_fp8' (the same kernel on e4m3 Q/K/V with per-head scales, float32 softmax), "
         "'gluon' (workers/model/vision_attention_gluon.py: the MMAs beneath the softmax, Hopper only, 'triton' on "
         "other GPUs), 'gluon_fp8' (workers/model/vision_attention_gluon_fp8.py: the same on e4m3 Q/K/P/V with "
-        "per-head scales, Hopper only, 'triton_fp8' on other GPUs), 'flash_attn4' (FlashAttention-4's CuTe DSL "
-        "kernels, workers/model/vision_attention_fa4.py, for a tower call whose largest image has 16,384 patches or "
-        "more, else 'sdpa': needs the optional flash-attn-4 package, which the engine's warm-up checks), or 'auto': "
-        "'gluon' for a tower call whose largest image has 24,000 patches or more (where it is the faster on the "
-        "H200), else 'sdpa'. The CPU runs SDPA whichever is named."
+        "per-head scales, Hopper only, 'triton_fp8' on other GPUs; bf16's error on the tower, and no faster), "
+        "'flash_attn4' (FlashAttention-4's CuTe DSL kernels, workers/model/vision_attention_fa4.py, for a tower call "
+        "whose largest image has 16,384 patches or more, else 'sdpa': needs the optional flash-attn-4 package, which "
+        "the engine's warm-up checks), or 'auto': 'gluon' for a tower call whose largest image has 24,000 patches "
+        "or more (where it is the faster on the H200), else 'sdpa'. The CPU runs SDPA whichever is named."
     )
     image_decode: Literal["pil", "nvjpeg"] = Field(
         "pil", description="How requests' images become the tower's pixels: 'pil' decodes (libjpeg for JPEG) and "

@@ -116,17 +116,13 @@ def parse_gluon_configs(text: str) -> list[GluonConfig]:
 
 def gluon_fp8_name(c: GluonFp8Config) -> str:
     cap = f"r{c.max_registers}" if c.max_registers else ""
-    return f"gluon_fp8[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}p{int(c.promote)}{cap}]"
+    return f"gluon_fp8[m{c.block_m}n{c.block_n}w{c.num_warps}s{c.stages}{cap}]"
 
 
 def parse_gluon_fp8_configs(text: str) -> list[GluonFp8Config]:
-    """'M:N:W:S:P[:R]' items: block_m, block_n, warps, K/V ring stages, promote (1: each tile's P @ V added in
-    float32), registers a thread at most (0 or left out: ptxas's choice) of the FP8 Gluon kernel."""
-    configs = []
-    for item in filter(None, text.split(",")):
-        m, n, w, stages, promote, *cap = (int(x) for x in item.split(":"))
-        configs.append(GluonFp8Config(m, n, w, stages, bool(promote), *cap))
-    return configs
+    """'M:N:W:S[:R]' items: block_m, block_n, warps, K/V ring stages, registers a thread at most (0 or left out:
+    ptxas's choice) of the FP8 Gluon kernel."""
+    return [GluonFp8Config(*(int(x) for x in item.split(":"))) for item in filter(None, text.split(","))]
 
 
 def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sdpa_names=tuple(SDPA_BACKENDS),
@@ -267,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 tiles, M:N:W:S[:T] (T 0: pointer loads)")
     p.add_argument("--fp8-configs", default="128:128:8:3,128:64:8:3", help="FP8 tiles, M:N:W:S")
     p.add_argument("--gluon-configs", default="", help="Gluon kernel (sm_90), M:N:W:S (S: K/V ring stages)")
-    p.add_argument("--gluon-fp8-configs", default="", help="FP8 Gluon kernel (sm_90), M:N:W:S:P[:R] (P 1: each "
-                   "key tile's P @ V added in float32; R: registers a thread at most)")
+    p.add_argument("--gluon-fp8-configs", default="", help="FP8 Gluon kernel (sm_90), M:N:W:S[:R] (R: registers a "
+                   "thread at most)")
     p.add_argument("--flash-attn4", action="store_true", help="also FlashAttention-4 (the optional flash-attn-4 "
                    "package), in the kernels, the varlen call and the tower")
     p.add_argument("--sdpa", default="sdpa_cudnn,sdpa_flash", help=f"SDPA backends of {sorted(SDPA_BACKENDS)}")

@@ -1,9 +1,10 @@
-"""The Gluon vision attention kernels (bf16 and FP8) compiled for sm_90 on any machine, GPU or not: its registers, spills and the machine
-code's counts, read off the cubin with the tools Triton ships (cuobjdump).
+"""The Gluon vision attention kernels (bf16 and FP8) compiled for sm_90 on any machine, GPU or not: their registers,
+spills and the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
-Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--fp8-configs M:N:W:S:P[:R],...] [--sass-dir DIR]
+Usage: python -m lab.kernels.sm90_compile [--configs M:N:W:S,...] [--fp8-configs M:N:W:S[:R],...]
+       [--sass-dir DIR]
 (prints one JSON object)
 """
 
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=None, help="tiles, M:N:W:S (rows, keys, warps, K/V stages) each (default: "
                    "the product's, vision_attention_gluon.DEFAULT_GLUON_CONFIG)")
-    p.add_argument("--fp8-configs", default="", help="FP8 kernel's tiles, M:N:W:S:P[:R] (P 1: each key tile's "
-                   "P @ V added in float32; R: registers a thread at most)")
+    p.add_argument("--fp8-configs", default="", help="FP8 kernel's tiles, M:N:W:S[:R] (R: registers a thread at "
+                   "most)")
     p.add_argument("--sass-dir", type=Path, help="write each kernel's SASS here")
     args = p.parse_args(argv)
     result = {}

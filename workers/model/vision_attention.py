@@ -23,7 +23,8 @@ Six implementations, and a rule among them, chosen by EngineConfig.vision_attent
 - "gluon": workers/model/vision_attention_gluon.py, the same attention with the MMAs issued beneath the softmax
   (Hopper only);
 - "gluon_fp8": workers/model/vision_attention_gluon_fp8.py, the Gluon kernel on e4m3 Q, K, P and V, quantised as
-  "triton_fp8"'s with V^T's ones row (Hopper only; "triton_fp8" on other GPUs);
+  "triton_fp8"'s with V^T's ones row, each key tile's P @ V added in float32 (Hopper only; "triton_fp8" on other
+  GPUs): the tower's error as bf16's, and no faster (400 against 417-423 useful TFLOP/s at 62,500 patches, run144);
 - "flash_attn4": FlashAttention-4's CuTe DSL kernels (workers/model/vision_attention_fa4.py), where the optional
   flash-attn-4 package is installed, for a call whose largest frame has FA4_FROM_PATCHES or more, else "sdpa";
   named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);

@@ -1,8 +1,12 @@
 """The vision tower's attention in FP8 as a Gluon kernel for Hopper (sm_90): e4m3 Q, K, P and V on the tensor cores,
-the MMAs issued beneath the softmax as in workers/model/vision_attention_gluon.py.
+the MMAs issued asynchronously as in workers/model/vision_attention_gluon.py.
 
 FP8 halves the MMAs' time against bf16; the exponentials stay (one a score). Where the bf16 Gluon kernel has the
-tensor pipe ~55% busy and the exponentials' unit ~47% (run125, ncu), this is the lever that is left on one GPU.
+tensor pipe ~55% busy and the exponentials' unit ~47% (run125, ncu), this was the lever left on one GPU. Measured
+(run144-145 on an H100, benchmarks/README.md, fortieth pass), it does not pay: at 62,500 patches 400 useful TFLOP/s
+against the bf16 kernel's 417-423, of which the kernel alone ~420 (the operands' quantisation takes 2.2 ms a call),
+and the 4,000 px tower 1.34 s against 1.26 s, with the same error against transformers' float32 module (0.0138).
+So it stays opt-in, `engine.vision_attention: gluon_fp8`.
 
 The operands (workers/model/vision_attention.quantize_for_descriptors, one scale per head, amax / 448):
 - q and k as [N, heads * 96] rows, zero past head_dim 72: each tile is a 64-wide part and a 32-wide tail (FP8's
@@ -13,12 +17,13 @@ The operands (workers/model/vision_attention.quantize_for_descriptors, one scale
 
 P is the softmax's numerator times 2^8 (vision_attention.P_SCALE; the row maximum shifted by 8 in the exponent, so the
 scaling costs nothing) before its e4m3 rounding: e4m3 keeps 2^8 more range below 1. The sum of P comes from the same
-rounded P as the numerator, so the rounding's bias cancels in the ratio.
+rounded P as the numerator. P goes through shared memory: Triton 3.6 cannot keep an asynchronous MMA's 8-bit
+register operand alive across its wait ("Unexpected bitwidth in WGMMAWaitGroupOp: 8").
 
-Hopper's FP8 MMA accumulates with fewer bits than float32 (DeepSeek-V3's report, arXiv:2412.19437, section 3.3.2):
-across a 62,500-key frame the error against float32 grew tenfold in the Triton kernel (nineteenth pass,
-benchmarks/README.md). With `promote` (the default) each key tile's P @ V goes into fresh accumulators and is added
-to the running ones in float32 on the CUDA cores (64 keys an MMA chain, within DeepSeek-V3's 128).
+Hopper's FP8 MMA accumulates with fewer bits than float32 (DeepSeek-V3's report, arXiv:2412.19437, section 3.3.2).
+Accumulated across the frame in the MMA, the sums stop growing: relative error 1.09 against float32 at 62,500 patches
+(0.154 at 16,384), though 15% faster (run144). So each key tile's P @ V goes into fresh accumulators and is added to
+the running sums in float32 on the CUDA cores (64 keys an MMA chain, within DeepSeek-V3's 128 between promotions).
 
 CUDA on sm_90 only, as the bf16 kernel: the CPU tests check the host side and lab/kernels/sm90_compile.py's build.
 """
@@ -49,21 +54,19 @@ P_SHIFT = 8.0  # log2 of vision_attention.P_SCALE
 
 @dataclass(frozen=True)
 class GluonFp8Config:
-    """Query rows and keys a tile, warps (4: one warpgroup; 8: two), K/V ring stages, whether each key tile's P @ V
-    is added to the running accumulators in float32 (else the MMA accumulates across the frame), and a register cap
-    a thread (0: ptxas's choice; 128 lets two 256-thread programs share a multiprocessor)."""
+    """Query rows and keys a tile, warps (4: one warpgroup; 8: two), K/V ring stages, and a register cap a thread
+    (0: ptxas's choice; 128 lets two 256-thread programs share a multiprocessor)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     stages: int = 2
-    promote: bool = True
     max_registers: int = 0
 
 
-# Two 256-thread programs an SM, as the bf16 kernel's tiles: promote's running sums take ptxas to 141 registers, and
+# Two 256-thread programs an SM, as the bf16 kernel's tiles: the float32 running sums take ptxas to 141 registers, and
 # a cap of 128 costs one 8-byte spill (lab/kernels/sm90_compile.py)
-DEFAULT_GLUON_FP8_CONFIG = GluonFp8Config(128, 64, 8, 2, promote=True, max_registers=128)
+DEFAULT_GLUON_FP8_CONFIG = GluonFp8Config(128, 64, 8, 2, max_registers=128)
 
 
 def check_operands(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, head_dim: int) -> tuple[int, int]:
@@ -112,8 +115,7 @@ def kernel_args(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, table: tor
     args = (desc(q8, rows, [m, QK_PART]), desc(q8, rows, [m, QK_TAIL]), desc(k8, rows, [n, QK_PART]),
             desc(k8, rows, [n, QK_TAIL]), desc(vt, list(vt.shape), [V_PART, n]), desc(vt, list(vt.shape), [V_TAIL, n]),
             out, table, qk_scales, v_scales, out.stride(0), scale * math.log2(math.e))
-    constants = dict(HEAD_DIM=head_dim, BLOCK_M=m, BLOCK_N=n, STAGES=config.stages, PROMOTE=config.promote,
-                     num_warps=config.num_warps)
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=m, BLOCK_N=n, STAGES=config.stages, num_warps=config.num_warps)
     if config.max_registers:
         constants["maxnreg"] = config.max_registers
     return args, constants
@@ -162,7 +164,7 @@ if gluon is not None:
     def _gluon_fp8_vision_attention_kernel(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, table_ptr,
                                            qk_scales_ptr, v_scales_ptr, stride_on, qk_scale_base,
                                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                           STAGES: gl.constexpr, PROMOTE: gl.constexpr, num_warps: gl.constexpr):
+                                           STAGES: gl.constexpr, num_warps: gl.constexpr):
         """Program (table row, head): BLOCK_M query rows of one frame against all its keys."""
         D0: gl.constexpr = 64
         D1: gl.constexpr = 32
@@ -226,29 +228,17 @@ if gluon is not None:
             prev = tile - 1
             stage = prev % STAGES
             mbarrier.wait(v_bars.index(stage), (prev // STAGES) & 1)
-            if PROMOTE:
-                t0 = warpgroup_mma(p_s, v0_s.index(stage).permute((1, 0)), zero0, use_acc=False, is_async=True)
-                t1 = warpgroup_mma(p_s, v1_s.index(stage).permute((1, 0)), zero1, use_acc=False, is_async=True)
-            else:
-                acc0 = warpgroup_mma(p_s, v0_s.index(stage).permute((1, 0)), acc0, is_async=True)
-                acc1 = warpgroup_mma(p_s, v1_s.index(stage).permute((1, 0)), acc1, is_async=True)
-            if PROMOTE:
-                # both MMAs waited for before the softmax (where ptxas puts P @ V's wait in any case: the module
-                # docstring), prev's tile added to the running sums, which hold the tiles before it in prev's
-                # reference; its registers are free again for the softmax's
-                s, t0, t1 = warpgroup_mma_wait(0, deps=(s, t0, t1))
-                acc0 = acc0 + t0
-                acc1 = acc1 + t1
-                p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
-                acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
-            else:
-                # the scores' two groups done, P @ V's two still in flight beneath this tile's softmax
-                s = warpgroup_mma_wait(2, deps=(s,))
-                p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
-                acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-                acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
-                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
+            t0 = warpgroup_mma(p_s, v0_s.index(stage).permute((1, 0)), zero0, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(p_s, v1_s.index(stage).permute((1, 0)), zero1, use_acc=False, is_async=True)
+            # both MMAs waited for before the softmax (where ptxas put P @ V's wait in any case: the bf16 kernel's
+            # docstring), prev's tile added to the running sums, which hold the tiles before it in prev's
+            # reference; its registers are free again for the softmax's
+            s, t0, t1 = warpgroup_mma_wait(0, deps=(s, t0, t1))
+            acc0 = acc0 + t0
+            acc1 = acc1 + t1
+            p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+            acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
+            acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
             _stage_p(p, p_s)  # P @ V of prev is done with the buffer
             # this tile's K stage and the previous tile's V stage are free again
             _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, tile + STAGES, start, qk_col, tile + STAGES < n_tiles,
