@@ -111,7 +111,8 @@ def read_cubin(cubin: bytes) -> CompiledKernel:
     return CompiledKernel(
         registers=int(found.group(1)), stack_bytes=int(found.group(2)),
         spill_instructions=sum(op.startswith(("LDL", "STL")) for op in ops), sass_instructions=len(ops),
-        hgmma=sum(op.startswith("HGMMA") for op in ops), qgmma=sum(op.startswith("QGMMA") for op in ops), bar_sync=sum(op.startswith("BAR.SYNC") for op in ops),
+        hgmma=sum(op.startswith("HGMMA") for op in ops), qgmma=sum(op.startswith("QGMMA") for op in ops),
+        bar_sync=sum(op.startswith("BAR.SYNC") for op in ops),
         sass=sass)
 
 
