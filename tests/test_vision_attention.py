@@ -454,3 +454,16 @@ def test_the_bench_reads_tile_shapes_and_picks_the_fastest_at_the_largest_size()
     kernels = {"4096": {names[0]: {"attention_tflops": 1.0}, names[1]: {"attention_tflops": 9.0}},
                "62500": {names[0]: {"attention_tflops": 5.0}, names[1]: {"error": "OutOfResources"}}}
     assert bench.best_config(kernels, "triton", configs) == configs[0]  # 62,500 decides; a failed shape never wins
+
+
+def test_the_bench_never_hands_the_tower_a_kernel_that_is_not_attention():
+    from lab.bench import vision_attention as bench
+
+    configs = bench.parse_gluon_fp8_configs("128:64:8:2:128,64:64:4:2")
+    assert configs == [fp8_gluon.GluonFp8Config(128, 64, 8, 2, 128), fp8_gluon.GluonFp8Config(64, 64, 4, 2)]
+    names = [bench.gluon_fp8_name(c) for c in configs]
+    assert names == ["gluon_fp8[m128n64w8s2r128]", "gluon_fp8[m64n64w4s2]"]
+    # run144: the faster variant's sums had stopped growing (error 1.09 against float32)
+    kernels = {"62500": {names[0]: {"attention_tflops": 399.8, "error_vs_fp32": 0.0546},
+                         names[1]: {"attention_tflops": 457.6, "error_vs_fp32": 1.09}}}
+    assert bench.best_config(kernels, "gluon_fp8", configs) == configs[0]
