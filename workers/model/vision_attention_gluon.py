@@ -152,6 +152,32 @@ if gluon is not None:
                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _init_barriers(STAGES: gl.constexpr):
+        """The Q tile's barrier and the K and V rings' (one a stage), in shared memory, initialised."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        return q_bar, k_bars, v_bars
+
+    @gluon.jit
+    def _invalidate_barriers(q_bar, k_bars, v_bars, STAGES: gl.constexpr):
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+    @gluon.jit
+    def _load_queries(part_desc, tail_desc, part_s, tail_s, bar, row, col):
+        """The program's query rows (their 64-wide part and tail) into shared memory, through TMA."""
+        mbarrier.expect(bar, part_desc.block_type.nbytes + tail_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(part_desc, [row, col], bar, part_s)
+        tma.async_copy_global_to_shared(tail_desc, [row, col + 64], bar, tail_s)
+
+    @gluon.jit
     def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
                    BLOCK_N: gl.constexpr):
         """One key tile of K or V (its 64-wide part and 16-wide tail) into its ring stage, through TMA."""
@@ -228,17 +254,8 @@ if gluon is not None:
         k1_s = gl.allocate_shared_memory(k1_desc.dtype, [STAGES, BLOCK_N, D1], k1_desc.layout)
         v0_s = gl.allocate_shared_memory(v0_desc.dtype, [STAGES, BLOCK_N, D0], v0_desc.layout)
         v1_s = gl.allocate_shared_memory(v1_desc.dtype, [STAGES, BLOCK_N, D1], v1_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-
-        mbarrier.expect(q_bar, q0_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q0_desc, [q_start, k_col], q_bar, q0_s)
-        tma.async_copy_global_to_shared(q1_desc, [q_start, k_col + D0], q_bar, q1_s)
+        q_bar, k_bars, v_bars = _init_barriers(STAGES)
+        _load_queries(q0_desc, q1_desc, q0_s, q1_s, q_bar, q_start, k_col)
         for i in gl.static_range(STAGES):
             _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, k_col, i < n_tiles, STAGES, BLOCK_N)
             _load_tile(v0_desc, v1_desc, v0_s, v1_s, v_bars, i, start, v_col, i < n_tiles, STAGES, BLOCK_N)
@@ -278,10 +295,7 @@ if gluon is not None:
         acc0, acc1, p0, p1 = _issue_values(p, acc0, acc1, v0_s, v1_s, v_bars, n_tiles - 1, p0_layout, p1_layout,
                                            STAGES)
         acc0, acc1, p0, p1 = warpgroup_mma_wait(0, deps=(acc0, acc1, p0, p1))
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        _invalidate_barriers(q_bar, k_bars, v_bars, STAGES)
 
         _store_rows(acc0, acc1, o_ptr, stride_on, q_start, end, head, 1.0, HEAD_DIM, BLOCK_M, o0_layout, o1_layout)
 

@@ -44,7 +44,9 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from workers.model.vision_attention_gluon import _exp2_f16, _load_tile, _store_rows
+    from workers.model.vision_attention_gluon import (
+        _exp2_f16, _init_barriers, _invalidate_barriers, _load_queries, _load_tile, _store_rows,
+    )
 
 QK_PART, QK_TAIL = 64, 32  # q's and k's columns: a 64-wide part and FP8's 32-wide k-step (72 padded to 96)
 V_PART, V_TAIL = 64, 16  # V^T's rows a head: 64, then 16 (8 of head_dim, the ones row, 7 zeros)
@@ -195,17 +197,8 @@ if gluon is not None:
         v1_s = gl.allocate_shared_memory(v1_desc.dtype, [STAGES, DV1, BLOCK_N], v1_desc.layout)
         p_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv))
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-
-        mbarrier.expect(q_bar, q0_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q0_desc, [q_start, qk_col], q_bar, q0_s)
-        tma.async_copy_global_to_shared(q1_desc, [q_start, qk_col + D0], q_bar, q1_s)
+        q_bar, k_bars, v_bars = _init_barriers(STAGES)
+        _load_queries(q0_desc, q1_desc, q0_s, q1_s, q_bar, q_start, qk_col)
         for i in gl.static_range(STAGES):
             _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, i, start, qk_col, i < n_tiles, STAGES, BLOCK_N)
             _load_values(v0_desc, v1_desc, v0_s, v1_s, v_bars, i, v_row, key_col, i < n_tiles, STAGES, BLOCK_N)
@@ -251,10 +244,7 @@ if gluon is not None:
         t0 = warpgroup_mma(p_s, v0_s.index(stage).permute((1, 0)), zero0, use_acc=False, is_async=True)
         t1 = warpgroup_mma(p_s, v1_s.index(stage).permute((1, 0)), zero1, use_acc=False, is_async=True)
         t0, t1 = warpgroup_mma_wait(0, deps=(t0, t1))
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        _invalidate_barriers(q_bar, k_bars, v_bars, STAGES)
 
         # V's scale on the numerators; P's 2^8 is in both the numerators and the ones row's sums, and cancels
         v_scale = gl.load(v_scales_ptr + head)
