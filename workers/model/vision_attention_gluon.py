@@ -210,13 +210,18 @@ if gluon is not None:
         return acc0, acc1, p0, p1
 
     @gluon.jit
-    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """A tile's raw scores -> (fp16 P, the rows' new maxima, the old maxima's rescale factors)."""
+    def _softmax(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 LOG2_SCALE: gl.constexpr = 0.0):
+        """A tile's raw scores -> (fp16 P times 2^LOG2_SCALE, the rows' new maxima, the old maxima's rescale
+        factors)."""
         if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
+        if LOG2_SCALE != 0.0:
+            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new - LOG2_SCALE, 1))
+        else:
+            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
         return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit

@@ -45,13 +45,12 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from workers.model.vision_attention_gluon import (
-        _exp2_f16, _init_barriers, _invalidate_barriers, _load_queries, _load_tile, _store_rows,
+        _init_barriers, _invalidate_barriers, _issue_scores, _load_queries, _load_tile, _softmax, _store_rows,
     )
 
 QK_PART, QK_TAIL = 64, 32  # q's and k's columns: a 64-wide part and FP8's 32-wide k-step (72 padded to 96)
 V_PART, V_TAIL = 64, 16  # V^T's rows a head: 64, then 16 (8 of head_dim, the ones row, 7 zeros)
 QK_COLS, V_ROWS = QK_PART + QK_TAIL, V_PART + V_TAIL
-P_SHIFT = 8.0  # log2 of vision_attention.P_SCALE
 
 
 @dataclass(frozen=True)
@@ -138,27 +137,10 @@ if gluon is not None:
                                         pred=pred)
 
     @gluon.jit
-    def _scores_fp8(q0_s, q1_s, k0_s, k1_s, k_bars, tile, zero_s, STAGES: gl.constexpr):
-        stage = tile % STAGES
-        mbarrier.wait(k_bars.index(stage), (tile // STAGES) & 1)
-        s = warpgroup_mma(q0_s, k0_s.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        return warpgroup_mma(q1_s, k1_s.index(stage).permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
-    def _softmax_fp8(s, m_i, tile_start, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """A tile's raw scores -> (e4m3 P times 2^8, the rows' new maxima, the old maxima's rescale factors)."""
-        if tile_start + BLOCK_N > end:  # the tile that crosses the frame's end: its keys past it are masked
-            cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new - 8.0, 1))
-        return p.to(gl.float8e4nv), m_new, gl.exp2(m_i - m_new)
-
-    @gluon.jit
     def _stage_p(p, p_s):
-        """P into shared memory, where P @ V's MMAs read it (Triton 3.6 cannot keep 8-bit register operands of an
+        """P (fp16, e4m3-rounded here) into shared memory, where P @ V's MMAs read it (Triton 3.6 cannot keep 8-bit register operands of an
         asynchronous MMA alive across its wait), visible to the tensor cores' proxy before any warp issues one."""
-        p_s.store(p)
+        p_s.store(p.to(gl.float8e4nv))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -211,13 +193,14 @@ if gluon is not None:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
         mbarrier.wait(q_bar, 0)
-        s = _scores_fp8(q0_s, q1_s, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
+        s = _issue_scores(q0_s, q1_s, k0_s, k1_s, k_bars, 0, zero_s, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, alpha = _softmax_fp8(s, m_i, start, end, qk_scale, s_layout, BLOCK_N)
+        # P times 2^8 (vision_attention.P_SCALE: the module docstring) before its e4m3 rounding
+        p, m_i, alpha = _softmax(s, m_i, start, end, qk_scale, s_layout, BLOCK_N, 8.0)
         _stage_p(p, p_s)
         _load_tile(k0_desc, k1_desc, k0_s, k1_s, k_bars, STAGES, start, qk_col, STAGES < n_tiles, STAGES, BLOCK_N)
         for tile in range(1, n_tiles):
-            s = _scores_fp8(q0_s, q1_s, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
+            s = _issue_scores(q0_s, q1_s, k0_s, k1_s, k_bars, tile, zero_s, STAGES)
             prev = tile - 1
             stage = prev % STAGES
             mbarrier.wait(v_bars.index(stage), (prev // STAGES) & 1)
@@ -229,7 +212,7 @@ if gluon is not None:
             s, t0, t1 = warpgroup_mma_wait(0, deps=(s, t0, t1))
             acc0 = acc0 + t0
             acc1 = acc1 + t1
-            p, m_i, alpha = _softmax_fp8(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+            p, m_i, alpha = _softmax(s, m_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N, 8.0)
             acc0 = acc0 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o0_layout)), 1)
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout)), 1)
             _stage_p(p, p_s)  # P @ V of prev is done with the buffer
