@@ -138,8 +138,9 @@ if gluon is not None:
 
     @gluon.jit
     def _stage_p(p, p_s):
-        """P (fp16, e4m3-rounded here) into shared memory, where P @ V's MMAs read it (Triton 3.6 cannot keep 8-bit register operands of an
-        asynchronous MMA alive across its wait), visible to the tensor cores' proxy before any warp issues one."""
+        """P (fp16, rounded to e4m3 here) into shared memory, where P @ V's MMAs read it (Triton 3.6 cannot keep an
+        asynchronous MMA's 8-bit register operands alive across its wait), visible to the tensor cores' proxy before
+        any warp issues one."""
         p_s.store(p.to(gl.float8e4nv))
         fence_async_shared()
         gl.thread_barrier()
