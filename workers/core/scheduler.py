@@ -117,6 +117,11 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    def encodes_in_step_time(self, passes_beside: bool) -> list[ImageEncode]:
+        """The tower work within this step's time: the step before's encode_ahead and this step's encode_now, less
+        the passes that run beside the steps (SchedulerLimits.passes_beside: every pass, listed with its blocks)."""
+        return [e for e in (*self.encoded_before, *self.encode_now) if not (passes_beside and e.num_blocks)]
+
     @property
     def is_decode_only(self) -> bool:
         """Single-row chunks that each sample, and nothing else: no vision-tower work, no encoder state to drop."""
@@ -506,10 +511,9 @@ class Scheduler:
         work in a step's time is its encode_now and the step before's encode_ahead (encoded_before), not its own
         encode_ahead: that runs behind its sampling, after the tokens whose arrival ends its time. With passes_beside
         a pass's blocks run beside the steps: in no step's time."""
-        vision, beside = self.limits.vision, self.limits.passes_beside
+        vision = self.limits.vision
         cost = sum(vision.cost(e.image.num_tokens) if not e.num_blocks else e.num_blocks *
-                   vision.block_cost(e.image.num_tokens) for e in (*out.encoded_before, *out.encode_now)
-                   if not (beside and e.num_blocks))
+                   vision.block_cost(e.image.num_tokens) for e in out.encodes_in_step_time(self.limits.passes_beside))
         if out.chunks or cost:
             prompt_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
             context = sum(c.start + 1 for c in out.chunks if c.num_tokens == 1)

@@ -75,7 +75,7 @@ def step_work(out: SchedulerOutput, vision_depth: int, passes_beside: bool = Fal
         work.prefill_tokens += prefill
         for image in seq.images:
             work.visual_prefill_tokens += max(min(image.end, chunk.start + prefill) - max(image.start, chunk.start), 0)
-    encodes = [e for e in (*out.encoded_before, *out.encode_now) if not (passes_beside and e.num_blocks)]
+    encodes = out.encodes_in_step_time(passes_beside)
     work.vision_patches = [encode.image.num_tokens * PATCHES_PER_VISUAL_TOKEN for encode in encodes]
     work.vision_shares = [encode.num_blocks / vision_depth if encode.num_blocks else 1.0 for encode in encodes]
     return work
