@@ -178,16 +178,20 @@ if gluon is not None:
         tma.async_copy_global_to_shared(tail_desc, [row, col + 64], bar, tail_s)
 
     @gluon.jit
-    def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """One key tile of K or V (its 64-wide part and 16-wide tail) into its ring stage, through TMA."""
+    def _load_stage(part_desc, tail_desc, part_s, tail_s, bars, tile, part_at, tail_at, pred, STAGES: gl.constexpr):
+        """A tile's part and tail, from part_at and tail_at, into its ring stage through TMA, on the stage's barrier."""
         stage = tile % STAGES
         bar = bars.index(stage)
         mbarrier.expect(bar, part_desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(part_desc, [start + tile * BLOCK_N, col], bar, part_s.index(stage),
-                                        pred=pred)
-        tma.async_copy_global_to_shared(tail_desc, [start + tile * BLOCK_N, col + 64], bar, tail_s.index(stage),
-                                        pred=pred)
+        tma.async_copy_global_to_shared(part_desc, part_at, bar, part_s.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(tail_desc, tail_at, bar, tail_s.index(stage), pred=pred)
+
+    @gluon.jit
+    def _load_tile(part_desc, tail_desc, part_s, tail_s, bars, tile, start, col, pred, STAGES: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """One key tile of K or V (its 64-wide part and 16-wide tail) into its ring stage, through TMA."""
+        row = start + tile * BLOCK_N
+        _load_stage(part_desc, tail_desc, part_s, tail_s, bars, tile, [row, col], [row, col + 64], pred, STAGES)
 
     @gluon.jit
     def _issue_scores(q0_s, q1, k0_s, k1_s, k_bars, tile, zero_s, STAGES: gl.constexpr):

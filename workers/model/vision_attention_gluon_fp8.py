@@ -45,7 +45,8 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from workers.model.vision_attention_gluon import (
-        _init_barriers, _invalidate_barriers, _issue_scores, _load_queries, _load_tile, _softmax, _store_rows,
+        _init_barriers, _invalidate_barriers, _issue_scores, _load_queries, _load_stage, _load_tile, _softmax,
+        _store_rows,
     )
 
 QK_PART, QK_TAIL = 64, 32  # q's and k's columns: a 64-wide part and FP8's 32-wide k-step (72 padded to 96)
@@ -128,13 +129,8 @@ if gluon is not None:
     def _load_values(part_desc, tail_desc, part_s, tail_s, bars, tile, v_row, key_col, pred, STAGES: gl.constexpr,
                      BLOCK_N: gl.constexpr):
         """One key tile of V^T (its 64 rows and 16-row tail, BLOCK_N keys each) into its ring stage, through TMA."""
-        stage = tile % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, part_desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(part_desc, [v_row, key_col + tile * BLOCK_N], bar, part_s.index(stage),
-                                        pred=pred)
-        tma.async_copy_global_to_shared(tail_desc, [v_row + 64, key_col + tile * BLOCK_N], bar, tail_s.index(stage),
-                                        pred=pred)
+        col = key_col + tile * BLOCK_N
+        _load_stage(part_desc, tail_desc, part_s, tail_s, bars, tile, [v_row, col], [v_row + 64, col], pred, STAGES)
 
     @gluon.jit
     def _stage_p(p, p_s):
