@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lab.bench import engine as bench_engine
 
 
@@ -122,14 +124,15 @@ def test_no_workload_is_refused_where_a_catalogue_is_asked_for(capsys):
     assert "--workloads none" in capsys.readouterr().err
 
 
-def test_profiling_decode_steps_is_refused_without_a_gpu(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--profile-decode", "--profile-prefill"])
+def test_profiling_steps_is_refused_without_a_gpu(flag, tmp_path, capsys):
     try:
-        bench_engine.main(["--shape", "tiny", "--skip-baseline", "--profile-decode", str(tmp_path / "p.txt")])
+        bench_engine.main(["--shape", "tiny", "--skip-baseline", flag, str(tmp_path / "p.txt")])
     except SystemExit as exc:
         assert exc.code == 2
     else:
-        raise AssertionError("--profile-decode was accepted on the CPU")
-    assert "needs a CUDA device" in capsys.readouterr().err
+        raise AssertionError(f"{flag} was accepted on the CPU")
+    assert f"{flag} profiles CUDA kernels: it needs a CUDA device" in capsys.readouterr().err
 
 
 def test_a_profiled_windows_gpu_timeline_gives_kernels_busy_time_and_gaps_per_step():

@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-decode", type=Path, default=None, help="torch.profiler tables of 8 decode steps at the "
                    "largest decode batch by GPU time, then of 8 more by host time (the host's ops recorded too), appended "
                    "to this file per precision, with the GPU's busy share of their wall time (decode_profile in the JSON)")
+    p.add_argument("--profile-prefill", type=Path, default=None, help="torch.profiler tables of 2 text-prefill steps "
+                   "(the prefill part's prompts again, max-num-batched-tokens a step) by GPU time, appended to this file "
+                   "per precision, with the GPU's busy share of their wall time (prefill_profile in the JSON)")
     p.add_argument("--beside-tower", default=None, metavar="SIDE,...", help="after the decode figures, a tower pass "
                    "of a square image of SIDE patches a side (188: 3,000 px, 250: 4,000 px) beside decode steps, once "
                    "per --beside-sms entry (lab/bench/tower_beside_decode.py; CUDA only)")
@@ -104,8 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.workloads.split(",")) - set(WORKLOADS) - {""}
     if unknown:
         p.error(f"--workloads: unknown {sorted(unknown)}; expected some of {list(WORKLOADS)}, or none")
-    if args.profile_decode is not None and not args.device.startswith("cuda"):
-        p.error("--profile-decode profiles CUDA kernels: it needs a CUDA device")
+    for flag, path in (("--profile-decode", args.profile_decode), ("--profile-prefill", args.profile_prefill)):
+        if path is not None and not args.device.startswith("cuda"):
+            p.error(f"{flag} profiles CUDA kernels: it needs a CUDA device")
     args.beside = None
     if args.beside_tower is not None:
         if not args.device.startswith("cuda"):

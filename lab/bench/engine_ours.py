@@ -20,6 +20,7 @@ log = logging.getLogger("bench_engine")
 
 
 CATALOGUE_KEYS = {"fixed": "catalogue", "realistic": "catalogue_realistic"}
+PROFILED_PREFILL_STEPS = 2  # --profile-prefill: full text-prefill steps profiled after the timed prefill part
 PROFILED_DECODE_STEPS = 8  # --profile-decode: steps profiled after the timed ones, at the largest batch, twice
 
 
@@ -219,6 +220,12 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     tokens = w.prefill_requests * w.prefill_len
     result["prefill_tokens_per_s"] = round(tokens / wall, 1)
     result["prefill_step_ms_median"] = round(statistics.median(steps) * 1e3, 2)
+    if args.profile_prefill:
+        for _ in range(w.prefill_requests):
+            add_text(w.prefill_len, 1)
+        label = f"{engine.executor.model_config.weight_format.label}: text prefill, {w.prefill_len}-token prompts"
+        result["prefill_profile"] = profile_steps(engine, PROFILED_PREFILL_STEPS, args.profile_prefill, label)[1]
+        run_until_done(engine, sync)
     log.info("vision and prefill done: %s", result)
 
     # decode throughput at fixed batch sizes and ~decode_context tokens of context
