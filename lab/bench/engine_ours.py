@@ -189,6 +189,20 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     return result
 
 
+def prefill_steps(batch: int, w: Workload) -> int:
+    """At most how many steps batch prompts of w.decode_context tokens take to prefill (each step's budget shared with
+    the decodes of the requests already prefilled)."""
+    return -(-batch * w.decode_context // max(1, w.max_num_batched_tokens - batch)) + 1
+
+
+def check_decode_batch(engine, batch: int) -> None:
+    """Every timed step must decode the whole batch: a figure of fewer sequences divided by batch is not batch's."""
+    running = [s for s in engine.scheduler.running if s.num_generated_tokens > 0 and not s.is_finished]
+    if len(running) != batch or engine.scheduler.waiting:
+        raise RuntimeError(f"decode batch {batch}: {len(running)} sequences decoding and {len(engine.scheduler.waiting)} "
+                           "waiting at a timed step; the figure would not be batch's")
+
+
 def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     """The vision tower, MoE layer, prefill and decode figures (everything but the catalogues)."""
     import torch
@@ -234,13 +248,16 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     profiled = 2 * PROFILED_DECODE_STEPS if args.profile_decode else 0  # the GPU's kernels, then the host's ops
     for batch in batches:
         extra = profiled if batch == batches[-1] else 0
+        # The prompts' prefill takes several steps, and the requests admitted first decode in each of them; so each
+        # keeps enough tokens for those steps too, and every timed and profiled step decodes the whole batch.
         for _ in range(batch):
-            add_text(w.decode_context, w.decode_steps + 2 + extra)
+            add_text(w.decode_context, w.decode_steps + 2 + extra + prefill_steps(batch, w))
         while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         sync()
         times, phases = [], []
         for _ in range(w.decode_steps):
+            check_decode_batch(engine, batch)
             s = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - s)
@@ -253,6 +270,9 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
                 f"{batch}_host": profile_steps(engine, PROFILED_DECODE_STEPS, args.profile_decode, label + ", host ops",
                                                host=True)[1],
             }
+        check_decode_batch(engine, batch)
+        for seq in list(engine.scheduler.running):  # the tokens kept for the prefill's steps: not needed
+            engine.abort(seq.request_id)
         run_until_done(engine, sync)
         step = statistics.median(times)
         decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
