@@ -143,3 +143,51 @@ def test_a_profiled_windows_gpu_timeline_gives_kernels_busy_time_and_gaps_per_st
     ops = [("k1", 0.0, 10.0), ("k2", 12.0, 20.0), ("Memcpy HtoD (Pinned -> Device)", 19.0, 21.0), ("k3", 121.0, 130.0)]
     assert timeline_per_step(ops, 2) == {"kernels": 1.5, "copies": 0.5, "busy_ms": 0.014, "short_gaps_ms": 0.001,
                                          "long_gaps_ms": 0.05}
+
+
+def _decode_batch_engine(batch: int, max_tokens: int, w):
+    """The simulated engine (the real scheduler) with batch prompts of w.decode_context tokens, past their prefill."""
+    from pathlib import Path
+
+    from contract.types import PromptInput, SamplingParams
+    from workers.config import EngineConfig
+    from workers.sim.config import SimulationConfig
+    from workers.sim.engine import simulated
+    from workers.sim.step_model import StepModel
+
+    engine = simulated(EngineConfig(checkpoint=Path("simulated"), max_num_batched_tokens=w.max_num_batched_tokens,
+                                    max_num_seqs=w.max_num_seqs, max_model_len=4096),
+                       SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=10_000),
+                       StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
+    for i in range(batch):
+        engine.add_request(f"r{i}", PromptInput([1000 + i] * w.decode_context), SamplingParams(temperature=0, max_tokens=max_tokens))
+    while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("batch", [256, 64])
+def test_every_timed_decode_step_decodes_the_whole_batch(batch):
+    """256 prompts of 1,024 tokens take ~33 steps of 8,192 to prefill, and the first ones decode in each of them: with
+    tokens for the timed steps alone, they finish while the batch is timed (256 down to 12 sequences)."""
+    from lab.bench.engine_ours import check_decode_batch, prefill_steps
+    from lab.bench.engine_setup import Workload
+
+    w = Workload()
+    engine = _decode_batch_engine(batch, w.decode_steps + 2 + prefill_steps(batch, w), w)
+    for _ in range(w.decode_steps):
+        check_decode_batch(engine, batch)
+        engine.step()
+    check_decode_batch(engine, batch)
+
+
+def test_a_batch_that_shrank_while_timed_is_refused():
+    from lab.bench.engine_ours import check_decode_batch
+    from lab.bench.engine_setup import Workload
+
+    w = Workload()
+    engine = _decode_batch_engine(256, w.decode_steps + 2, w)  # tokens for the timed steps only
+    with pytest.raises(RuntimeError, match="decode batch 256: .* sequences decoding"):
+        for _ in range(w.decode_steps):
+            check_decode_batch(engine, 256)
+            engine.step()
