@@ -170,11 +170,11 @@ def _decode_batch_engine(batch: int, max_tokens: int, w):
 def test_every_timed_decode_step_decodes_the_whole_batch(batch):
     """256 prompts of 1,024 tokens take ~33 steps of 8,192 to prefill, and the first ones decode in each of them: with
     tokens for the timed steps alone, they finish while the batch is timed (256 down to 12 sequences)."""
-    from lab.bench.engine_ours import check_decode_batch, prefill_steps
+    from lab.bench.engine_probes import check_decode_batch, prefill_steps
     from lab.bench.engine_setup import Workload
 
     w = Workload()
-    engine = _decode_batch_engine(batch, w.decode_steps + 2 + prefill_steps(batch, w), w)
+    engine = _decode_batch_engine(batch, w.decode_steps + 2 + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens), w)
     for _ in range(w.decode_steps):
         check_decode_batch(engine, batch)
         engine.step()
@@ -182,7 +182,7 @@ def test_every_timed_decode_step_decodes_the_whole_batch(batch):
 
 
 def test_a_batch_that_shrank_while_timed_is_refused():
-    from lab.bench.engine_ours import check_decode_batch
+    from lab.bench.engine_probes import check_decode_batch
     from lab.bench.engine_setup import Workload
 
     w = Workload()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.bench.engine_probes import (GpuTimeSplit, Sync, allocator_counts, moe_layer_times, profile_steps,
-                                     run_until_done, triton_cache_kernels)
+from lab.bench.engine_probes import (GpuTimeSplit, Sync, allocator_counts, check_decode_batch, moe_layer_times,
+                                     prefill_steps, profile_steps, run_until_done, triton_cache_kernels)
 from lab.bench.engine_setup import Workload
 from workers.core.step_work import median_phases_ms
 
@@ -189,20 +189,6 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     return result
 
 
-def prefill_steps(batch: int, w: Workload) -> int:
-    """At most how many steps batch prompts of w.decode_context tokens take to prefill (each step's budget shared with
-    the decodes of the requests already prefilled)."""
-    return -(-batch * w.decode_context // max(1, w.max_num_batched_tokens - batch)) + 1
-
-
-def check_decode_batch(engine, batch: int) -> None:
-    """Every timed step must decode the whole batch: a figure of fewer sequences divided by batch is not batch's."""
-    running = [s for s in engine.scheduler.running if s.num_generated_tokens > 0 and not s.is_finished]
-    if len(running) != batch or engine.scheduler.waiting:
-        raise RuntimeError(f"decode batch {batch}: {len(running)} sequences decoding and {len(engine.scheduler.waiting)} "
-                           "waiting at a timed step; the figure would not be batch's")
-
-
 def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
     """The vision tower, MoE layer, prefill and decode figures (everything but the catalogues)."""
     import torch
@@ -251,7 +237,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
         # The prompts' prefill takes several steps, and the requests admitted first decode in each of them; so each
         # keeps enough tokens for those steps too, and every timed and profiled step decodes the whole batch.
         for _ in range(batch):
-            add_text(w.decode_context, w.decode_steps + 2 + extra + prefill_steps(batch, w))
+            add_text(w.decode_context, w.decode_steps + 2 + extra + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens))
         while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         sync()

@@ -181,6 +181,21 @@ def allocator_counts() -> dict[str, int]:
     return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
+def prefill_steps(batch: int, context: int, budget: int) -> int:
+    """At most how many steps batch prompts of context tokens take to prefill, each step's budget shared with the
+    decodes of the requests prefilled before. The first of them decode in each of those steps, so a decode figure's
+    requests keep that many tokens more than its timed steps need."""
+    return -(-batch * context // max(1, budget - batch)) + 1
+
+
+def check_decode_batch(engine, batch: int) -> None:
+    """Every timed decode step must decode the whole batch: the time of fewer sequences is not batch's."""
+    running = [s for s in engine.scheduler.running if s.num_generated_tokens > 0 and not s.is_finished]
+    if len(running) != batch or engine.scheduler.waiting:
+        raise RuntimeError(f"decode batch {batch}: {len(running)} sequences decoding and {len(engine.scheduler.waiting)} "
+                           "waiting at a timed step; the figure would not be batch's")
+
+
 def run_until_done(engine, sync) -> tuple[float, list[float]]:
     step_times = []
     t0 = time.perf_counter()

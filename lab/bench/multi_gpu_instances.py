@@ -149,16 +149,22 @@ def decode_steps(engine, batch: int, context: int, steps: int) -> float:
     """Median ms of a decode step at `batch` sequences of ~context tokens."""
     from contract.types import PromptInput
 
+    from lab.bench.engine_probes import check_decode_batch, prefill_steps
+
+    tokens = steps + 2 + prefill_steps(batch, context, engine.config.max_num_batched_tokens)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", PromptInput([1000 + (i + j) % 5000 for j in range(context)]), greedy(steps + 2))
+        engine.add_request(f"d{batch}-{i}", PromptInput([1000 + (i + j) % 5000 for j in range(context)]), greedy(tokens))
     while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     sync_all()
     times = []
     for _ in range(steps):
+        check_decode_batch(engine, batch)
         s = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - s)
+    for seq in list(engine.scheduler.running):  # the tokens kept for the prefill's steps: not needed
+        engine.abort(seq.request_id)
     while engine.has_unfinished():
         engine.step()
     return statistics.median(times) * 1e3
