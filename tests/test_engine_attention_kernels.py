@@ -128,6 +128,18 @@ def test_split_decode_matches_sdpa_including_empty_splits(splits):
     torch.testing.assert_close(out, reference(q, k, v, k_cache, v_cache, meta, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 
+@interpreted
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_with_a_sequences_kv_heads_in_adjacent_programs_matches_sdpa(splits):
+    """The grid's other order (DecodeTiles.heads_adjacent) reads the same rows into the same outputs and partials."""
+    step = [(1, 200), (1, 3), (1, 64), (1, 17)]
+    q, k, v, k_cache, v_cache, meta = paged_step(step, 8, 2, 32, 16, torch.float32, "cpu", seed=2)
+    out = torch.empty_like(q)
+    paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 32**-0.5, out,
+                                  splits=splits, tiles=paged_decode.DecodeTiles(heads_adjacent=True))
+    torch.testing.assert_close(out, reference(q, k, v, k_cache, v_cache, meta, 32**-0.5), atol=1e-5, rtol=1e-5)
+
+
 # Scales that are not powers of two, so a kernel that dropped or misplaced one would be far off.
 FP8_SCALES = [(1.0, 1.0), (0.37, 0.053)]
 

@@ -111,7 +111,16 @@ def bench_decode(batch: int, ctx: int, reps: int) -> dict:
 
 FP8_DECODE_SWEEP = [paged_decode.DecodeTiles(64, 4, 2), paged_decode.DecodeTiles(128, 4, 2),
                     paged_decode.DecodeTiles(128, 4, 3), paged_decode.DecodeTiles(128, 8, 2),
-                    paged_decode.DecodeTiles(256, 8, 2)]
+                    paged_decode.DecodeTiles(256, 8, 2), paged_decode.DecodeTiles(128, 4, 2, heads_adjacent=True),
+                    paged_decode.DecodeTiles(128, 4, 3, heads_adjacent=True),
+                    paged_decode.DecodeTiles(256, 8, 2, heads_adjacent=True)]
+# Context splits tried beside the automatic count (1 from batch 33 at 4 KV heads on 132 SMs): more, shorter
+# programs even where the batch alone fills the GPU, for the last wave's tail.
+FP8_DECODE_SPLITS = (2, 4)
+
+
+def decode_tiles_name(tiles: paged_decode.DecodeTiles) -> str:
+    return "fp8_f16_n{}_w{}_s{}".format(*tiles) + ("_adj" if tiles.heads_adjacent else "")
 FP8_PREFILL_SWEEP = [paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
                      paged_prefill.TileConfig(128, 128, 8, 3, fresh_tma=True),
                      paged_prefill.TileConfig(128, 128, 8, 2, fresh_tma=True),
@@ -142,8 +151,14 @@ def bench_fp8_cache(reps: int) -> dict:
         q, _, _, meta, caches = variants([(1, ctx)] * batch)
         out = torch.empty_like(q)
         row = {}
-        for label, (kc, vc, widen, tiles) in fp8_runs(caches, FP8_DECODE_SWEEP, lambda t: "fp8_f16_n{}_w{}_s{}".format(*t)).items():
+        for label, (kc, vc, widen, tiles) in fp8_runs(caches, FP8_DECODE_SWEEP, decode_tiles_name).items():
             row[f"{label}_us"] = decode_graph_us(q, kc, vc, meta, out, reps, widen_to=widen, tiles=tiles)
+        if paged_decode.num_splits(batch, KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count) == 1:
+            k8, v8, _ = caches["fp8_widened_to_f16"]
+            for tiles in (paged_decode.FP8_DECODE_TILES, paged_decode.FP8_DECODE_TILES._replace(heads_adjacent=True)):
+                for splits in FP8_DECODE_SPLITS:
+                    row[f"{decode_tiles_name(tiles)}_split{splits}_us"] = decode_graph_us(
+                        q, k8, v8, meta, out, reps, widen_to=torch.float16, tiles=tiles, splits=splits)
         result[f"decode_{name}"] = row
     for name in ("later_chunks_4x2048_of_4096", "catalogue"):
         q, k, v, meta, caches = variants(PREFILL_STEPS[name])

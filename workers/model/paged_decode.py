@@ -22,11 +22,15 @@ except ImportError:  # CPU-only installs
 
 
 class DecodeTiles(NamedTuple):
-    """Launch shape: block_n context tokens per inner iteration."""
+    """Launch shape: block_n context tokens per inner iteration. heads_adjacent: a sequence's KV heads in adjacent
+    programs (the grid's fastest axis), so the programs running together read whole cache rows (a token's KV heads
+    are adjacent in a row: 4 x 128 bytes of FP8 at the 30B's shape); else the sequences are the fastest axis and the
+    programs running together read one head's 128-byte piece of many sequences' rows."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    heads_adjacent: bool = False
 
 
 DECODE_TILES = DecodeTiles()
@@ -92,9 +96,16 @@ if triton is not None:
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        HEADS_ADJACENT: tl.constexpr,
     ):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        if HEADS_ADJACENT:  # grid (kv_heads, batch, splits)
+            kv_head = tl.program_id(0)
+            seq = tl.program_id(1)
+            kv_heads = tl.num_programs(0)
+        else:  # grid (batch, kv_heads, splits)
+            seq = tl.program_id(0)
+            kv_head = tl.program_id(1)
+            kv_heads = tl.num_programs(1)
         split = tl.program_id(2)
         ctx = tl.load(lens_ptr + seq)
         # Splits of whole BLOCK_N tiles; the last ones may be empty for short contexts.
@@ -133,7 +144,7 @@ if triton is not None:
                 (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None],
             )
         else:  # unnormalised partials [B, heads, NUM_SPLITS, HEAD_DIM] and (max, sum) [B, heads, NUM_SPLITS, 2]
-            part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+            part = (seq * kv_heads * GROUP + heads) * NUM_SPLITS + split
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
             tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
             tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
@@ -190,13 +201,14 @@ def decode_attention(
     if splits > 1:
         part_acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch, kv_heads, splits)](
+    grid = (kv_heads, batch, splits) if tiles.heads_adjacent else (batch, kv_heads, splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HEADS_ADJACENT=tiles.heads_adjacent, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
