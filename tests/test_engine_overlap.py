@@ -252,7 +252,20 @@ def test_an_engine_that_cannot_queue_steps_ahead_says_so_and_runs_them_one_at_a_
     sim.add_request("x", text(0, 5), SamplingParams(temperature=0.0, max_tokens=5))
     while sim.has_unfinished():
         sim.step()
+        assert not sim.step_in_flight
     assert sim._launched is None
+
+
+def test_an_overlapping_engine_says_when_a_step_is_in_flight_behind_the_one_applied(tiny_moe_checkpoint):
+    """What a profiled window counts: from an idle engine, n step() calls launch n + 1 steps, the last in flight."""
+    eng = engine(tiny_moe_checkpoint, True)
+    assert not eng.step_in_flight
+    eng.add_request("x", text(0, 5), SamplingParams(temperature=0.0, max_tokens=4))
+    eng.step()
+    assert eng.step_in_flight
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.step_in_flight
 
 
 @pytest.mark.parametrize("overlap", [False, True])

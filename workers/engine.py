@@ -253,6 +253,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step was launched behind the last one and is not applied yet (config.overlap_decode_steps): the
+        next step() call applies it, and may launch another."""
+        return self._launched is not None
+
     def load(self) -> EngineLoad:
         s = self.scheduler
         queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + sum(

@@ -112,8 +112,9 @@ def moe_layer_times(model) -> dict[str, float]:
 
 def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> tuple[int, dict]:
     """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
-    kernel_ms, busy, and per step: kernels, copies, their busy time and the GPU's idle time between them, split at
-    SHORT_GAP_US: timeline_per_step}): kernel time over wall is how busy the GPU was across those steps (one stream,
+    kernel_ms, busy, and per step launched in the window (with overlap, one more than n from an idle engine): kernels,
+    copies, their busy time and the GPU's idle time between them, split at SHORT_GAP_US: timeline_per_step}): kernel
+    time over wall is how busy the GPU was across those steps (one stream,
     so kernels do not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
     import torch
     from torch.autograd import DeviceType
@@ -123,19 +124,24 @@ def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    # With overlap, a step launched before the window is applied in it, and the last call launches one more, which
+    # the window's synchronize runs: the GPU's work per step is over the steps launched in the window.
+    launched = n - engine.step_in_flight
     with profile(activities=activities) as prof:
         for _ in range(n):
             generated += sum(len(o.new_token_ids) for o in engine.step())
+        launched += engine.step_in_flight
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
     averages = prof.key_averages()
     kernel_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e3
-    per_step = timeline_per_step(gpu_timeline(prof), n)
+    per_step = timeline_per_step(gpu_timeline(prof), launched)
     with out.open("a") as f:
-        f.write(f"== {label}: {n} steps, wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms; per step {per_step}\n")
+        f.write(f"== {label}: {n} steps ({launched} launched in the window), wall {wall_ms:.1f} ms, kernels "
+                f"{kernel_ms:.1f} ms; per step launched {per_step}\n")
         sort_by = "self_cpu_time_total" if host else "self_cuda_time_total"
         f.write(averages.table(sort_by=sort_by, row_limit=40 if host else 30, max_name_column_width=70) + "\n")
-    return generated, {"steps": n, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
+    return generated, {"steps": n, "launched": launched, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
                        "busy": round(kernel_ms / wall_ms, 3), "per_step": per_step}
 
 
