@@ -1,5 +1,6 @@
-"""The Gluon vision attention kernels (bf16 and FP8) compiled for sm_90 on any machine, GPU or not: their registers,
-spills and the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
+"""Kernels compiled for sm_90 on any machine, GPU or not (the Gluon vision attention kernels, bf16 and FP8, from the
+command line; the text layer's fused norm and quantisation from compile_add_norm_quant): their registers, spills and
+the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
@@ -83,6 +84,23 @@ def compile_attention(config) -> CompiledKernel:
     values = torch.empty(seq, HEADS, V_COLS, dtype=torch.float16)
     args, constants = vag.kernel_args(q, q, values, table, out, HEAD_DIM**-0.5, config)
     return _compile(vag._gluon_vision_attention_kernel, args, constants)
+
+
+def compile_add_norm_quant(hidden: int = 2048, rows_too: bool = True, group: int = 128) -> CompiledKernel:
+    """Compile the text layer's fused residual add + RMSNorm + FP8 quantisation (norm_quant) for sm_90, as
+    add_norm_quantize launches it for rows of `hidden` columns (the 30B-A3B's 2,048)."""
+    import triton
+
+    from workers.model import norm_quant
+    t = 8192
+    x = torch.empty(t, hidden, dtype=torch.bfloat16)
+    q = torch.empty(t, hidden, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(t, -(-hidden // group))
+    block = triton.next_power_of_2(hidden)
+    args = (x, x, x[0], x, x, q, scales, hidden, 1e-6, hidden, hidden, hidden, hidden, hidden, scales.stride(0))
+    constants = dict(HAS_RESIDUAL=True, WRITE_ROWS=rows_too, GROUP=group, BLOCK=block,
+                     num_warps=min(max(block // 512, 1), 8))
+    return _compile(norm_quant._add_norm_quant_kernel, args, constants)
 
 
 def _compile(kernel, args: tuple, constants: dict) -> CompiledKernel:

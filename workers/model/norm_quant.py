@@ -89,7 +89,7 @@ def add_norm_quantize_reference(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n"])
+    @triton.jit
     def _add_norm_quant_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, n, eps,
         stride_x, stride_r, stride_o, stride_ro, stride_q, stride_s,

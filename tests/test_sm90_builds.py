@@ -1,7 +1,7 @@
-"""The Gluon vision attention kernels as ptxas builds them for sm_90, checked on any machine
-(lab/kernels/sm90_compile.py, with the Triton that scripts/bootstrap.sh puts in .kernel-interpreter): the bf16
-kernel's default tiles take the tensor cores' wgmma path and fit the registers that let two of its 256-thread
-programs share a multiprocessor (run94's choice); the FP8 kernel's take FP8 wgmma and, capped, fit two as well."""
+"""Kernels as ptxas builds them for sm_90, checked on any machine (lab/kernels/sm90_compile.py, with the Triton that
+scripts/bootstrap.sh puts in .kernel-interpreter): the Gluon vision attention kernels' default tiles take the tensor
+cores' wgmma path (bf16) or FP8 wgmma and fit the registers that let two of their 256-thread programs share a
+multiprocessor (run94's choice); the text layer's fused norm and quantisation reads and writes whole 16-byte pieces."""
 
 from __future__ import annotations
 
@@ -48,3 +48,20 @@ def test_the_fp8_gluon_kernel_builds_for_sm90_on_fp8_tensor_cores_with_two_progr
     assert built["qgmma"] > 0 and built["hgmma"] == 0  # every MMA on e4m3 operands
     assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
     assert built["stack_bytes"] <= 8, built  # the register cap's one spilled value at most
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+@pytest.mark.parametrize("rows_too", [False, True])
+def test_the_fused_norm_and_quantisation_reads_and_writes_its_rows_in_128_bit_accesses_on_sm90(rows_too):
+    """Its column count unspecialised, Triton could not prove the row mask whole in 16-byte pieces and read every
+    bf16 element alone (48 LDG.E.U16 a thread at 2,048 columns, run146's 123 us a call at 8,192 rows)."""
+    code = f"from lab.kernels.sm90_compile import compile_add_norm_quant; k = compile_add_norm_quant(rows_too={rows_too})"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
+    code += ("; import re, json; ops = re.findall(r'\\b(LDG|STG)(\\.[A-Z0-9._]*)', k.sass); "
+             "print(json.dumps({'wide': sum(w.endswith('.128') for _, w in ops), 'narrow': [o + w for o, w in ops "
+             "if not w.endswith('.128') and w != '.E']}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["narrow"] == [] and built["wide"] >= 6, built  # x, the residual and the weight: two 16 B each a thread
