@@ -160,7 +160,8 @@ def _decode_batch_engine(batch: int, max_tokens: int, w):
                        SimulationConfig(model="qwen3-vl-30b-a3b", output_tokens=10_000),
                        StepModel.build("h200", "qwen3-vl-30b-a3b"), realtime=False)
     for i in range(batch):
-        engine.add_request(f"r{i}", PromptInput([1000 + i] * w.decode_context), SamplingParams(temperature=0, max_tokens=max_tokens))
+        engine.add_request(f"r{i}", PromptInput([1000 + i] * w.decode_context),
+                           SamplingParams(temperature=0, max_tokens=max_tokens))
     while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     return engine
@@ -174,7 +175,8 @@ def test_every_timed_decode_step_decodes_the_whole_batch(batch):
     from lab.bench.engine_setup import Workload
 
     w = Workload()
-    engine = _decode_batch_engine(batch, w.decode_steps + 2 + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens), w)
+    tokens = w.decode_steps + 2 + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens)
+    engine = _decode_batch_engine(batch, tokens, w)
     for _ in range(w.decode_steps):
         check_decode_batch(engine, batch)
         engine.step()

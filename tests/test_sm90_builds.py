@@ -18,17 +18,22 @@ SITE = ROOT / ".kernel-interpreter"
 REGISTERS_PER_SM = 65536
 
 
-def build(config_code: str, extra_code: str) -> dict:
-    """compile_attention(c) in a process with the Triton packages, c made by config_code: the build's figures
-    and extra_code's dict (over the compiled kernel k and c)."""
+def run_with_triton(code: str) -> dict:
+    """code run in a process with the Triton packages (not the interpreter); the JSON object it prints last."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
-    code = (f"import json; from dataclasses import asdict; from lab.kernels.sm90_compile import compile_attention; "
-            f"{config_code}; k = compile_attention(c); "
-            f"print(json.dumps({{n: v for n, v in asdict(k).items() if n != 'sass'}} | {extra_code}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def build(config_code: str, extra_code: str) -> dict:
+    """compile_attention(c), c made by config_code: the build's figures and extra_code's dict (over the compiled
+    kernel k and c)."""
+    return run_with_triton(
+        f"import json; from dataclasses import asdict; from lab.kernels.sm90_compile import compile_attention; "
+        f"{config_code}; k = compile_attention(c); "
+        f"print(json.dumps({{n: v for n, v in asdict(k).items() if n != 'sass'}} | {extra_code}))")
 
 
 @pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
@@ -55,13 +60,9 @@ def test_the_fp8_gluon_kernel_builds_for_sm90_on_fp8_tensor_cores_with_two_progr
 def test_the_fused_norm_and_quantisation_reads_and_writes_its_rows_in_128_bit_accesses_on_sm90(rows_too):
     """Its column count unspecialised, Triton could not prove the row mask whole in 16-byte pieces and read every
     bf16 element alone (48 LDG.E.U16 a thread at 2,048 columns, run146's 123 us a call at 8,192 rows)."""
-    code = f"from lab.kernels.sm90_compile import compile_add_norm_quant; k = compile_add_norm_quant(rows_too={rows_too})"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)])
-    code += ("; import re, json; ops = re.findall(r'\\b(LDG|STG)(\\.[A-Z0-9._]*)', k.sass); "
-             "print(json.dumps({'wide': sum(w.endswith('.128') for _, w in ops), 'narrow': [o + w for o, w in ops "
-             "if not w.endswith('.128') and w != '.E']}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    built = run_with_triton(
+        f"import re, json; from lab.kernels.sm90_compile import compile_add_norm_quant; "
+        f"k = compile_add_norm_quant(rows_too={rows_too}); ops = re.findall(r'\\b(LDG|STG)(\\.[A-Z0-9._]*)', k.sass); "
+        "print(json.dumps({'wide': sum(w.endswith('.128') for _, w in ops), "
+        "'narrow': [o + w for o, w in ops if not w.endswith('.128') and w != '.E']}))")
     assert built["narrow"] == [] and built["wide"] >= 6, built  # x, the residual and the weight: two 16 B each a thread

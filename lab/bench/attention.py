@@ -121,6 +121,8 @@ FP8_DECODE_SPLITS = (2, 4)
 
 def decode_tiles_name(tiles: paged_decode.DecodeTiles) -> str:
     return "fp8_f16_n{}_w{}_s{}".format(*tiles) + ("_adj" if tiles.heads_adjacent else "")
+
+
 FP8_PREFILL_SWEEP = [paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),
                      paged_prefill.TileConfig(128, 128, 8, 3, fresh_tma=True),
                      paged_prefill.TileConfig(128, 128, 8, 2, fresh_tma=True),

@@ -236,8 +236,9 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
         extra = profiled if batch == batches[-1] else 0
         # The prompts' prefill takes several steps, and the requests admitted first decode in each of them; so each
         # keeps enough tokens for those steps too, and every timed and profiled step decodes the whole batch.
+        tokens = w.decode_steps + 2 + extra + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens)
         for _ in range(batch):
-            add_text(w.decode_context, w.decode_steps + 2 + extra + prefill_steps(batch, w.decode_context, w.max_num_batched_tokens))
+            add_text(w.decode_context, tokens)
         while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         sync()

@@ -114,8 +114,7 @@ def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> 
     """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
     kernel_ms, busy, and per step launched in the window (with overlap, one more than n from an idle engine): kernels,
     copies, their busy time and the GPU's idle time between them, split at SHORT_GAP_US: timeline_per_step}): kernel
-    time over wall is how busy the GPU was across those steps (one stream,
-    so kernels do not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
+    time over wall is how busy the GPU was across those steps (one stream, so kernels do not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -198,8 +197,8 @@ def check_decode_batch(engine, batch: int) -> None:
     """Every timed decode step must decode the whole batch: the time of fewer sequences is not batch's."""
     running = [s for s in engine.scheduler.running if s.num_generated_tokens > 0 and not s.is_finished]
     if len(running) != batch or engine.scheduler.waiting:
-        raise RuntimeError(f"decode batch {batch}: {len(running)} sequences decoding and {len(engine.scheduler.waiting)} "
-                           "waiting at a timed step; the figure would not be batch's")
+        raise RuntimeError(f"decode batch {batch}: {len(running)} sequences decoding and "
+                           f"{len(engine.scheduler.waiting)} waiting at a timed step; the figure would not be batch's")
 
 
 def run_until_done(engine, sync) -> tuple[float, list[float]]:

@@ -153,7 +153,8 @@ def decode_steps(engine, batch: int, context: int, steps: int) -> float:
 
     tokens = steps + 2 + prefill_steps(batch, context, engine.config.max_num_batched_tokens)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", PromptInput([1000 + (i + j) % 5000 for j in range(context)]), greedy(tokens))
+        prompt = PromptInput([1000 + (i + j) % 5000 for j in range(context)])
+        engine.add_request(f"d{batch}-{i}", prompt, greedy(tokens))
     while any(s.num_generated_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     sync_all()
