@@ -169,6 +169,25 @@ def test_an_image_needed_now_evicts_images_encoded_ahead_for_sequences_not_start
     assert sched.encoder_cache.used_tokens <= 12
 
 
+def test_an_image_needed_now_counts_on_the_room_only_unread_entries_of_other_sequences_free():
+    sched = encoder_scheduler(budget=64, encoder=16, cache=16, ahead=False)
+    cache = sched.encoder_cache
+    cache.add(("read", 0), 4)  # a step has read it: it stays
+    cache.mark_started(("read", 0))
+    cache.add(("ahead", 0), 6)  # encoded ahead for a sequence that has not reached it: evictable
+    sched.add(image_seq("new", 12, [(1, 10)]))
+    out = sched.schedule()  # 6 rows free, 12 once the unread entry goes: enough for new's 10
+    assert chunks(out) == [("new", 0, 12)] and encodes(out)["now"] == [("new", 0)]
+    assert ("ahead", 0) in out.encoder_drop and ("read", 0) in cache
+
+    sched = encoder_scheduler(budget=64, encoder=16, cache=16, ahead=False)
+    sched.encoder_cache.add(("read", 0), 8)
+    sched.encoder_cache.mark_started(("read", 0))
+    sched.add(image_seq("new", 12, [(1, 10)]))
+    out = sched.schedule()  # 8 rows free and nothing to evict: new computes its text before the image
+    assert chunks(out) == [("new", 0, 1)] and encodes(out)["now"] == []
+
+
 def test_preempting_a_sequence_drops_its_encoder_outputs():
     sched = encoder_scheduler(budget=8, encoder=8, ahead=False, num_blocks=6)  # 24 tokens of KV
     sched.add(image_seq("old", 12, [(0, 8)], max_tokens=20))

@@ -527,9 +527,7 @@ class Scheduler:
         the budget or in the cache, after evicting what other sequences have not started on, or a pass still
         running)."""
         cache, rid, vision = self.encoder_cache, seq.request_id, self.limits.vision
-        evictable = [k for k in cache.evictable() if k[0] != rid]
-        room = cache.capacity_tokens - cache.used_tokens + sum(cache.size(k) for k in evictable)
-        empty_after_evicting = len(cache) == len(evictable)
+        room = empty_after_evicting = None  # the cache's room after evicting: worked out once an image needs it
         whole: list[ImageSpan] = []
         split: list[tuple[ImageSpan, int]] = []
         cost = rows = 0.0
@@ -541,6 +539,10 @@ class Scheduler:
             if key in cache:  # its pass is still running
                 return whole, split, cut
             first = not whole and not split
+            if room is None:  # (a decode's chunk overlaps no image: most calls never get here)
+                evictable = [k for k in cache.evictable() if k[0] != rid]
+                room = cache.capacity_tokens - cache.used_tokens + sum(cache.size(k) for k in evictable)
+                empty_after_evicting = len(cache) == len(evictable)
             if not (rows + image.num_tokens <= room or (first and empty_after_evicting)):
                 return whole, split, cut
             image_cost = vision.cost(image.num_tokens)
