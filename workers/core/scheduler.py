@@ -315,12 +315,12 @@ class Scheduler:
             self._start_passes(seq, split, encoder, out)
             if n == 0:
                 continue
-            while not bm.can_allocate(seq, start + n):
+            while not (fits := bm.can_allocate(seq, start + n)):
                 victim = next((s for s in reversed(self.running) if s is not seq and s.request_id not in scheduled), None)
                 if victim is None:
                     break
                 out.preempted.append(self._preempt(victim, out))
-            if not bm.can_allocate(seq, start + n):
+            if not fits:
                 out.preempted.append(self._preempt(seq, out))
                 continue
             bm.allocate(seq, start + n)
