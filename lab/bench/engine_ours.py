@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.bench.engine_probes import (GpuTimeSplit, Sync, allocator_counts, check_decode_batch, moe_layer_times,
-                                     prefill_steps, profile_steps, run_until_done, triton_cache_kernels)
+from lab.bench.engine_probes import (GpuTimeSplit, Sync, abort_all, allocator_counts, check_decode_batch,
+                                     moe_layer_times, prefill_steps, profile_steps, run_until_done,
+                                     triton_cache_kernels)
 from lab.bench.engine_setup import Workload
 from workers.core.step_work import median_phases_ms
 
@@ -258,8 +259,7 @@ def bench_parts(args, w: Workload, engine, sync, add_text) -> dict:
                                                host=True)[1],
             }
         check_decode_batch(engine, batch)
-        for seq in list(engine.scheduler.running):  # the tokens kept for the prefill's steps: not needed
-            engine.abort(seq.request_id)
+        abort_all(engine)  # the tokens kept for the prefill's steps: not needed
         run_until_done(engine, sync)
         step = statistics.median(times)
         decode[str(batch)] = {"step_ms_median": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),

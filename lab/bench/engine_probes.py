@@ -201,6 +201,12 @@ def check_decode_batch(engine, batch: int) -> None:
                            f"{len(engine.scheduler.waiting)} waiting at a timed step; the figure would not be batch's")
 
 
+def abort_all(engine) -> None:
+    """Ends every request still running or waiting (tokens a measurement kept in reserve and no longer needs)."""
+    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort(seq.request_id)
+
+
 def run_until_done(engine, sync) -> tuple[float, list[float]]:
     step_times = []
     t0 = time.perf_counter()

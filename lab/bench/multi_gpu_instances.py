@@ -149,7 +149,7 @@ def decode_steps(engine, batch: int, context: int, steps: int) -> float:
     """Median ms of a decode step at `batch` sequences of ~context tokens."""
     from contract.types import PromptInput
 
-    from lab.bench.engine_probes import check_decode_batch, prefill_steps
+    from lab.bench.engine_probes import abort_all, check_decode_batch, prefill_steps
 
     tokens = steps + 2 + prefill_steps(batch, context, engine.config.max_num_batched_tokens)
     for i in range(batch):
@@ -164,8 +164,7 @@ def decode_steps(engine, batch: int, context: int, steps: int) -> float:
         s = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - s)
-    for seq in list(engine.scheduler.running):  # the tokens kept for the prefill's steps: not needed
-        engine.abort(seq.request_id)
+    abort_all(engine)  # the tokens kept for the prefill's steps: not needed
     while engine.has_unfinished():
         engine.step()
     return statistics.median(times) * 1e3

@@ -21,6 +21,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from lab.bench.engine_probes import abort_all
+
 PLAIN_STREAM = 0  # in `sms`: the tower on an ordinary second stream, every SM shared
 EXTRA_TOKENS = 64  # tokens a decoding request keeps beyond the steps the measurements need
 
@@ -108,8 +110,7 @@ def measure(engine, sync, add_text, spec: BesideTower) -> dict:
                                                       row[key]["decode_steps"], result["decode_alone_ms"])
             sync()
         result[str(side)] = row
-    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.abort(seq.request_id)
+    abort_all(engine)
     while engine.has_unfinished():
         engine.step()
     sync()
