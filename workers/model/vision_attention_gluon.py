@@ -222,10 +222,7 @@ if gluon is not None:
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < end, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if LOG2_SCALE != 0.0:
-            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new - LOG2_SCALE, 1))
-        else:
-            p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = _exp2_f16(s * qk_scale - gl.expand_dims(m_new - LOG2_SCALE, 1))
         return p, m_new, gl.exp2(m_i - m_new)
 
     @gluon.jit
