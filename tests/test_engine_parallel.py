@@ -6,7 +6,9 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import io
+import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from workers.request_options import RequestOptions
 from workers.serve.kv_transfer import KvLink
 from workers.executor.rank_group import RankStartupError
 from workers.model_config import CheckpointError
+from lab.soak.process_tree import descendants
+from tests.helpers.net_fixtures import listening_sockets
 from tests.helpers.scheduler_spies import record_encodes
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -88,6 +92,29 @@ def test_two_cpu_ranks_give_the_single_process_greedy_tokens_and_kv(tiny_moe_che
         assert [kv.first_token_id] + out[: len(tokens["image"]) - 1] == tokens["image"]
     finally:
         engine.close()
+
+
+def test_a_two_rank_instance_listens_on_loopback_only_and_leaves_nothing_behind_once_closed(tiny_moe_checkpoint):
+    """The ranks meet through a FileStore in a directory of rank 0's (a TCPStore's server would listen on every
+    interface), and their gloo sockets stay on loopback. Closing the instance removes the store's directory; once
+    the engine is dropped too (its layers hold the group), this process has the listeners it had."""
+    def ours() -> dict[int, str]:
+        return {os.getpid(): "rank 0", **descendants(os.getpid())}
+
+    before = set(listening_sockets({os.getpid(): "rank 0"}))
+    engine = make(tiny_moe_checkpoint, tensor_parallel_size=2)
+    try:
+        assert generate(engine)  # the collectives have connected
+        listeners = listening_sockets(ours())
+        assert [one for one in listeners if not one.loopback] == []
+        store = Path(engine.executor.ranks.init_method.removeprefix("file://")).parent
+        assert store.is_dir()
+    finally:
+        engine.close()
+    assert not store.exists()
+    del engine
+    gc.collect()
+    assert set(listening_sockets({os.getpid(): "rank 0"})) == before
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["tower-split", "tower-on-rank-0"])

@@ -197,12 +197,12 @@ def _pd_decode(args, checkpoint: Path, w: Workload, port: int, pipe, result_pipe
 def part_pd(args, checkpoint: Path, w: Workload) -> dict:
     import torch.multiprocessing as mp
 
-    from workers.executor.rank_group import _free_port
+    from lab.bench.router import free_port
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results, result_end = ctx.Pipe()
-    port = _free_port()
+    port = free_port()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     pre = ctx.Process(target=_pd_prefill, args=(args, checkpoint, w, port, a))
     pre.start()

@@ -8,6 +8,10 @@ instance's torch.distributed group (NCCL on CUDA, gloo on CPU), so nothing large
 Ranks are spawned with torch.multiprocessing ('spawn'), as vLLM's multiprocessing executor does; inside a Ray actor
 that owns the instance's GPUs this is the same (the actor is rank 0).
 
+The group meets through a FileStore in a directory of rank 0's, not a TCPStore: every rank is on this host, and a
+TCPStore's server listens on every interface whatever address it is given. A gloo group's own sockets are kept on
+loopback (GLOO_SOCKET_IFNAME, https://pytorch.org/docs/stable/distributed.html#common-environment-variables).
+
 Start-up never waits silently: each rank reports its phase up its pipe; rank 0 joins the process group only
 once every rank is up, and a watcher thread names a rank that exits (aborting the group, so a collective
 waiting on it fails at once) or that stays in one phase too long (its Python stacks dumped to its stderr).
@@ -20,12 +24,14 @@ import faulthandler
 import logging
 import os
 import pickle
+import shutil
 import signal
-import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 SPAWN_TIMEOUT_S = 180.0  # a rank's process: interpreter, imports, CUDA context on its device
 SLOW_PHASE_S = 60.0  # a rank longer than this in one start-up phase is reported (and again at every multiple)
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+LOOPBACK_INTERFACE = "lo"
 
 
 class RankStartupError(RuntimeError):
@@ -89,10 +97,13 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 
 def init_rank(config: EngineConfig, rank: int, init_method: str) -> TensorParallel:
-    """Joins the instance's process group (the default group of this process)."""
+    """Joins the instance's process group (the default group of this process). A gloo group's sockets bind
+    loopback unless the operator named an interface."""
     device = rank_device(config, rank)
     if config.is_cuda:
         torch.cuda.set_device(device)
+    else:
+        os.environ.setdefault(GLOO_INTERFACE_ENV, LOOPBACK_INTERFACE)
     try:
         dist.init_process_group(
             "nccl" if config.is_cuda else "gloo", init_method=init_method, rank=rank,
@@ -103,19 +114,14 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> TensorParall
     return TensorParallel(rank, config.tensor_parallel_size, config.expert_parallel, dist.group.WORLD)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RankGroup:
     """Rank 0's handle on ranks 1..n-1: start them, send them steps and commands, stop them."""
 
     def __init__(self, config: EngineConfig, build_runner: Callable):
         """build_runner(config, model_config, tp): the model runner each rank >= 1 serves steps with (the
         ModelRunner class; passed in, so that this module does not import the runner that imports it)."""
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._store_dir = Path(tempfile.mkdtemp(prefix="q3vl-ranks-"))  # fresh: a FileStore's old file would be read
+        self.init_method = init_method = (self._store_dir / "store").as_uri()  # where the ranks meet
         ctx = mp.get_context("spawn")
         self.pipes = []
         self.procs = []
@@ -135,6 +141,7 @@ class RankGroup:
             self.tp = init_rank(config, 0, init_method)
         except BaseException:
             self._kill()
+            shutil.rmtree(self._store_dir, ignore_errors=True)
             raise
         self._watcher = threading.Thread(target=self._watch, name="q3vl-rank-watch", daemon=True)
         self._watcher.start()
@@ -227,6 +234,13 @@ class RankGroup:
             proc.join(timeout=30)
         stuck = [p.name for p in self.procs if p.is_alive()]
         self._kill()
+        try:
+            self._leave_group(stuck)
+        finally:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+
+    @staticmethod
+    def _leave_group(stuck: list[str]) -> None:
         if not dist.is_initialized():
             return
         if not stuck:
