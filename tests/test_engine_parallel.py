@@ -20,7 +20,7 @@ from workers.config import EngineConfig, KvLinkConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import KvExport
 from workers.request_options import RequestOptions
-from workers.serve.kv_transfer import KvLink
+from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.executor.rank_group import RankStartupError
 from workers.model_config import CheckpointError
 from lab.soak.process_tree import descendants
@@ -182,6 +182,8 @@ def test_kv_link_moves_an_export_to_the_decode_side_which_continues_it_exactly(t
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each end waits for the other to connect
         sender, receiver = pool.map(lambda role: KvLink(KvLinkConfig("127.0.0.1", port, role, "cpu", timeout_s=60)),
                                     ("prefill", "decode"))
+    store = [one for one in listening_sockets({os.getpid(): "both ends"}) if one.port == port]
+    assert len(store) == 1 and store[0].loopback  # the prefill side listens at the link's address alone
     try:
         hint = sender.send(kv)
         moved = receiver.receive(hint, kv.num_tokens, kv.first_token_id, timeout_s=60)
@@ -195,6 +197,13 @@ def test_kv_link_moves_an_export_to_the_decode_side_which_continues_it_exactly(t
     while engine.has_unfinished():
         out += [t for o in engine.step() for t in o.new_token_ids]
     assert [kv.first_token_id] + out[: len(tokens["image"]) - 1] == tokens["image"]
+
+
+def test_a_kv_link_whose_address_is_taken_fails_naming_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(KvLinkError, match=rf"kv link 127.0.0.1:{port} \(prefill\): cannot listen there"):
+            KvLink(KvLinkConfig("127.0.0.1", port, "prefill", "cpu", timeout_s=5))
 
 
 def test_a_rank_that_dies_while_starting_fails_the_instance_naming_the_rank_and_phase(tiny_moe_checkpoint, monkeypatch):

@@ -9,7 +9,8 @@ watchdog). The header is also the KvHandle's `transport_hint`; a decode Generate
 from the received ones (receive()). workers/serve/server.py PullKv stays the portable path.
 
 Setup is explicit: both workers are given the same host:port (`--kv-link`, or the harness's `workers.kv_link`
-system setting); the prefill side listens there.
+system setting); the prefill side listens there, and there alone: it binds the store's socket itself and hands it
+to the store (TCPStore's master_listen_fd), since a TCPStore's own server listens on every interface.
 One link joins one prefill and one decode worker; a pool with several of either needs one link per pair and
 the router naming the decode worker before the prefill (see workers/serve/server.py).
 """
@@ -21,6 +22,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -64,7 +66,8 @@ class KvLink:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=config.timeout_s)
         try:
-            self.store = dist.TCPStore(config.host, config.port, 2, is_master=self.rank == 0, timeout=timeout)
+            self.store = _prefill_store(config, timeout) if self.rank == 0 else dist.TCPStore(
+                config.host, config.port, 2, is_master=False, timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:
             raise KvLinkError(f"kv link {config.address} ({config.role}): peer did not connect within "
                               f"{config.timeout_s:.0f} s: {exc}") from exc
@@ -218,6 +221,19 @@ class KvLink:
             with contextlib.suppress(RuntimeError, dist.DistError):  # the store's host (the peer) may be gone
                 self.store.set(f"kv/{self._next}", _STOP)
             self._receiver.join(timeout=5)
+
+
+def _prefill_store(config: KvLinkConfig, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The pair's store, served from a socket bound to config.host:config.port alone; returns once the decode side
+    has connected."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        listener = socket.create_server((config.host, config.port), family=family)
+    except OSError as exc:
+        raise KvLinkError(f"kv link {config.address} (prefill): cannot listen there: {exc.strerror or exc}") from exc
+    fd = listener.detach()  # the store's from here on: it closes the socket when it goes, or fails to start
+    return dist.TCPStore(config.host, config.port, 2, is_master=True, timeout=timeout, master_listen_fd=fd,
+                         use_libuv=False)  # the backend that takes a bound socket
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
