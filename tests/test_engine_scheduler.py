@@ -188,6 +188,17 @@ def test_an_image_needed_now_counts_on_the_room_only_unread_entries_of_other_seq
     assert chunks(out) == [("new", 0, 1)] and encodes(out)["now"] == []
 
 
+def test_an_image_needed_now_never_evicts_an_unread_image_of_its_own_sequence():
+    """Room for a sequence's second image is not made by evicting its first, encoded ahead and not read yet: the same
+    chunk needs it. The chunk stops before the second image instead."""
+    sched = encoder_scheduler(budget=64, encoder=16, cache=10, ahead=False)
+    sched.encoder_cache.add(("two", 0), 6)  # encoded ahead: unread, so evictable for another sequence's image
+    sched.add(image_seq("two", 16, [(1, 6), (8, 6)]))
+    out = sched.schedule()  # 4 rows free; the only unread entry is two's own
+    assert chunks(out) == [("two", 0, 8)] and encodes(out)["now"] == []
+    assert encodes(out)["drop"] == [] and encodes(out)["free"] == [("two", 0)]  # read by this step, not dropped
+
+
 def test_preempting_a_sequence_drops_its_encoder_outputs():
     sched = encoder_scheduler(budget=8, encoder=8, ahead=False, num_blocks=6)  # 24 tokens of KV
     sched.add(image_seq("old", 12, [(0, 8)], max_tokens=20))

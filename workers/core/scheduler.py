@@ -203,6 +203,11 @@ class _EncoderBudget:
         self.used = True
 
 
+def _past_images(seq: Sequence, start: int) -> bool:
+    """Whether every image of seq's prompt lies before row `start` (a prompt's spans are in order)."""
+    return not seq.images or seq.images[-1].end <= start
+
+
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int],
                  clock: Callable[[], float] = time.monotonic):
@@ -309,13 +314,18 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted above for an older sequence's blocks
                 continue
-            prefill = seq.num_uncomputed_tokens > 1
+            uncomputed = seq.num_uncomputed_tokens
+            prefill = uncomputed > 1
             start = seq.num_computed_tokens
-            need, split, n = self._plan_images(seq, start, self._prompt_chunk(seq, budget, prefill_left), encoder)
-            self._start_passes(seq, split, encoder, out)
-            if n == 0:
-                continue
-            while not (fits := bm.can_allocate(seq, start + n)):
+            if uncomputed == 1 and _past_images(seq, start):  # a decode: one row, no image, no bound to weigh
+                need, n = [], 1
+            else:
+                need, split, n = self._plan_images(seq, start, self._prompt_chunk(seq, budget, prefill_left), encoder)
+                self._start_passes(seq, split, encoder, out)
+                if n == 0:
+                    continue
+            new_blocks = bm.blocks_needed(seq, start + n)
+            while not (fits := new_blocks <= bm.num_free_blocks):
                 victim = next((s for s in reversed(self.running) if s is not seq and s.request_id not in scheduled), None)
                 if victim is None:
                     break
@@ -323,8 +333,12 @@ class Scheduler:
             if not fits:
                 out.preempted.append(self._preempt(seq, out))
                 continue
-            bm.allocate(seq, start + n)
-            self._commit(ScheduledChunk(seq, start, n), need, encoder, out)
+            if new_blocks:
+                bm.allocate(seq, start + n)
+            if need or not _past_images(seq, start):
+                self._commit(ScheduledChunk(seq, start, n), need, encoder, out)
+            else:  # all _commit does for a chunk past its prompt's images
+                out.chunks.append(ScheduledChunk(seq, start, n))
             scheduled.add(seq.request_id)
             budget -= n
             prefill_left -= n if prefill else 0
@@ -382,8 +396,10 @@ class Scheduler:
         and at most PAST_SAVING_CHUNK_TOKENS otherwise, so that a request arriving during one of its steps is not
         held for a whole prefill budget's step."""
         n = self._chunk_tokens(seq, budget, prefill_left)
+        if seq.num_uncomputed_tokens <= 1:
+            return n
         now = self.clock()
-        if seq.num_uncomputed_tokens <= 1 or not self._cannot_meet(seq, now):
+        if not self._cannot_meet(seq, now):
             return n
         if now <= seq.deadline + YIELD_OVERDUE_S and self._another_can_meet(seq, now):
             return 0
