@@ -19,6 +19,7 @@ SchedulerOutput lists what the model runner does.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -676,19 +677,21 @@ class Scheduler:
         in_step = {c.seq.request_id: c.start + c.num_tokens for c in out.chunks}
         budget, prefill_left = limits.max_num_batched_tokens, limits.prefill_tokens
         guesses = []
-        running = sorted(self.running, key=lambda s: (s.num_tokens - in_step.get(s.request_id, s.num_computed_tokens) > 1,
-                                                      s.arrival))
-        for seq in running:
+        prompts = []  # (seq, start, rows left) of running sequences with prompt rows left after this step
+        for seq in self.running:  # the next step's decodes come first, a row each
             start = in_step.get(seq.request_id, seq.num_computed_tokens)
             left = seq.num_tokens - start
             if left <= 1:
                 budget -= 1
-                continue
+            else:
+                prompts.append((seq, start, left))
+        prompts.sort(key=lambda p: p[0].arrival)  # then prompt chunks oldest first (a stable sort, as schedule()'s)
+        for seq, start, left in prompts:
             take = min(left, budget, prefill_left)
             if take > 0:
                 guesses.append((seq, start, take))
                 budget, prefill_left = budget - take, prefill_left - take
-        for seq in list(self.waiting)[: max(0, limits.max_num_seqs - len(self.running))]:
+        for seq in itertools.islice(self.waiting, max(0, limits.max_num_seqs - len(self.running))):
             take = min(seq.num_uncomputed_tokens, budget, prefill_left)
             if take <= 0:
                 break
