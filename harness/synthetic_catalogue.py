@@ -11,8 +11,13 @@ import io
 import json
 import logging
 import math
+import os
+import pickle
 import random
 import struct
+import subprocess
+import sys
+import tempfile
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +41,10 @@ BOMB_SIDE = 30_000  # a 30,000 x 30,000 PNG: 900 Mpixel, about 110 KB on disk
 LONG_PROMPT_CHARS = 200_000  # tens of thousands of tokens, beyond any max_model_len we configure
 BAD_UTF8_MARK = "\x00BAD-UTF8\x00"  # replaced by invalid UTF-8 bytes in the written parquet
 ROW_GROUP_SIZE = 8
+# Samples are drawn in worker processes from this many on (a realistic one takes ~33 ms, mostly its JPEG; 2,000 of
+# them took ~70 s in one process); fewer are not worth the workers' start.
+PARALLEL_FROM_SAMPLES = 256
+MAX_WORKERS = 16
 TRAIN_FRACTION = 0.8
 
 # A small taxonomy: every root-to-node path is a category ("A > B > C").
@@ -225,6 +234,46 @@ def synthetic_sample(seed: int, index: int, profile: str = "small") -> dict:
     }
 
 
+def _samples(seed: int, indices: range, profile: str, workers: int) -> list[dict]:
+    """synthetic_sample for each index, in order; in `workers` child interpreters when more than one, each drawing
+    every workers-th index (plain `python -c` processes: nothing of the caller's main module or threads is needed
+    there, as multiprocessing's spawn and fork would need)."""
+    if workers <= 1 or len(indices) < 2:
+        return [synthetic_sample(seed, i, profile) for i in indices]
+    workers = min(workers, len(indices))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="q3vl-catalogue-") as tmp:
+        parts = [Path(tmp) / f"part-{k}" for k in range(workers)]
+        procs = []
+        for k, part in enumerate(parts):
+            with open(part.with_suffix(".err"), "wb") as err:
+                procs.append(subprocess.Popen([sys.executable, "-c", _DRAW_PART, str(seed), profile,
+                                               str(indices.start + k), str(indices.stop), str(workers), str(part)],
+                                              env=env, stderr=err))
+        try:
+            codes = [proc.wait() for proc in procs]
+        except BaseException:  # an interrupt: no worker outlives the call
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            raise
+        for k, code in enumerate(codes):
+            if code != 0:
+                err = parts[k].with_suffix(".err").read_text(errors="replace").strip()[-2000:]
+                raise RuntimeError(f"drawing synthetic samples: worker {k} of {workers} exited with code {code}: {err}")
+        drawn = [pickle.loads(part.read_bytes()) for part in parts]
+    return [drawn[k % workers][k // workers] for k in range(len(indices))]
+
+
+_ROOT = Path(__file__).resolve().parent.parent  # the repository: the workers import this module from there
+_DRAW_PART = """import pickle, sys
+from pathlib import Path
+from harness.synthetic_catalogue import synthetic_sample
+seed, profile, first, stop, step, out = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
+Path(out).write_bytes(pickle.dumps([synthetic_sample(int(seed), i, profile) for i in range(first, stop, step)]))
+"""
+
+
 def _bomb_png(side: int = BOMB_SIDE) -> bytes:
     """A valid 1-bit grayscale PNG of side x side pixels, all black: a decompression bomb built cheaply
     (each row is a filter byte and side/8 zero bytes, deflated as a stream)."""
@@ -321,10 +370,13 @@ def write_synthetic_catalogue(
     profile: Profile = "small",
     row_group_size: int = ROW_GROUP_SIZE,
     bad_samples: Mapping[int, BadSample] | None = None,
+    workers: int | None = None,
 ) -> Path:
     """Writes data/<split>-NNNNN-of-MMMMM.parquet (train 2 shards when it can, test 1) and returns out_dir.
 
-    `bad_samples` maps sample indices to a fault from BAD_SAMPLES planted in that row (fault tests).
+    `bad_samples` maps sample indices to a fault from BAD_SAMPLES planted in that row (fault tests). `workers`:
+    processes drawing the samples (the same rows however many); None: one per CPU, up to MAX_WORKERS, from
+    PARALLEL_FROM_SAMPLES samples on.
     """
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -342,9 +394,13 @@ def write_synthetic_catalogue(
     for stale in data_dir.glob("*.parquet"):
         stale.unlink()
     splits = DATASETS[dataset].splits
+    if workers is None:
+        workers = min(os.cpu_count() or 1, MAX_WORKERS) if n_samples >= PARALLEL_FROM_SAMPLES else 1
+    if workers > 1:
+        logger.info("drawing %d synthetic samples in %d processes", n_samples, workers)
     index = 0
     for split, size in zip(splits, _split_sizes(n_samples, splits)):
-        rows = [synthetic_sample(seed, i, profile) for i in range(index, index + size)]
+        rows = _samples(seed, range(index, index + size), profile, workers)
         for i, kind in bad_samples.items():
             if index <= i < index + size:
                 rows[i - index] = _plant_bad_sample(rows[i - index], kind, np.random.default_rng([seed, i]))

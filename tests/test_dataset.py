@@ -106,6 +106,14 @@ def test_writer_is_deterministic_by_seed(catalogue, tmp_path):
     assert [s.title for s in other] != [s.title for s in catalogue]
 
 
+def test_samples_drawn_in_worker_processes_are_the_ones_drawn_in_one(catalogue_dir, tmp_path):
+    parallel = syn.write_synthetic_catalogue(tmp_path / "p", 64, seed=3, workers=2)
+    names = sorted(p.name for p in (catalogue_dir / "data").iterdir())
+    assert sorted(p.name for p in (parallel / "data").iterdir()) == names
+    for name in names:
+        assert pq.read_table(parallel / "data" / name).equals(pq.read_table(catalogue_dir / "data" / name)), name
+
+
 def test_realistic_profile_is_all_jpeg_at_real_dataset_sizes():
     real_sides = {side for side, _ in syn.REAL_SIZES}
     for index in range(6):
