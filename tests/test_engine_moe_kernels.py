@@ -42,6 +42,21 @@ ALIGN_CASES = {
 }
 
 
+@pytest.mark.parametrize("num_experts,foreign", [(16, False), (255, True), (256, True), (300, False)])
+def test_pairs_sort_by_expert_stably_with_keys_in_the_narrowest_type(num_experts, foreign):
+    """sort_pairs sorts expert ids as uint8 up to 256 bins (one radix pass on CUDA), int16 above: the stable order
+    of the ids themselves, another rank's pairs (id num_experts) last."""
+    top_i = routing(400, num_experts, 4, seed=1)
+    if foreign:
+        top_i[::7, 0] = num_experts
+    flat = top_i.reshape(-1)
+    order, offs = moe_routing.sort_pairs(top_i, num_experts, foreign)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(offs, torch.bincount(flat, minlength=num_experts + 1)[:num_experts].cumsum(0).to(torch.int32))
+    bins = num_experts + foreign
+    assert moe_routing.sort_keys(flat, bins).dtype == (torch.uint8 if bins <= 256 else torch.int16)
+
+
 @interpreter
 @pytest.mark.parametrize("case", ALIGN_CASES.values(), ids=ALIGN_CASES.keys())
 def test_align_kernel_gives_the_reference_blocks(case):

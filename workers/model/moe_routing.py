@@ -64,7 +64,15 @@ def sort_pairs(top_i: torch.Tensor, num_experts: int, foreign: bool = False) -> 
     flat = top_i.reshape(-1)
     bins = num_experts + foreign
     offs = torch.histc(flat.float(), bins=bins, min=0, max=bins).cumsum(0).to(torch.int32)[:num_experts]
-    return torch.argsort(flat, stable=True), offs
+    return torch.argsort(sort_keys(flat, bins), stable=True), offs
+
+
+def sort_keys(expert_ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Expert ids (0..num_bins-1) in the narrowest integer type that holds them: a radix sort (CUB's, under
+    torch.argsort on CUDA) makes a pass per key byte, so uint8 keys sort in one pass where int64 ones take eight."""
+    if num_bins <= 256:
+        return expert_ids.to(torch.uint8)
+    return expert_ids.to(torch.int16 if num_bins <= 1 << 15 else torch.int32)
 
 
 def align_pairs(top_i: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +103,7 @@ def num_align_blocks(num_pairs: int, num_bins: int, block_m: int) -> int:
 def align_pairs_reference(top_i: torch.Tensor, num_bins: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = top_i.reshape(-1)
     num_pairs = flat.numel()
-    order = torch.argsort(flat.to(torch.int32), stable=True)
+    order = torch.argsort(sort_keys(flat, num_bins), stable=True)
     counts = torch.histc(flat.float(), bins=num_bins, min=0, max=num_bins).to(torch.int64)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
