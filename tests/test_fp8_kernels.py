@@ -124,10 +124,12 @@ def test_per_token_quantisation_kernel_is_bit_equal_to_the_reference(kernels_on_
 
 
 @interpreter
-def test_silu_mul_quantise_kernel_is_bit_equal_to_the_reference(kernels_on_cpu):
+@pytest.mark.parametrize("inter", [96, 88, 64], ids=["64+32", "64+24-of-32", "one-piece"])
+def test_silu_mul_quantise_kernel_is_bit_equal_to_the_reference(kernels_on_cpu, inter):
+    """The kernel takes a row in two power-of-two pieces (grouped_fp8_moe.row_pieces): exactly, one masked, or one."""
     from workers.model import grouped_fp8_moe
 
-    h = torch.randn(19, 2 * 96, generator=torch.Generator().manual_seed(3)) * 4
+    h = torch.randn(19, 2 * inter, generator=torch.Generator().manual_seed(3)) * 4
     h[2] = 0.0  # an all-zero row: the amax floor
     got_q, got_s = grouped_fp8_moe.silu_mul_quantize(h, torch.float32)
     want_q, want_s = grouped_fp8_moe.silu_mul_quantize_reference(h, torch.float32)

@@ -19,6 +19,7 @@ Measured on the H200 (benchmarks/README.md, eleventh pass, run52): at 8,192 toke
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,9 @@ if triton is not None:
     # Globals a jitted function reads must be constexpr.
     _FP8_MAX = tl.constexpr(FP8_MAX)
     _AMAX_FLOOR = tl.constexpr(fp8.ACTIVATION_AMAX_FLOOR)
+    # Triton's CPU interpreter (TRITON_INTERPRET=1, read when Triton starts) casts to e4m3 wrongly: round_to_e4m3
+    # rounds first there. A GPU's cast (cvt.rn.satfinite.e4m3x2.f32 on sm_90) rounds to nearest even itself.
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
     @triton.jit
     def round_to_e4m3(v):
@@ -84,13 +88,38 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def divide_by_row(x, d):
+        """x [rows, n] / d [rows], IEEE-rounded as div_rn, with one division a row: the row's reciprocal y, rounded
+        once, then x * y corrected by its residual x - d (x y), which an FMA computes exactly (Markstein's
+        correction, the last step of div.rn's own sequence: J.-M. Muller et al., Handbook of Floating-Point
+        Arithmetic, 2nd ed., section 4.9). div_rn a value took ~10 instructions and a branch to its slow path
+        (sm_90 SASS: MUFU.RCP, FFMAs, FCHK), this three; the slow path covers quotients near the float32 range's
+        ends, which a quantisation's (at most 448, and below e4m3's smallest subnormal rounding to 0) are not."""
+        db = tl.broadcast_to(d[:, None], x.shape)
+        y = tl.broadcast_to(tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)[:, None], x.shape)
+        q = x * y
+        return tl.where(x == 0.0, x, tl.fma(tl.fma(-q, db, x), y, q))  # -0.0 / d is -0.0 (the correction gives +0.0)
+
+    @triton.jit
     def quantize_group(x):
         """x [rows, GROUP] float32 -> (e4m3 grid values float32 [rows, GROUP], scales [rows]) as the reference."""
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
-        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        scale = row_scale(tl.max(tl.abs(x), axis=1))
+        return quantize_scaled(x, scale), scale
+
+    @triton.jit
+    def row_scale(amax):
+        """A row's e4m3 scale from its largest magnitude (floored, as the reference)."""
+        amax = tl.maximum(amax, _AMAX_FLOOR)
+        return tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
+
+    @triton.jit
+    def quantize_scaled(x, scale):
+        """x [rows, n] float32 over its rows' scales [rows] -> values on e4m3's grid (float32), as the reference."""
+        q = divide_by_row(x, scale)
         q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-        return round_to_e4m3(q), scale
+        if _INTERPRETED:
+            q = round_to_e4m3(q)
+        return q
 
     @triton.jit(do_not_specialize=["M"])
     def _quantize_kernel(
