@@ -205,7 +205,7 @@ def _start_embedded_ray(settings: RaySection, temp_dir: Path) -> None:
     try:
         start()
     except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up in time
-        if not _start_timed_out(exc):
+        if not start_timed_out(exc):
             raise
         # A loaded host can be slow to start the raylet or the GCS server; a second start usually succeeds.
         logger.warning("embedded Ray did not start in time (%s); starting it once more%s", exc,
@@ -219,7 +219,7 @@ def _start_embedded_ray(settings: RaySection, temp_dir: Path) -> None:
             "must be imported before ray (it sets the switch Ray reads at import)")
 
 
-def _start_timed_out(exc: Exception) -> bool:
+def start_timed_out(exc: Exception) -> bool:
     """Whether ray.init failed waiting for its own processes: the node's start (a bare Exception) or the GCS
     server's port file (a RuntimeError from ray._private.node's wait, RAY_GCS_WAIT_ENV seconds; CI, 2026-12-07: a
     2-core machine's test run once waited 120 s for it)."""

@@ -234,6 +234,13 @@ def synthetic_sample(seed: int, index: int, profile: str = "small") -> dict:
     }
 
 
+def _idle_cpus() -> int:
+    """The CPUs this process may use less the machine's load (its 1-minute average), at least 1, at most MAX_WORKERS:
+    on a busy machine (CI's two test workers on two cores) more processes would only take time from the others."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, round(cpus - os.getloadavg()[0])))
+
+
 def _samples(seed: int, indices: range, profile: str, workers: int) -> list[dict]:
     """synthetic_sample for each index, in order; in `workers` child interpreters when more than one, each drawing
     every workers-th index (plain `python -c` processes: nothing of the caller's main module or threads is needed
@@ -375,7 +382,7 @@ def write_synthetic_catalogue(
     """Writes data/<split>-NNNNN-of-MMMMM.parquet (train 2 shards when it can, test 1) and returns out_dir.
 
     `bad_samples` maps sample indices to a fault from BAD_SAMPLES planted in that row (fault tests). `workers`:
-    processes drawing the samples (the same rows however many); None: one per CPU, up to MAX_WORKERS, from
+    processes drawing the samples (the same rows however many); None: one per idle CPU, up to MAX_WORKERS, from
     PARALLEL_FROM_SAMPLES samples on.
     """
     if n_samples < 1:
@@ -395,7 +402,7 @@ def write_synthetic_catalogue(
         stale.unlink()
     splits = DATASETS[dataset].splits
     if workers is None:
-        workers = min(os.cpu_count() or 1, MAX_WORKERS) if n_samples >= PARALLEL_FROM_SAMPLES else 1
+        workers = _idle_cpus() if n_samples >= PARALLEL_FROM_SAMPLES else 1
     if workers > 1:
         logger.info("drawing %d synthetic samples in %d processes", n_samples, workers)
     index = 0
