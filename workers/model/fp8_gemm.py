@@ -5,9 +5,9 @@ behind a probe of this torch and GPU, and a block-scaled W8A8 GEMM in Triton whe
 torch references of workers/model/fp8.py.
 
 Numbers: quantize_activations equals fp8.quantize_activation_groups bit for bit (IEEE division: div_rn for the
-scale, the row's reciprocal and an FMA correction for the quotient, divide_by_row; e4m3 rounding to nearest even). The GEMMs accumulate fp8 x fp8 products in float32 per K
-block of 128 and apply x_scale[m, kb] * w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py`
-`fp8_gemm_kernel`, vLLM `w8a8_triton_block_scaled_mm`: https://github.com/vllm-project/vllm, file
+scale, the row's reciprocal and an FMA correction for the quotient, divide_by_row; e4m3 rounding to nearest even).
+The GEMMs accumulate fp8 x fp8 products in float32 per K block of 128 and apply x_scale[m, kb] *
+w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py` `fp8_gemm_kernel`, vLLM `w8a8_triton_block_scaled_mm`: https://github.com/vllm-project/vllm, file
 vllm/model_executor/layers/quantization/utils/fp8_utils.py), or, row-wise, x_scale[m] * w_scale[n] once after the
 whole K sum (vLLM `cutlass_scaled_mm`); against the reference, which dequantises both operands first, they differ by
 float32 rounding and accumulation order only (FAST_ACCUM says why Hopper's fast FP8 accumulation is off). Every
@@ -90,11 +90,12 @@ if triton is not None:
     @triton.jit
     def divide_by_row(x, d):
         """x [rows, n] / d [rows], IEEE-rounded as div_rn, with one division a row: the row's reciprocal y, rounded
-        once, then x * y corrected by its residual x - d (x y), which an FMA computes exactly (Markstein's
-        correction, the last step of div.rn's own sequence: J.-M. Muller et al., Handbook of Floating-Point
-        Arithmetic, 2nd ed., section 4.9). div_rn a value took ~10 instructions and a branch to its slow path
-        (sm_90 SASS: MUFU.RCP, FFMAs, FCHK), this three; the slow path covers quotients near the float32 range's
-        ends, which a quantisation's (at most 448, and below e4m3's smallest subnormal rounding to 0) are not."""
+        once, then x * y corrected by its residual x - d (x y), which an FMA computes exactly (the correction step
+        of P. Markstein, "Computation of elementary functions on the IBM RISC System/6000 processor", IBM J. Res.
+        Dev. 34(1), 1990; also the last step of div.rn's own sequence). div_rn a value took ~10 instructions and a
+        branch to its slow path (sm_90 SASS: MUFU.RCP, FFMAs, FCHK), this three; the slow path covers quotients near
+        the float32 range's ends, which a quantisation's (at most 448, and below e4m3's smallest subnormal rounding
+        to 0) are not."""
         db = tl.broadcast_to(d[:, None], x.shape)
         y = tl.broadcast_to(tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)[:, None], x.shape)
         q = x * y
