@@ -6,12 +6,13 @@ torch references of workers/model/fp8.py.
 
 Numbers: quantize_activations equals fp8.quantize_activation_groups bit for bit (IEEE division: div_rn for the
 scale, the row's reciprocal and an FMA correction for the quotient, divide_by_row; e4m3 rounding to nearest even).
-The GEMMs accumulate fp8 x fp8 products in float32 per K block of 128 and apply x_scale[m, kb] *
-w_scale[n // block.n, kb] per block (DeepSeek-V3 `inference/kernel.py` `fp8_gemm_kernel`, vLLM
-`w8a8_triton_block_scaled_mm`: https://github.com/vllm-project/vllm, file vllm/model_executor/layers/quantization/utils/fp8_utils.py), or, row-wise, x_scale[m] * w_scale[n] once after the
-whole K sum (vLLM `cutlass_scaled_mm`); against the reference, which dequantises both operands first, they differ by
-float32 rounding and accumulation order only (FAST_ACCUM says why Hopper's fast FP8 accumulation is off). Every
-launch's shapes are fixed by M, with no host sync, so all of it runs inside CUDA graphs.
+The GEMMs accumulate fp8 x fp8 products in float32 per K block of 128 and apply x_scale[m, kb] * w_scale[n //
+block.n, kb] per block (DeepSeek-V3 `inference/kernel.py` `fp8_gemm_kernel`, vLLM `w8a8_triton_block_scaled_mm`:
+https://github.com/vllm-project/vllm, file vllm/model_executor/layers/quantization/utils/fp8_utils.py), or,
+row-wise, x_scale[m] * w_scale[n] once after the whole K sum (vLLM `cutlass_scaled_mm`); against the reference,
+which dequantises both operands first, they differ by float32 rounding and accumulation order only (FAST_ACCUM says
+why Hopper's fast FP8 accumulation is off). Every launch's shapes are fixed by M, with no host sync, so all of it
+runs inside CUDA graphs.
 
 Measured on the H200 (benchmarks/README.md, eleventh pass, run52): at 8,192 tokens the 30B-A3B q/k/v GEMM takes
 226 us in bf16, 176 us blockwise through torch._scaled_mm, 163 us row-wise and 310 us in the Triton kernel.
