@@ -98,7 +98,7 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 def init_rank(config: EngineConfig, rank: int, init_method: str) -> TensorParallel:
     """Joins the instance's process group (the default group of this process). A gloo group's sockets bind
-    loopback unless the operator named an interface."""
+    loopback unless the operator named an interface (GLOO_SOCKET_IFNAME, set to lo in this process otherwise)."""
     device = rank_device(config, rank)
     if config.is_cuda:
         torch.cuda.set_device(device)
