@@ -114,6 +114,12 @@ def test_samples_drawn_in_worker_processes_are_the_ones_drawn_in_one(catalogue_d
         assert pq.read_table(parallel / "data" / name).equals(pq.read_table(catalogue_dir / "data" / name)), name
 
 
+def test_a_worker_process_that_fails_is_named_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(syn, "_DRAW_PART", "import sys; sys.exit('no room on the disk')")
+    with pytest.raises(RuntimeError, match=r"worker 0 of 2 exited with code 1: no room on the disk"):
+        syn.write_synthetic_catalogue(tmp_path / "p", 8, seed=3, workers=2)
+
+
 def test_realistic_profile_is_all_jpeg_at_real_dataset_sizes():
     real_sides = {side for side, _ in syn.REAL_SIZES}
     for index in range(6):
