@@ -1,7 +1,8 @@
 """Kernels as ptxas builds them for sm_90, checked on any machine (lab/kernels/sm90_compile.py, with the Triton that
 scripts/bootstrap.sh puts in .kernel-interpreter): the Gluon vision attention kernels' default tiles take the tensor
 cores' wgmma path (bf16) or FP8 wgmma and fit the registers that let two of their 256-thread programs share a
-multiprocessor (run94's choice); the text layer's fused norm and quantisation reads and writes whole 16-byte pieces."""
+multiprocessor (run94's choice); the text layer's fused norm and quantisation reads and writes whole 16-byte pieces;
+the FP8 quantisation divides a value without div_rn's range check, and the MoE's silu kernel has no idle lanes."""
 
 from __future__ import annotations
 
@@ -66,3 +67,18 @@ def test_the_fused_norm_and_quantisation_reads_and_writes_its_rows_in_128_bit_ac
         "print(json.dumps({'wide': sum(w.endswith('.128') for _, w in ops), "
         "'narrow': [o + w for o, w in ops if not w.endswith('.128') and w != '.E']}))")
     assert built["narrow"] == [] and built["wide"] >= 6, built  # x, the residual and the weight: two 16 B each a thread
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_fp8_quantisation_divides_a_value_without_div_rns_check_and_silu_runs_no_idle_lanes_on_sm90():
+    """fp8_gemm.divide_by_row: a row's reciprocal and an FMA correction, so FCHK (div_rn's range check, one a value:
+    17 in each build before) is left only in a row's own divisions. grouped_fp8_moe.row_pieces: 768 columns as
+    512 + 256, 12 values a thread (one exponential each), where one masked piece of 1,024 ran 16."""
+    built = run_with_triton(
+        "import re, json; from lab.kernels.sm90_compile import compile_add_norm_quant, compile_silu_mul_quant; "
+        "silu, norm = compile_silu_mul_quant(768), compile_add_norm_quant(); "
+        "n = lambda sass, op: len(re.findall(r'\\b' + op + r'\\b', sass)); "
+        "print(json.dumps({'silu_fchk': n(silu.sass, 'FCHK'), 'norm_fchk': n(norm.sass, 'FCHK'), "
+        "'silu_ex2': n(silu.sass, 'MUFU.EX2')}))")
+    assert built["silu_fchk"] <= 4 and built["norm_fchk"] <= 4, built
+    assert built["silu_ex2"] == 12, built

@@ -1,6 +1,7 @@
 """Kernels compiled for sm_90 on any machine, GPU or not (the Gluon vision attention kernels, bf16 and FP8, from the
-command line; the text layer's fused norm and quantisation from compile_add_norm_quant): their registers, spills and
-the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
+command line; the text layer's fused norm and quantisation from compile_add_norm_quant, the FP8 MoE's silu and
+quantisation from compile_silu_mul_quant): their registers, spills and the machine code's counts, read off the
+cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
@@ -101,6 +102,21 @@ def compile_add_norm_quant(hidden: int = 2048, rows_too: bool = True, group: int
     constants = dict(HAS_RESIDUAL=True, WRITE_ROWS=rows_too, GROUP=group, BLOCK=block,
                      num_warps=min(max(block // 512, 1), 8))
     return _compile(norm_quant._add_norm_quant_kernel, args, constants)
+
+
+def compile_silu_mul_quant(inter: int = 768, block_r: int = 2) -> CompiledKernel:
+    """Compile the FP8 MoE's silu(gate) * up and per-row quantisation (grouped_fp8_moe) for sm_90, as
+    silu_mul_quantize launches it for rows of `inter` columns (the 30B-A3B's 768)."""
+    import triton.language as tl
+
+    from workers.model import grouped_fp8_moe
+    rows = 8192
+    h = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
+    q = torch.empty(rows, inter, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows)
+    wide, narrow = grouped_fp8_moe.row_pieces(inter)
+    return _compile(grouped_fp8_moe._silu_mul_quant_kernel, (h, q, scales, rows, inter, h.stride(0), q.stride(0)),
+                    dict(ROUND_TY=tl.bfloat16, WIDE=wide, NARROW=narrow, BLOCK_R=block_r, num_warps=4))
 
 
 def _compile(kernel, args: tuple, constants: dict) -> CompiledKernel:
