@@ -318,7 +318,8 @@ class Scheduler:
             uncomputed = seq.num_uncomputed_tokens
             prefill = uncomputed > 1
             start = seq.num_computed_tokens
-            if uncomputed == 1 and _past_images(seq, start):  # a decode: one row, no image, no bound to weigh
+            past = _past_images(seq, start)
+            if uncomputed == 1 and past:  # a decode: one row, no image, no bound to weigh
                 need, n = [], 1
             else:
                 need, split, n = self._plan_images(seq, start, self._prompt_chunk(seq, budget, prefill_left), encoder)
@@ -336,7 +337,7 @@ class Scheduler:
                 continue
             if new_blocks:
                 bm.allocate(seq, start + n)
-            if need or not _past_images(seq, start):
+            if need or not past:
                 self._commit(ScheduledChunk(seq, start, n), need, encoder, out)
             else:  # all _commit does for a chunk past its prompt's images
                 out.chunks.append(ScheduledChunk(seq, start, n))
