@@ -46,7 +46,6 @@ def test_the_default_gluon_tiles_build_for_sm90_with_two_programs_an_sm_and_no_s
     assert 2 * built["threads"] * built["registers"] <= REGISTERS_PER_SM, built
 
 
-
 @pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
 def test_the_fp8_gluon_kernel_builds_for_sm90_on_fp8_tensor_cores_with_two_programs_an_sm():
     built = build("from workers.model.vision_attention_gluon_fp8 import DEFAULT_GLUON_FP8_CONFIG as c",

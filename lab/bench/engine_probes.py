@@ -114,7 +114,8 @@ def profile_steps(engine, n: int, out: Path, label: str, host: bool = False) -> 
     """Runs n engine steps under torch.profiler; appends its table to out; returns (tokens generated, {wall_ms,
     kernel_ms, busy, and per step launched in the window (with overlap, one more than n from an idle engine): kernels,
     copies, their busy time and the GPU's idle time between them, split at SHORT_GAP_US: timeline_per_step}): kernel
-    time over wall is how busy the GPU was across those steps (one stream, so kernels do not overlap). host: the host's ops are recorded too (slower steps) and the table is by host time."""
+    time over wall is how busy the GPU was across those steps (one stream, so kernels do not overlap). host: the
+    host's ops are recorded too (slower steps) and the table is by host time."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
