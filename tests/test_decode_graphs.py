@@ -32,6 +32,7 @@ def graphs_on_cpu() -> DecodeGraphs:
     g.slot_mapping = torch.full((MAX_BATCH,), g.scratch_slot, dtype=torch.long)
     g.block_tables = torch.full((MAX_BATCH, 8), SCRATCH_BLOCK, dtype=torch.int32)
     g.context_lens = torch.ones(MAX_BATCH, dtype=torch.int32)
+    g.staging = DecodeGraphs.staging_for(MAX_BATCH, 8, torch.device("cpu"))
     g.sizes = graph_batch_sizes(MAX_BATCH)
     g.graphs = {size: (RecordingGraph(g), torch.arange(size * 3, dtype=torch.float32).view(size, 3))
                 for size in g.sizes}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.host_copy import copy_into, to_device
+from workers.host_copy import StagingBuffers, to_device
 from workers.kv_cache import KvCache
 from workers.model import paged_decode
 from workers.model.attention import AttentionMetadata
@@ -104,9 +104,21 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.staging = self.staging_for(max_batch, max_blocks, device)
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
+
+    @staticmethod
+    def staging_for(max_batch: int, max_blocks: int, device: torch.device) -> StagingBuffers:
+        """Pinned host buffers for a step's inputs, the static buffers' sizes."""
+        return StagingBuffers({
+            "input_ids": (max_batch, torch.long),
+            "positions": (3 * max_batch, torch.long),
+            "slot_mapping": (max_batch, torch.long),
+            "block_tables": (max_batch * max_blocks, torch.int32),
+            "context_lens": (max_batch, torch.int32),
+        }, device)
 
     def fits(self, batch: StepBatch) -> bool:
         n = len(batch.context_lens)
@@ -146,11 +158,12 @@ class DecodeGraphs:
         n = len(batch.context_lens)
         size = next(s for s in self.sizes if s >= n)
         width = batch.block_tables.shape[1]
-        copy_into(self.input_ids[:n], batch.input_ids)
-        copy_into(self.positions[:, :n], batch.positions)
-        copy_into(self.slot_mapping[:n], batch.slot_mapping)
-        copy_into(self.block_tables[:n, :width], batch.block_tables)
-        copy_into(self.context_lens[:n], torch.tensor(batch.context_lens, dtype=torch.int32))
+        with self.staging.step() as stage:
+            stage.copy_into("input_ids", self.input_ids[:n], batch.input_ids)  # a device tensor where tokens are pending
+            stage.copy_into("positions", self.positions[:, :n], batch.positions)
+            stage.copy_into("slot_mapping", self.slot_mapping[:n], batch.slot_mapping)
+            stage.copy_into("block_tables", self.block_tables[:n, :width], batch.block_tables)
+            stage.copy_into("context_lens", self.context_lens[:n], batch.context_lens)
         if size > n:  # padded rows: no real slot may be written, and their attention reads one scratch row
             self.input_ids[n:size].fill_(0)  # one token at one position for all of them: one set of experts
             self.positions[:, n:size].fill_(0)
