@@ -164,17 +164,28 @@ def test_prefill_kernel_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cach
 @interpreted
 @pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_split_decode_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cache(splits, k_scale, v_scale):
+@pytest.mark.parametrize("v_pairs", [True, False], ids=["v_pairs", "v_bytes"])
+def test_split_decode_over_an_fp8_cache_matches_sdpa_over_the_dequantized_cache(splits, k_scale, v_scale, v_pairs):
     step = [(1, 200), (1, 3), (1, 64), (1, 17)]
     q, k, v, k_hi, v_hi, meta = paged_step(step, 8, 2, 32, 16, torch.float32, "cpu", seed=5)
     k, v, k_hi, v_hi = k * k_scale, v * v_scale, k_hi * k_scale, v_hi * v_scale
     k_cache, v_cache = as_fp8(k_hi, v_hi, k_scale, v_scale)
+    assert paged_decode.v_pairs(v_cache)
     out = torch.empty_like(q)
     paged_decode.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 32**-0.5, out,
-                                  splits=splits, k_scale=k_scale, v_scale=v_scale)
+                                  splits=splits, k_scale=k_scale, v_scale=v_scale,
+                                  tiles=paged_decode.FP8_DECODE_TILES._replace(v_pairs=v_pairs))
     expected = fp8_reference(q, k, v, k_cache, v_cache, meta, 32**-0.5, k_scale, v_scale, False)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert (out - reference(q, k, v, k_hi, v_hi, meta, 32**-0.5)).abs().max() > 1e-3 * v_scale
+
+
+def test_fp8_v_tiles_are_read_as_int16_pairs_only_where_every_row_starts_at_an_even_byte():
+    storage = torch.zeros(8 * 16 * 2 * 32 + 1, dtype=FP8_DTYPE)
+    cache = storage[:-1].view(8, 16, 2, 32)
+    assert paged_decode.v_pairs(cache)
+    assert not paged_decode.v_pairs(storage[1:].view(8, 16, 2, 32))  # every row one byte on
+    assert not paged_decode.v_pairs(cache.to(torch.bfloat16))  # 16-bit rows are widened by no one
 
 
 def fp8_widening_error(kernel, q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, widen_to=None):

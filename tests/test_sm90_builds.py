@@ -2,7 +2,8 @@
 scripts/bootstrap.sh puts in .kernel-interpreter): the Gluon vision attention kernels' default tiles take the tensor
 cores' wgmma path (bf16) or FP8 wgmma and fit the registers that let two of their 256-thread programs share a
 multiprocessor (run94's choice); the text layer's fused norm and quantisation reads and writes whole 16-byte pieces;
-the FP8 quantisation divides a value without div_rn's range check, and the MoE's silu kernel has no idle lanes."""
+the FP8 quantisation divides a value without div_rn's range check, the MoE's silu kernel has no idle lanes, and the
+decode attention over an FP8 cache reaches its P @ V operand through 16-bit transposing loads."""
 
 from __future__ import annotations
 
@@ -81,3 +82,17 @@ def test_the_fp8_quantisation_divides_a_value_without_div_rns_check_and_silu_run
         "'silu_ex2': n(silu.sass, 'MUFU.EX2')}))")
     assert built["silu_fchk"] <= 4 and built["norm_fchk"] <= 4, built
     assert built["silu_ex2"] == 12, built
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_decode_attention_over_an_fp8_cache_widens_v_before_its_operand_layout_on_sm90():
+    """paged_decode's V_PAIRS: read as int16 pairs and widened in the load's layout, the V tile reaches the P @ V
+    operand through ldmatrix.trans (LDSM.16.MT88.4). Widened after the layout change it was gathered a byte a load
+    (128 LDS.U8 a thread a tile) and took 208 registers: two 128-thread programs an SM where three now fit."""
+    built = run_with_triton(
+        "import re, json; from lab.kernels.sm90_compile import compile_paged_decode; k = compile_paged_decode(); "
+        "n = lambda op: len(re.findall(r'\\b' + re.escape(op) + r'\\b', k.sass)); "
+        "print(json.dumps({'byte_loads': n('LDS.U8'), 'transposing_loads': n('LDSM.16.MT88.4'), "
+        "'registers': k.registers, 'spills': k.spill_instructions}))")
+    assert built["byte_loads"] == 0 and built["transposing_loads"] > 0, built
+    assert 3 * 128 * built["registers"] <= REGISTERS_PER_SM and built["spills"] == 0, built

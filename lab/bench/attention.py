@@ -109,7 +109,8 @@ def bench_decode(batch: int, ctx: int, reps: int) -> dict:
     return result
 
 
-FP8_DECODE_SWEEP = [paged_decode.DecodeTiles(64, 4, 2), paged_decode.DecodeTiles(128, 4, 2),
+FP8_DECODE_SWEEP = [paged_decode.DecodeTiles(128, 4, 2, v_pairs=False),  # the V tile widened after its layout change
+                    paged_decode.DecodeTiles(64, 4, 2), paged_decode.DecodeTiles(128, 4, 2),
                     paged_decode.DecodeTiles(128, 4, 3), paged_decode.DecodeTiles(128, 8, 2),
                     paged_decode.DecodeTiles(256, 8, 2), paged_decode.DecodeTiles(128, 4, 2, heads_adjacent=True),
                     paged_decode.DecodeTiles(128, 4, 3, heads_adjacent=True),
@@ -120,7 +121,8 @@ FP8_DECODE_SPLITS = (2, 4)
 
 
 def decode_tiles_name(tiles: paged_decode.DecodeTiles) -> str:
-    return "fp8_f16_n{}_w{}_s{}".format(*tiles) + ("_adj" if tiles.heads_adjacent else "")
+    return ("fp8_f16_n{}_w{}_s{}".format(*tiles) + ("_adj" if tiles.heads_adjacent else "")
+            + ("" if tiles.v_pairs else "_vbytes"))
 
 
 FP8_PREFILL_SWEEP = [paged_prefill.TileConfig(128, 64, 8, 3, fresh_tma=True),

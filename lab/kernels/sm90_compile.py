@@ -1,6 +1,6 @@
 """Kernels compiled for sm_90 on any machine, GPU or not (the Gluon vision attention kernels, bf16 and FP8, from the
 command line; the text layer's fused norm and quantisation from compile_add_norm_quant, the FP8 MoE's silu and
-quantisation from compile_silu_mul_quant): their registers, spills and the machine code's counts, read off the
+quantisation from compile_silu_mul_quant, the paged decode attention from compile_paged_decode): their registers, spills and the machine code's counts, read off the
 cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
@@ -117,6 +117,27 @@ def compile_silu_mul_quant(inter: int = 768, block_r: int = 2) -> CompiledKernel
     wide, narrow = grouped_fp8_moe.row_pieces(inter)
     return _compile(grouped_fp8_moe._silu_mul_quant_kernel, (h, q, scales, rows, inter, h.stride(0), q.stride(0)),
                     dict(ROUND_TY=tl.bfloat16, WIDE=wide, NARROW=narrow, BLOCK_R=block_r, num_warps=4))
+
+
+def compile_paged_decode(fp8: bool = True, tiles=None, batch: int = 256, heads: int = 32, kv_heads: int = 4,
+                         head_dim: int = 128, block_size: int = 16) -> CompiledKernel:
+    """Compile the text layer's paged decode attention (paged_decode) for sm_90, as decode_attention launches it
+    at the 30B-A3B's shapes over an FP8 cache (bf16 q widened to float16) or a bf16 one, one split, on `tiles`
+    (default: the product's)."""
+    import triton
+
+    from workers.model import paged_decode as pd
+    q = torch.empty(batch, heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.empty(4096, block_size, kv_heads, head_dim, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    tables, lens = torch.empty(batch, 64, dtype=torch.int32), torch.empty(batch, dtype=torch.int32)
+    tiles = tiles or (pd.FP8_DECODE_TILES if fp8 else pd.DECODE_TILES)
+    args = (q, cache, cache, q, q, q, tables, lens, 0.1, 1.0, q.stride(0), q.stride(1), q.stride(0), q.stride(1),
+            *cache.stride()[:3], tables.stride(0))
+    return _compile(pd._decode_kernel, args, dict(
+        BLOCK_SIZE=block_size, GROUP=heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
+        HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=1, DOT_DTYPE=pd.dot_dtype(q, cache),
+        HEADS_ADJACENT=tiles.heads_adjacent, V_PAIRS=tiles.v_pairs and pd.v_pairs(cache), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages))
 
 
 def _compile(kernel, args: tuple, constants: dict) -> CompiledKernel:

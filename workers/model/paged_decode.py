@@ -25,12 +25,14 @@ class DecodeTiles(NamedTuple):
     """Launch shape: block_n context tokens per inner iteration. heads_adjacent: a sequence's KV heads in adjacent
     programs (the grid's fastest axis), so the programs running together read whole cache rows (a token's KV heads
     are adjacent in a row: 4 x 128 bytes of FP8 at the 30B's shape); else the sequences are the fastest axis and the
-    programs running together read one head's 128-byte piece of many sequences' rows."""
+    programs running together read one head's 128-byte piece of many sequences' rows. v_pairs: an FP8 cache's V
+    tiles read as int16 pairs and widened before the P @ V operand's layout (the note after FP8_DOT_DTYPE)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     heads_adjacent: bool = False
+    v_pairs: bool = True
 
 
 DECODE_TILES = DecodeTiles()
@@ -50,6 +52,15 @@ MAX_SPLITS = 32
 # 86.7 -> 76.7; prefill of four 2,048-token chunks continuing 2,048-token contexts 1,807 -> 1,577.
 # None: q's dtype (the widening of earlier passes, kept for side-by-side benchmarks).
 FP8_DOT_DTYPE: torch.dtype | None = torch.float16
+# An FP8 V tile is widened before the P @ V dot's operand layout, not after it. That dot reduces over the tile's
+# tokens, which are rows of the cache (a token's head_dim values are adjacent), and an mma operand holds pairs of
+# adjacent reduction indices in a register. For 16-bit data the transposing shared-memory load (ldmatrix.trans)
+# gathers them; for 8-bit data there is none, and Triton moves the FP8 tile into the operand layout before widening
+# it (it moves the narrower type), a byte a load: 128 LDS.U8 a thread a tile at the default FP8 tiles, 208
+# registers. Read as int16 pairs, each byte widened and the two halves joined, the conversion happens in the load's
+# layout (a join is not an elementwise op, so the layout change cannot move above it) and the float16 tile reaches
+# the operand through 16 LDSM.16.MT88.4: no LDS.U8, 150 registers, 2,144 -> 1,904 instructions (sm_90 builds,
+# tests/test_sm90_builds.py). The GPU's time for it: not yet measured.
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -71,6 +82,12 @@ def dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, widen_to: torch.dtype | No
     if k_cache.dtype.itemsize == 1 and q.dtype in (torch.float16, torch.bfloat16):
         target = widen_to or FP8_DOT_DTYPE or q.dtype
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[target]
+
+
+def v_pairs(v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel can widen FP8 V tiles from int16 pairs (the note after FP8_DOT_DTYPE): an FP8 cache
+    whose rows start at even bytes."""
+    return v_cache.dtype.itemsize == 1 and v_cache.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in v_cache.stride()[:3])
 
 
 @functools.cache
@@ -96,7 +113,7 @@ if triton is not None:
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        HEADS_ADJACENT: tl.constexpr,
+        HEADS_ADJACENT: tl.constexpr, V_PAIRS: tl.constexpr,
     ):
         if HEADS_ADJACENT:  # grid (kv_heads, batch, splits)
             kv_head = tl.program_id(0)
@@ -114,6 +131,7 @@ if triton is not None:
         hi = tl.minimum(ctx, lo + span)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
+        offs_h = tl.arange(0, HEAD_DIM // 2)
         heads = kv_head * GROUP + offs_g
         g_mask = offs_g < GROUP
         q = tl.load(
@@ -128,7 +146,14 @@ if triton is not None:
             block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+            if V_PAIRS:  # FP8 V read as int16 pairs and widened before the dot's layout change (see V_PAIRS)
+                pairs = tl.load(v_ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + offs_h[None, :],
+                                mask=n_mask[:, None], other=0)
+                even = (pairs & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                odd = (pairs >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                v = tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
+            else:
+                v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -208,7 +233,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
-        HEADS_ADJACENT=tiles.heads_adjacent, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HEADS_ADJACENT=tiles.heads_adjacent, V_PAIRS=tiles.v_pairs and v_pairs(v_cache),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
