@@ -106,6 +106,21 @@ def num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def load_v_tile(v_ptr, rows, row_ok, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PAIRS: tl.constexpr):
+        """A tile of V rows (cache offsets `rows`, masked by row_ok) in DTYPE, for the P @ V dot. PAIRS: an FP8
+        cache's rows read as int16 pairs, each byte widened and the halves joined (the note after FP8_DOT_DTYPE)."""
+        if PAIRS:
+            offs_h = tl.arange(0, HEAD_DIM // 2)
+            pairs = tl.load(v_ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + offs_h[None, :],
+                            mask=row_ok[:, None], other=0)
+            even = (pairs & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            odd = (pairs >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            return tl.reshape(tl.join(even, odd), (rows.shape[0], HEAD_DIM))
+        else:
+            return tl.load(v_ptr + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=row_ok[:, None],
+                           other=0.0).to(DTYPE)
+
     @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width varies step to step: one compile
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, scale, v_scale,
@@ -131,7 +146,6 @@ if triton is not None:
         hi = tl.minimum(ctx, lo + span)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_h = tl.arange(0, HEAD_DIM // 2)
         heads = kv_head * GROUP + offs_g
         g_mask = offs_g < GROUP
         q = tl.load(
@@ -146,14 +160,7 @@ if triton is not None:
             block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
-            if V_PAIRS:  # FP8 V read as int16 pairs and widened before the dot's layout change (see V_PAIRS)
-                pairs = tl.load(v_ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + offs_h[None, :],
-                                mask=n_mask[:, None], other=0)
-                even = (pairs & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                odd = (pairs >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                v = tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
-            else:
-                v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0).to(q.dtype)
+            v = load_v_tile(v_ptr, rows, n_mask, HEAD_DIM, q.dtype, V_PAIRS)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
