@@ -15,12 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from workers.model.paged_decode import dot_dtype, triton, v_pairs
+from workers.model.paged_decode import dot_dtype, triton
 
 if triton is not None:
     import triton.language as tl
-
-    from workers.model.paged_decode import load_v_tile
 
 LOG2_E = 1.4426950408889634
 
@@ -35,9 +33,6 @@ class TileConfig(NamedTuple):
     # A chunk that is a whole prompt (its context is its own rows) reads its keys and values from this step's
     # contiguous K/V through TMA descriptors instead of gathering them from the paged cache.
     fresh_tma: bool = False
-    # An FP8 cache's V tiles read as int16 pairs and widened before the P @ V operand's layout
-    # (paged_decode.load_v_tile).
-    v_pairs: bool = True
 
 
 POINTER_TILES = TileConfig()  # any GPU Triton runs on
@@ -83,7 +78,6 @@ if triton is not None:
         acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, start, end, q_pos, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-        V_PAIRS: tl.constexpr,
     ):
         """Online softmax over keys start..end-1 (end exclusive); CAUSAL_MASK hides keys after each row."""
         offs_d = tl.arange(0, HEAD_DIM)
@@ -93,7 +87,7 @@ if triton is not None:
             block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             k_t = tl.load(k_ptr + rows[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0).to(q.dtype)
-            v = load_v_tile(v_ptr, rows, n_ok, HEAD_DIM, q.dtype, V_PAIRS)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
             acc, l, m = _online_softmax(acc, l, m, tl.dot(q, k_t), v, offs_n, end, q_pos, qk_scale, CAUSAL_MASK)
         return acc, l, m
 
@@ -101,16 +95,16 @@ if triton is not None:
     def _attend_paged(
         acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
         stride_cb, stride_cs, stride_ch,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """A tile's keys from the paged cache: those every row sees unmasked, then the causal tail."""
         acc, l, m = _attend(
             acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, 0, full_end, q_pos, qk_scale,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, V_PAIRS,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False,
         )
         return _attend(
             acc, l, m, q, k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end, q_pos, qk_scale,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, V_PAIRS,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
         )
 
     @triton.jit
@@ -137,7 +131,6 @@ if triton is not None:
         stride_cb, stride_cs, stride_ch, stride_tb,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, FRESH_TMA: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        V_PAIRS: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         # Tiles in reverse: the last rows of each chunk (the most keys) are scheduled first.
@@ -186,12 +179,12 @@ if triton is not None:
                 else:
                     acc, l, m = _attend_paged(acc, l, m, q.to(DOT_DTYPE), k_ptr, v_ptr, table_ptr, kv_head, full_end,
                                               kv_end, q_pos, paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                                              HEAD_DIM, BLOCK_N, V_PAIRS)
+                                              HEAD_DIM, BLOCK_N)
                 v_mult = tl.where(ctx == n, 1.0, v_scale)
             else:
                 acc, l, m = _attend_paged(acc, l, m, q.to(DOT_DTYPE), k_ptr, v_ptr, table_ptr, kv_head, full_end, kv_end,
                                           q_pos, paged_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
-                                          BLOCK_N, V_PAIRS)
+                                          BLOCK_N)
             out = acc * v_mult / l[:, None]
             tl.store(
                 o_ptr + (q_start + r)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -251,5 +244,5 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_Q=block_q, BLOCK_N=tiles.block_n, FRESH_TMA=fresh_tma, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
-        V_PAIRS=tiles.v_pairs and v_pairs(v_cache), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
