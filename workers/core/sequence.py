@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.types import FinishReason, SamplingParams
+from workers.core.block_table import BlockTable
 from workers.core.encoder_cache import ImageSpan
 
 # A token sampled by a step still running on the device, held in token_ids until the step's tokens are read back
@@ -61,7 +62,7 @@ class Sequence:
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_streamed_tokens: int = 0  # generated tokens already handed out in a RequestOutput
@@ -69,6 +70,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix caching)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.block_table, BlockTable):
+            self.block_table = BlockTable(self.block_table)
         self.num_context_tokens = len(self.token_ids)
         # The prompt's images as the scheduler budgets them (from image_spans).
         self.images = [ImageSpan(i, start, n) for i, (start, n, _) in enumerate(self.image_spans)]

@@ -338,7 +338,7 @@ class ModelRunner:
         width = max(len(c.seq.block_table) for c in chunks)
         tables = np.zeros((n, width), np.int32)
         for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.block_table)] = c.seq.block_table
+            tables[i, : len(c.seq.block_table)] = c.seq.block_table.array
         slots = tables[seq_of_row, index // self.block_size].astype(np.int64) * self.block_size + index % self.block_size
         return StepBatch(
             input_ids=self._input_ids(ids, chunks, starts, after),
