@@ -1,7 +1,7 @@
 """Kernels compiled for sm_90 on any machine, GPU or not (the Gluon vision attention kernels, bf16 and FP8, from the
 command line; the text layer's fused norm and quantisation from compile_add_norm_quant, the FP8 MoE's silu and
-quantisation from compile_silu_mul_quant, the paged decode attention from compile_paged_decode): their registers, spills and the machine code's counts, read off the
-cubin with the tools Triton ships (cuobjdump).
+quantisation from compile_silu_mul_quant, the paged decode attention from compile_paged_decode): their registers,
+spills and the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.

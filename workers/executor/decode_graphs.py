@@ -158,8 +158,8 @@ class DecodeGraphs:
         n = len(batch.context_lens)
         size = next(s for s in self.sizes if s >= n)
         width = batch.block_tables.shape[1]
-        with self.staging.step() as stage:
-            stage.copy_into("input_ids", self.input_ids[:n], batch.input_ids)  # a device tensor where tokens are pending
+        with self.staging.step() as stage:  # input_ids is a device tensor where the tokens are pending: copied there
+            stage.copy_into("input_ids", self.input_ids[:n], batch.input_ids)
             stage.copy_into("positions", self.positions[:, :n], batch.positions)
             stage.copy_into("slot_mapping", self.slot_mapping[:n], batch.slot_mapping)
             stage.copy_into("block_tables", self.block_tables[:n, :width], batch.block_tables)

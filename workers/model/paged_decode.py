@@ -87,7 +87,8 @@ def dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, widen_to: torch.dtype | No
 def v_pairs(v_cache: torch.Tensor) -> bool:
     """Whether the decode kernel can widen FP8 V tiles from int16 pairs (the note after FP8_DOT_DTYPE): an FP8 cache
     whose rows start at even bytes."""
-    return v_cache.dtype.itemsize == 1 and v_cache.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in v_cache.stride()[:3])
+    even = v_cache.data_ptr() % 2 == 0 and all(stride % 2 == 0 for stride in v_cache.stride()[:3])
+    return v_cache.dtype.itemsize == 1 and even
 
 
 @functools.cache
