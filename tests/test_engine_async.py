@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from contract.types import FinishReason, PromptInput, SamplingParams
+from workers.serve import async_engine
 from workers.serve.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.request_options import NO_OPTIONS, RequestOptions
+from workers.request_options import NO_OPTIONS, ONLY_AT_END, RequestOptions
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,37 @@ def test_requests_are_prepared_on_the_configured_pool_not_the_loops_executor(eng
 def test_a_preparation_pool_of_no_threads_is_refused(tiny_moe_checkpoint):
     with pytest.raises(ValueError, match="preprocess_threads"):
         EngineConfig(checkpoint=tiny_moe_checkpoint, preprocess_threads=0)
+
+
+def test_a_requests_stream_interval_hands_out_its_first_token_then_bundles_of_that_many(engine):
+    async def main():
+        return [await collect(engine, rid, [4, 5, 6], 10, RequestOptions(stream_interval=interval))
+                for rid, interval in (("every", 0), ("by4", 4), ("at-end", ONLY_AT_END))]
+
+    every, by4, at_end = asyncio.run(main())
+    tokens = [t for o in every for t in o.new_token_ids]
+    n = len(tokens)
+    assert [len(o.new_token_ids) for o in every] == [1] * n
+    assert [len(o.new_token_ids) for o in by4] == [1] + [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
+    assert [len(o.new_token_ids) for o in at_end] == [1, n - 1]
+    assert [t for o in by4 for t in o.new_token_ids] == tokens == [t for o in at_end for t in o.new_token_ids]
+    assert by4[-1].finished and at_end[-1].finished and not any(o.finished for o in by4[:-1])
+
+
+def test_a_steps_outputs_reach_the_callers_loop_in_one_call(engine, monkeypatch):
+    calls = []
+    call_in = async_engine._call_in
+
+    def recording(loop, fn, *args):
+        if fn is async_engine._put_all:
+            calls.append({out.request_id for _, out in args[0]})
+        call_in(loop, fn, *args)
+
+    monkeypatch.setattr(async_engine, "_call_in", recording)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"s{i}", [7, i + 1], 5) for i in range(3)))
+
+    streams = asyncio.run(main())
+    assert all(sum(len(o.new_token_ids) for o in outs) == outs[-1].num_generated_tokens for outs in streams)
+    assert max(len(requests) for requests in calls) == 3  # the three requests' outputs of a step, together

@@ -16,6 +16,7 @@ from contract.wire import pb, pb_grpc
 from tests.helpers.call_context import CallContext
 from tests.helpers.router_fixtures import Cluster, collect, request, run
 from workers.kv_cache import KvExport
+from workers.request_options import ONLY_AT_END
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.server import WorkerServer, WorkerServicer
 from workers.serve.worker_build import WorkerSettings
@@ -133,6 +134,17 @@ def test_final_chunk_only_sends_every_token_in_the_final_chunk_and_nothing_befor
                     request(rid, max_tokens=20, stream_interval=interval, final_chunk_only=True)))
                 assert len(chunks) == 1 and len(tokens) == 20
                 assert chunks[0].finish_reason == pb.LENGTH and chunks[0].completion_tokens == 20
+
+    run(body())
+
+
+def test_the_engine_hands_out_tokens_as_often_as_the_call_sends_them():
+    async def body():
+        async with Worker(InstantEngine(step_delay_s=0.002)) as w:
+            await collect(w.stub.Generate(request("every", max_tokens=4)))
+            await collect(w.stub.Generate(request("by8", max_tokens=4, stream_interval=8)))
+            await collect(w.stub.Generate(request("whole", max_tokens=4, stream_interval=8, final_chunk_only=True)))
+            assert w.engine.stream_intervals_seen == {"every": 0, "by8": 8, "whole": ONLY_AT_END}
 
     run(body())
 

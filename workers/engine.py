@@ -182,7 +182,8 @@ class LLMEngine:
             return PreparedRequest(request_id, None, str(exc), len(prompt.token_ids), prepare_started=started,
                                    prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
         return PreparedRequest(request_id, seq, num_prompt_tokens=len(prompt.token_ids), prepare_started=started,
-                               prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
+                               prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s,
+                               stream_interval=options.stream_interval)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
@@ -199,6 +200,7 @@ class LLMEngine:
             self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, seq.num_prompt_tokens))
             return
         seq.arrival = next(self._arrivals)
+        seq.stream_interval = prepared.stream_interval
         if prepared.latency_bound_s > 0:  # from the caller's hand-over: its wait for preparation counts against it
             waited = prepared.prepare_ended - prepared.submitted if prepared.submitted is not None else 0.0
             seq.deadline = self.scheduler.clock() + prepared.latency_bound_s - max(waited, 0.0)
@@ -403,11 +405,12 @@ class LLMEngine:
         return self.scheduler.fail(out, f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _hands_out(self, seq: Sequence) -> bool:
-        """Whether this step streams seq's output (see __init__'s stream_interval)."""
-        if self._stream_interval is None:
+        """Whether this step streams seq's output: its own RequestOptions.stream_interval, else __init__'s."""
+        interval = seq.stream_interval or self._stream_interval
+        if interval is None:
             return True
         unsent = seq.num_generated_tokens - seq.num_streamed_tokens
-        return seq.is_finished or seq.num_streamed_tokens == 0 or unsent >= self._stream_interval
+        return seq.is_finished or seq.num_streamed_tokens == 0 or unsent >= interval
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

@@ -66,6 +66,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_streamed_tokens: int = 0  # generated tokens already handed out in a RequestOutput
+    stream_interval: int = 0  # RequestOptions.stream_interval: when the engine hands out its tokens
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix caching)
 

@@ -37,10 +37,33 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        _call_in(self.loop, self.queue.put_nowait, item)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    """fn(*args) on loop's thread, soon; nothing if the loop is closed (nobody is listening any more)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver(outputs: list[RequestOutput], streams: dict[str, _Stream]) -> None:
+    """A step's outputs to their streams: one call into each listening loop, not one an output (each such call
+    wakes the loop through its self-pipe, a system call on the engine's thread, and the loop's work competes with
+    the engine's thread for the interpreter lock: benchmarks/README.md, forty-third pass)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is not None:
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        _call_in(loop, _put_all, items)
 
 
 class AsyncEngine:
@@ -151,10 +174,7 @@ class AsyncEngine:
                 continue
             outputs = self.engine.step()
             self._load = self.engine.load()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            _deliver(outputs, self._streams)
         self._run_commands()
 
     def _run_commands(self) -> None:

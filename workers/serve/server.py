@@ -29,7 +29,7 @@ from contract.types import FinishReason, PromptInput, RequestOutput, SamplingPar
 from contract.wire import pb, pb_grpc
 from workers.engine_api import ServingEngine
 from workers.kv_cache import ImageLayout, KvExport
-from workers.request_options import RequestOptions
+from workers.request_options import ONLY_AT_END, RequestOptions
 from workers.serve.kv_transfer import KvLink, KvLinkError
 from workers.serve.kv_wire import kv_from_chunks, kv_to_chunks
 from workers.serve.multiplexed import Multiplexer
@@ -122,8 +122,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV pull failed: {exc}")
             kv_import.image_layout = image_layout(request.kv_handle)
         prompt = PromptInput(token_ids=list(request.prompt_token_ids), images=list(request.images))
+        # the engine hands out tokens as this call sends them (its thread then makes and passes on fewer outputs)
+        interval = ONLY_AT_END if request.final_chunk_only else request.stream_interval
         options = RequestOptions(resume_token_ids=list(request.resume_token_ids), prefill_only=request.prefill_only,
-                                 kv_import=kv_import, latency_bound_s=request.latency_bound_s)
+                                 kv_import=kv_import, latency_bound_s=request.latency_bound_s, stream_interval=interval)
         outputs = s.engine.generate(rid, prompt, sampling, options)
         s.running.add(rid)
         ended = aborted = False  # the engine's request ended (its final chunk, or preempted); it was aborted here

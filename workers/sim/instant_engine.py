@@ -53,6 +53,7 @@ class InstantEngine:
         self.images_seen: dict[str, int] = {}  # request id -> how many images its request carried
         self.sampling_seen: dict[str, SamplingParams] = {}
         self.latency_bounds_seen: dict[str, float] = {}
+        self.stream_intervals_seen: dict[str, int] = {}
         self.aborted: list[str] = []
         self._running: dict[str, int] = {}  # request id -> context length (for the load report)
         self._queued_prompt_tokens = 0
@@ -65,6 +66,7 @@ class InstantEngine:
         self.images_seen[request_id] = len(prompt.images)
         self.sampling_seen[request_id] = sampling
         self.latency_bounds_seen[request_id] = options.latency_bound_s
+        self.stream_intervals_seen[request_id] = options.stream_interval
         kv_import, prefill_only = options.kv_import, options.prefill_only
         if kv_import is not None:  # the prompt comes from the pulled cache, not from the request
             context = [int(t) for t in kv_import.keys[0][:, 0, 0].tolist()] + [kv_import.first_token_id]
