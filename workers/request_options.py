@@ -22,8 +22,8 @@ class RequestOptions:
     engine's own interval, if it was built with one); n >= 1, at its first token, at its end and whenever n are
     pending (ONLY_AT_END: at its first token and its end). A caller that sends chunks of n tokens anyway (the
     worker server's GenerateRequest.stream_interval) spares the engine's thread an output a token: with 256
-    requests streaming through one asyncio loop, that loop's work took the engine's host time a decode step from
-    1.19 to 2.86 ms (benchmarks/README.md, forty-third pass)."""
+    requests streaming through one asyncio loop, the engine's host time a decode step was 1.7-2.9 ms with an output
+    a token and 1.0-1.1 ms with one every 16 (benchmarks/README.md, forty-third pass)."""
 
     resume_token_ids: Seq[int] = ()
     prefill_only: bool = False
