@@ -124,8 +124,6 @@ def compile_paged_decode(fp8: bool = True, tiles=None, batch: int = 256, heads: 
     """Compile the text layer's paged decode attention (paged_decode) for sm_90, as decode_attention launches it
     at the 30B-A3B's shapes over an FP8 cache (bf16 q widened to float16) or a bf16 one, one split, on `tiles`
     (default: the product's)."""
-    import triton
-
     from workers.model import paged_decode as pd
     q = torch.empty(batch, heads, head_dim, dtype=torch.bfloat16)
     cache = torch.empty(4096, block_size, kv_heads, head_dim, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
@@ -133,11 +131,7 @@ def compile_paged_decode(fp8: bool = True, tiles=None, batch: int = 256, heads: 
     tiles = tiles or (pd.FP8_DECODE_TILES if fp8 else pd.DECODE_TILES)
     args = (q, cache, cache, q, q, q, tables, lens, 0.1, 1.0, q.stride(0), q.stride(1), q.stride(0), q.stride(1),
             *cache.stride()[:3], tables.stride(0))
-    return _compile(pd._decode_kernel, args, dict(
-        BLOCK_SIZE=block_size, GROUP=heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)),
-        HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=1, DOT_DTYPE=pd.dot_dtype(q, cache),
-        HEADS_ADJACENT=tiles.heads_adjacent, V_PAIRS=tiles.v_pairs and pd.v_pairs(cache), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages))
+    return _compile(pd._decode_kernel, args, pd.kernel_constants(q, cache, cache, tiles, splits=1))
 
 
 def _compile(kernel, args: tuple, constants: dict) -> CompiledKernel:

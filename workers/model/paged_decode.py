@@ -201,6 +201,21 @@ if triton is not None:
         tl.store(o_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
+def kernel_constants(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: DecodeTiles, splits: int,
+                     widen_to: torch.dtype | None = None) -> dict:
+    """_decode_kernel's compile-time arguments and launch options for these tensors (decode_attention's, and what
+    lab/kernels/sm90_compile builds)."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    return dict(
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=tiles.block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
+        HEADS_ADJACENT=tiles.heads_adjacent, V_PAIRS=tiles.v_pairs and v_pairs(v_cache),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,8 +236,7 @@ def decode_attention(
     device). widen_to: an FP8 cache's dot dtype (default FP8_DOT_DTYPE). tiles: default FP8_DECODE_TILES for an
     FP8 cache, else DECODE_TILES."""
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    group = heads // kv_heads
+    kv_heads = k_cache.shape[2]
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention needs contiguous head_dim and K/V caches of equal strides")
     if splits is None:
@@ -239,10 +253,7 @@ def decode_attention(
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype(q, k_cache, widen_to),
-        HEADS_ADJACENT=tiles.heads_adjacent, V_PAIRS=tiles.v_pairs and v_pairs(v_cache),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **kernel_constants(q, k_cache, v_cache, tiles, splits, widen_to),
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
