@@ -106,8 +106,8 @@ class StagingBuffers:
         cuda = device.type == "cuda"
         self._sets = [{name: torch.empty(n, dtype=dtype, pin_memory=cuda) for name, (n, dtype) in sizes.items()}
                       for _ in range(depth)]
+        # a set's copies have run once its event has (an event never recorded counts as run: query() is True)
         self._read: list[torch.cuda.Event | None] = [torch.cuda.Event() if cuda else None for _ in range(depth)]
-        self._recorded = [False] * depth
         self._turn = 0
         self.waits = 0  # steps that found their set still being read (a wait on the GPU); 0 expected
 
@@ -116,13 +116,12 @@ class StagingBuffers:
         """The next set of buffers, once the copies that last read it have run; on leaving, the point in the
         current stream after which its copies have run is recorded."""
         turn, event = self._turn, self._read[self._turn]
-        if event is not None and self._recorded[turn] and not event.query():
+        if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
         yield StagedCopies(self._sets[turn])
         if event is not None:
             event.record()
-            self._recorded[turn] = True
         self._turn = (turn + 1) % len(self._sets)
 
 
