@@ -181,9 +181,9 @@ class LLMEngine:
         except PromptError as exc:
             return PreparedRequest(request_id, None, str(exc), len(prompt.token_ids), prepare_started=started,
                                    prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
+        seq.stream_interval = options.stream_interval
         return PreparedRequest(request_id, seq, num_prompt_tokens=len(prompt.token_ids), prepare_started=started,
-                               prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s,
-                               stream_interval=options.stream_interval)
+                               prepare_ended=time.monotonic(), latency_bound_s=options.latency_bound_s)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
@@ -200,7 +200,6 @@ class LLMEngine:
             self._pending.append(RequestOutput(rid, [], True, FinishReason.LENGTH, None, seq.num_prompt_tokens))
             return
         seq.arrival = next(self._arrivals)
-        seq.stream_interval = prepared.stream_interval
         if prepared.latency_bound_s > 0:  # from the caller's hand-over: its wait for preparation counts against it
             waited = prepared.prepare_ended - prepared.submitted if prepared.submitted is not None else 0.0
             seq.deadline = self.scheduler.clock() + prepared.latency_bound_s - max(waited, 0.0)

@@ -53,7 +53,6 @@ class PreparedRequest:
     prepare_started: float = 0.0
     prepare_ended: float = 0.0
     latency_bound_s: float = 0.0  # the request's bound from `submitted` (RequestOptions; 0: none): its deadline
-    stream_interval: int = 0  # RequestOptions.stream_interval
 
 
 @dataclass(frozen=True)
