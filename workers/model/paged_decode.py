@@ -40,7 +40,9 @@ DECODE_TILES = DecodeTiles()
 # latency, not by bandwidth (run62: batch 256 x 1,024 tokens, 137.8 us a layer over FP8 against 134.8 over bf16).
 # 128 tokens an iteration (bench_attention run63, us a layer, 64 -> 128): batch 256 x 1,024 138.1 -> 126.9,
 # batch 64 x 1,800 76.1 -> 63.4, batch 1 x 1,800 6.7 -> 7.8 (bf16 cache: 132.7, 74.4, 6.4).
-FP8_DECODE_TILES = DecodeTiles(block_n=128)
+# Three stages once V is read in pairs (run149 and run152, H100, us a layer, two stages -> three): batch 256 x 1,024
+# 116.2/115.9 -> 111.6/110.8, batch 64 x 1,800 63.2/62.0 -> 60.3/58.9, batch 1 x 1,800 7.44/7.43 -> 7.30/7.29.
+FP8_DECODE_TILES = DecodeTiles(block_n=128, num_stages=3)
 MAX_SPLITS = 32
 # What an FP8 cache's rows are widened to for the dot products when q is 16-bit (q is converted to the same dtype).
 # float16: every e4m3 value is a float16 value (4 exponent and 3 mantissa bits fit 5 and 10), and sm89+ widens two
