@@ -229,6 +229,62 @@ def test_an_fp8_moe_block_reads_its_norms_fp8_rows_and_the_alignment_its_routers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def scaled_grouped_mm_in_float32(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+    """torch._scaled_grouped_mm's row-wise FP8 grouped GEMM in float32 (it has no CPU kernel): expert e's rows are
+    offs[e - 1]:offs[e] of a; rows past the last offset (other ranks' pairs) are left zero."""
+    out, start = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype), 0
+    for e, end in enumerate(offs.tolist()):
+        rows = a[start:end].float() * scale_a[start:end, None]
+        out[start:end] = (rows @ (b[e].float() * scale_b[e][None, :])).to(out_dtype)
+        start = end
+    return out
+
+
+@interpreter
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["all-experts", "expert-parallel-rank"])
+def test_grouped_fp8_experts_read_the_tokens_their_norm_quantised_and_compute_the_same(
+        kernels_on_cpu, monkeypatch, expert_parallel):
+    """Per-channel FP8 experts on the grouped path (long prompt steps) take the norm's e4m3 rows, one scale a
+    token, instead of quantising the normed rows again."""
+    from workers.model import fp8, grouped_fp8_moe, moe
+    from workers.checkpoint_quant import BlockShape
+    from workers.model.layers import RMSNorm
+    from workers.model.moe import SparseMoeBlock
+    from workers.model.norm_quant import Fp8Rows
+    from workers.parallel import TensorParallel
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_in_float32, raising=False)
+    monkeypatch.setattr(grouped_fp8_moe, "available", lambda device: True)
+    monkeypatch.setattr(moe, "GROUPED_FP8_MIN_TOKENS", 8)
+    gen = torch.Generator().manual_seed(8)
+    per_channel = BlockShape(1, 1 << 30)
+    tp = TensorParallel(rank=1, size=2, expert_parallel=True) if expert_parallel else None
+    block = SparseMoeBlock(8, 2, 200, 96, tp, per_channel)  # 200 columns: one group of 256 a token
+    block.gate.weight.data = torch.randn(8, 200, generator=gen)
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(block.experts, name)
+        q, s = fp8.quantize_weight_blocks(torch.randn(w.shape, generator=gen) * 0.05, per_channel)
+        w.data, getattr(block.experts, name.replace("proj", "scale")).data = q, s
+    x, residual, weight = rows("cpu", torch.float32, 12, 200, seed=9)
+    norm = RMSNorm(200, EPS)
+    norm.weight.data = weight
+    assert block.experts.path(x) == "grouped_fp8"
+    calls = []
+    original = grouped_fp8_moe.quantize_tokens
+    monkeypatch.setattr(grouped_fp8_moe, "quantize_tokens", lambda x: (calls.append("quantize_tokens"), original(x))[1])
+    h, _ = norm.norm_for(x, residual, block)
+    assert isinstance(h, Fp8Rows) and h.group == 256 and h.scales.shape == (12, 1) and h.rows is not None
+    got = block(h)
+    assert calls == []  # the norm's launch quantised them
+    monkeypatch.setattr(norm_quant, "FUSED", False)
+    normed, _ = norm.norm_for(x, residual, block)
+    want = block(normed)
+    assert calls == ["quantize_tokens"]
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="one scale a token"):  # rows quantised for the tiled path's 128 columns
+        grouped_fp8_moe.token_rows(Fp8Rows(h.q, h.scales.repeat(1, 2), 128, h.dtype, h.rows), x)
+
+
 def one_layer_model(block: tuple[int, int] | None, device: str = "cuda"):
     """A one-layer text tower at Qwen3-VL-30B-A3B's shapes, random weights (FP8 in `block`s, or bf16)."""
     from workers.checkpoint_quant import BlockShape
@@ -273,15 +329,19 @@ def kernels_of_one_step(model, tokens: int) -> tuple[torch.Tensor, int]:
     return hidden, sum(1 for name, _, _ in gpu_timeline(prof) if not name.startswith(("Memcpy", "Memset")))
 
 
-@pytest.mark.parametrize("block,fewer", [pytest.param(b, f, marks=gpu) for b, f in (
-    ((1, 1 << 30), 4), ((128, 128), 4), (None, 2))], ids=["fp8-per-channel", "fp8-128x128", "bf16"])
-def test_a_layer_launches_fewer_kernels_with_the_fused_launches_and_computes_the_same(monkeypatch, block, fewer):
+@pytest.mark.parametrize("block,tokens,fewer", [pytest.param(b, t, f, marks=gpu) for b, t, f in (
+    ((1, 1 << 30), 64, 4), ((128, 128), 64, 4), (None, 64, 2), ((1, 1 << 30), 2048, 2))],
+    ids=["fp8-per-channel", "fp8-128x128", "bf16", "fp8-per-channel-grouped-experts"])
+def test_a_layer_launches_fewer_kernels_with_the_fused_launches_and_computes_the_same(monkeypatch, block, tokens,
+                                                                                     fewer):
     """The norm before attention and the one before the MoE each quantise in their launch (FP8), and the router's
-    launch aligns the pairs (three launches one): 4 launches fewer a layer in FP8, 2 in bf16."""
+    launch aligns the pairs for the tiled experts (three launches one): 4 launches fewer a layer in FP8, 2 in bf16.
+    From GROUPED_FP8_MIN_TOKENS per-channel experts take the grouped GEMMs, whose pairs the router does not align:
+    2 fewer there."""
     model = one_layer_model(block)
-    fused, n_fused = kernels_of_one_step(model, 64)
+    fused, n_fused = kernels_of_one_step(model, tokens)
     monkeypatch.setattr(norm_quant, "FUSED", False)
     monkeypatch.setattr(route_align, "FUSED", False)
-    unfused, n_unfused = kernels_of_one_step(model, 64)
+    unfused, n_unfused = kernels_of_one_step(model, tokens)
     assert n_unfused - n_fused == fewer
     torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2)

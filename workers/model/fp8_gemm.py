@@ -217,13 +217,18 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     return q, scales
 
 
+def token_group(k: int) -> int:
+    """The quantisation group that makes one scale a token of k columns: the power of two >= k."""
+    return 1 << max(0, k - 1).bit_length()
+
+
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], scales float32 [M, 1]): one scale per token (per-channel weights' activations);
     bit-equal to fp8.quantize_activation_groups(x, K)."""
     k = x.shape[-1]
     if not on_triton(x):
         return fp8.quantize_activation_groups(x, k)
-    return quantize_activations(x, 1 << max(0, k - 1).bit_length())
+    return quantize_activations(x, token_group(k))
 
 
 def per_channel(block: BlockShape, k: int) -> bool:
@@ -234,7 +239,7 @@ def per_channel(block: BlockShape, k: int) -> bool:
 def input_group(block: BlockShape, k: int) -> int:
     """The columns per activation scale fp8_linear quantises x in against weights in `block`s over K = k: per token
     (a power of two >= k, one group, as quantize_tokens) against per-channel weights, else ACT_GROUP."""
-    return 1 << max(0, k - 1).bit_length() if per_channel(block, k) else ACT_GROUP
+    return token_group(k) if per_channel(block, k) else ACT_GROUP
 
 
 def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: BlockShape, k: int) -> None:

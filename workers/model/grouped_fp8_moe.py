@@ -1,7 +1,8 @@
 """FP8 MoE experts with per-channel weight scales (the FP8-dynamic checkpoints) through torch's grouped FP8 GEMM.
 
 The pairs (token, chosen expert) are sorted by expert; each token is quantised to e4m3 once, per token (the
-format's `input_activations` strategy "token"), and its fp8 row gathered for each of its k pairs; then
+format's `input_activations` strategy "token"; by the norm before the block in the same launch where that kernel
+runs, norm_quant), and its fp8 row gathered for each of its k pairs; then
 `torch._scaled_grouped_mm` (CUTLASS grouped GEMM, row-wise scales: scale_a one per row, scale_b [E, N] one per
 expert output channel; https://github.com/pytorch/pytorch, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs gate_up
 over every expert's rows at once, one Triton kernel takes silu(gate) * up and quantises it per row, the second
@@ -22,6 +23,7 @@ from workers.model import fp8, fp8_gemm, moe_routing
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.fp8_gemm import quantize_tokens
 from workers.model.fused_moe import TL_DTYPES
+from workers.model.norm_quant import Fp8Rows
 
 try:
     import triton
@@ -158,15 +160,16 @@ def combine_reference(ys, pos, top_w, top_i, num_experts) -> torch.Tensor:
 
 def grouped_fp8_experts(
     x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-    gate_up_scale: torch.Tensor, down_scale: torch.Tensor, foreign: bool = False,
+    gate_up_scale: torch.Tensor, down_scale: torch.Tensor, foreign: bool = False, x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """x [T, H]; top_w/top_i [T, k]; gate_up_proj [E, 2I, H] and down_proj [E, H, I] float8_e4m3fn with per-row
-    scales gate_up_scale [E, 2I, 1], down_scale [E, H, 1] -> [T, H]. foreign: top_i may hold E (another rank's)."""
+    scales gate_up_scale [E, 2I, 1], down_scale [E, H, 1] -> [T, H]. foreign: top_i may hold E (another rank's).
+    x_fp8: x already quantised per token (the norm before the block did it in its launch: fp8_gemm.token_group)."""
     tokens, k = top_i.shape
     num_experts = gate_up_proj.shape[0]
     order, offs = moe_routing.sort_pairs(top_i, num_experts, foreign)
     pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    xq, xs = quantize_tokens(x)
+    xq, xs = quantize_tokens(x) if x_fp8 is None else token_rows(x_fp8, x)
     source = order // k
     h = torch._scaled_grouped_mm(
         xq[source], gate_up_proj.transpose(1, 2), xs.view(-1)[source], gate_up_scale.view(num_experts, -1),
@@ -178,6 +181,14 @@ def grouped_fp8_experts(
         use_fast_accum=FAST_ACCUM,
     )
     return combine(ys, pos, top_w, top_i, num_experts)
+
+
+def token_rows(x_fp8: Fp8Rows, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, scales [T, 1]) of rows quantised elsewhere, checked to be x's, one scale a token."""
+    if tuple(x_fp8.q.shape) != tuple(x.shape) or x_fp8.group < x.shape[1] or x_fp8.dtype != x.dtype:
+        raise ValueError(f"the grouped FP8 experts read {x.dtype} rows {tuple(x.shape)} quantised one scale a token; got "
+                         f"{x_fp8.dtype} e4m3 rows {tuple(x_fp8.q.shape)} in groups of {x_fp8.group} columns")
+    return x_fp8.q, x_fp8.scales
 
 
 def available(device: torch.device) -> bool:

@@ -107,13 +107,15 @@ class MoeExperts(nn.Module):
                 aligned: Alignment | None = None, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         """The fused Triton kernels on CUDA (bf16/fp16), else the grouped-GEMM path. foreign: top_i may hold
         num_experts, a pair served by another rank, which contributes zero. aligned / x_fp8: the pairs already
-        aligned and x already quantised (alignment / fp8_input said how), used where the tiled path runs."""
+        aligned (the tiled path) and x already quantised (the tiled and grouped FP8 paths), as alignment / fp8_input
+        said."""
         path = self.path(x)
         if path == "reference":
             return self.grouped(x, top_w, top_i, foreign)
         if path == "grouped_fp8":
             return grouped_fp8_moe.grouped_fp8_experts(
-                x, top_w, top_i, self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale, foreign)
+                x, top_w, top_i, self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale, foreign,
+                x_fp8=x_fp8)
         fast = dict(aligned=aligned, x_fp8=x_fp8)
         if self.block is None:
             return fused_moe.fused_experts(x, top_w, top_i, self.gate_up_proj, self.down_proj, foreign, **fast)
@@ -150,10 +152,14 @@ class MoeExperts(nn.Module):
         return fused_moe.gated_tiles(x.shape[0] * top_k, self.gate_up_proj, device).block_m
 
     def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
-        """FP8 experts on the tiled path read x quantised per token and 128 columns, the router x itself."""
-        if self.block is None or self.path(x) != "tiled":
-            return None
-        return Fp8Input(fused_moe.FP8_BLOCK_K, rows_too=True)
+        """FP8 experts read x quantised per token and 128 columns on the tiled path, per token on the grouped FP8
+        path; the router reads x itself."""
+        path = self.path(x) if self.block is not None else None
+        if path == "tiled":
+            return Fp8Input(fused_moe.FP8_BLOCK_K, rows_too=True)
+        if path == "grouped_fp8":
+            return Fp8Input(fp8_gemm.token_group(x.shape[-1]), rows_too=True)
+        return None
 
     @property
     def per_channel(self) -> bool:
@@ -208,13 +214,13 @@ class SparseMoeBlock(nn.Module):
         router's launch also aligns the pairs for it."""
         x = h.rows if isinstance(h, Fp8Rows) else h
         foreign = self.expert_range is not None
+        x_fp8 = h if isinstance(h, Fp8Rows) else None
         block_m = self.experts.alignment(x, self.gate.top_k)
         if block_m is None:
             top_w, top_i = self.gate(x, self.expert_range)
-            return self.experts(x, top_w, top_i, foreign=foreign)
+            return self.experts(x, top_w, top_i, foreign=foreign, x_fp8=x_fp8)
         top_w, top_i, aligned = self.gate.route_aligned(x, self.expert_range, self.experts.num_experts + foreign, block_m)
-        return self.experts(x, top_w, top_i, foreign=foreign, aligned=aligned,
-                            x_fp8=h if isinstance(h, Fp8Rows) else None)
+        return self.experts(x, top_w, top_i, foreign=foreign, aligned=aligned, x_fp8=x_fp8)
 
     def fp8_input(self, x: torch.Tensor) -> Fp8Input | None:
         return self.experts.fp8_input(x)
