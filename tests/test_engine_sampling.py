@@ -27,6 +27,16 @@ def test_greedy_picks_the_argmax():
     assert sampler.sample(torch.tensor([[0.1, 2.0, 0.3]]), ["g"], [SamplingParams()]).tolist() == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_are_the_float32_argmax_whatever_the_logits_dtype_first_of_tied_maxima(dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 151936, generator=gen) * 8).to(dtype)
+    logits[1, 70000] = logits[1, 90000] = logits[1].max() + 1  # tied at the top: the lower id
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    got = sampler.sample(logits, [f"r{i}" for i in range(6)], [SamplingParams()] * 6)
+    assert got.tolist() == logits.float().argmax(dim=-1).tolist() and got[1] == 70000
+
+
 def test_a_grammar_masks_only_its_own_row_and_advances_with_the_sampled_token():
     from contract.tokenizer import EOS_TOKEN_IDS, load_tokenizer
     from workers.grammar import GrammarState

@@ -42,8 +42,13 @@ class Sampler:
         """logits [B, V] -> token ids [B] on the logits' device; greedy rows wait for nothing on the host.
 
         grammars: per row, the request's GrammarState or None. Only when some row has one does the step build a
-        mask, and wait for the sampled tokens on the host to advance those grammars."""
-        logits = logits.float()
+        mask, and wait for the sampled tokens on the host to advance those grammars.
+
+        A batch of greedy rows takes the argmax of the logits in their own dtype: widening bf16 to float32 is exact
+        and keeps their order and ties, so the tokens are float32's, without writing a float32 copy of [B, V] (at
+        batch 256 of the 151,936-token vocabulary, 233 MB moved: 121 us of a decode step in run151's profile)."""
+        if not all(p.greedy for p in params):
+            logits = logits.float()
         constrained = [i for i, g in enumerate(grammars) if g is not None]
         if constrained:
             idx = torch.tensor(constrained, device=logits.device)
