@@ -135,6 +135,35 @@ def test_route_align_kernel_writes_what_the_route_and_align_kernels_write(monkey
     torch.testing.assert_close(got_w.cpu(), ref_w)
 
 
+PAIR_CASES = {  # tokens, experts, k, foreign (a bin for other ranks' pairs)
+    "one-chunk": (5, 8, 2, False),
+    "several-chunks": (300, 16, 4, False),  # 1,200 pairs: chunks of 64, the last one cut
+    "other-ranks-pairs": (77, 8, 4, True),
+    "empty-experts": (3, 64, 2, False),
+}
+PAIR_PARAMS = [pytest.param(*case, marks=interpreter, id=name) for name, case in PAIR_CASES.items()]
+PAIR_PARAMS += [pytest.param(t, 128, 8, f, marks=gpu, id=f"30b-{t}{'-foreign' if f else ''}")
+                for t, f in ((2048, False), (8192, False), (16384, False), (8192, True))]
+
+
+@pytest.mark.parametrize("tokens,experts,k,foreign", PAIR_PARAMS)
+def test_pair_layout_kernels_write_what_the_sort_and_index_ops_write(tokens, experts, k, foreign):
+    """The grouped GEMMs' rows of the pairs (long prompt steps): two launches give sort_pairs' stable order, its
+    inverse, each row's token and scale, and the experts' offsets, bit for bit."""
+    device = "cpu" if INTERPRETER else "cuda"
+    gen = torch.Generator().manual_seed(tokens)
+    top_i = torch.rand(tokens, experts + foreign, generator=gen).topk(k, dim=-1).indices.to(device)
+    if experts == 64:  # most experts get no pair
+        top_i = top_i % 3
+    scales = torch.rand(tokens, 1, generator=gen).to(device)
+    got = moe_routing.pair_layout_triton(top_i, experts, foreign, scales)
+    want = moe_routing.pair_layout_reference(top_i, experts, foreign, scales)
+    assert torch.equal(got.offs, want.offs) and got.offs.dtype == torch.int32
+    assert torch.equal(got.pos, want.pos) and torch.equal(got.source, want.source)
+    assert torch.equal(got.row_scales, want.row_scales)
+    assert sorted(got.pos.tolist()) == list(range(tokens * k))  # every pair a row of its own
+
+
 def test_steps_too_long_for_one_program_to_lay_out_take_the_separate_kernels():
     logits = torch.randn(route_align.MAX_TOKENS + 1, 16)
     assert not route_align.supports(logits, 4)
@@ -311,6 +340,13 @@ def one_layer_model(block: tuple[int, int] | None, device: str = "cuda"):
 
 
 def kernels_of_one_step(model, tokens: int) -> tuple[torch.Tensor, int]:
+    hidden, names = kernel_names_of_one_step(model, tokens)
+    return hidden, len(names)
+
+
+def kernel_names_of_one_step(model, tokens: int) -> tuple[torch.Tensor, list[str]]:
+    """The model's output for a step of `tokens` prompt rows and the kernels it launched (copies and fills left
+    out), after a first step that compiles."""
     from torch.profiler import ProfilerActivity, profile
 
     from lab.bench.engine_probes import gpu_timeline
@@ -326,22 +362,37 @@ def kernels_of_one_step(model, tokens: int) -> tuple[torch.Tensor, int]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             hidden = model(*args)
             torch.cuda.synchronize()
-    return hidden, sum(1 for name, _, _ in gpu_timeline(prof) if not name.startswith(("Memcpy", "Memset")))
+    return hidden, [name for name, _, _ in gpu_timeline(prof) if not name.startswith(("Memcpy", "Memset"))]
 
 
-@pytest.mark.parametrize("block,tokens,fewer", [pytest.param(b, t, f, marks=gpu) for b, t, f in (
-    ((1, 1 << 30), 64, 4), ((128, 128), 64, 4), (None, 64, 2), ((1, 1 << 30), 2048, 2))],
-    ids=["fp8-per-channel", "fp8-128x128", "bf16", "fp8-per-channel-grouped-experts"])
-def test_a_layer_launches_fewer_kernels_with_the_fused_launches_and_computes_the_same(monkeypatch, block, tokens,
-                                                                                     fewer):
+@pytest.mark.parametrize("block,fewer", [pytest.param(b, f, marks=gpu) for b, f in (
+    ((1, 1 << 30), 4), ((128, 128), 4), (None, 2))], ids=["fp8-per-channel", "fp8-128x128", "bf16"])
+def test_a_layer_launches_fewer_kernels_with_the_fused_launches_and_computes_the_same(monkeypatch, block, fewer):
     """The norm before attention and the one before the MoE each quantise in their launch (FP8), and the router's
-    launch aligns the pairs for the tiled experts (three launches one): 4 launches fewer a layer in FP8, 2 in bf16.
-    From GROUPED_FP8_MIN_TOKENS per-channel experts take the grouped GEMMs, whose pairs the router does not align:
-    2 fewer there."""
+    launch aligns the pairs (three launches one): 4 launches fewer a layer in FP8, 2 in bf16."""
     model = one_layer_model(block)
-    fused, n_fused = kernels_of_one_step(model, tokens)
+    fused, n_fused = kernels_of_one_step(model, 64)
     monkeypatch.setattr(norm_quant, "FUSED", False)
     monkeypatch.setattr(route_align, "FUSED", False)
-    unfused, n_unfused = kernels_of_one_step(model, tokens)
+    unfused, n_unfused = kernels_of_one_step(model, 64)
     assert n_unfused - n_fused == fewer
     torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_prompt_step_lays_its_experts_rows_out_without_a_sort_and_computes_the_same(monkeypatch):
+    """From GROUPED_FP8_MIN_TOKENS tokens per-channel FP8 experts take the grouped GEMMs: with the fused launches
+    the norm quantises their tokens and two launches lay the pairs' rows out, where the unfused step quantises
+    again and sorts (a radix sort, histc, index ops): at least 2 + 8 launches fewer."""
+    model = one_layer_model((1, 1 << 30))
+    fused, fused_names = kernel_names_of_one_step(model, 2048)
+    monkeypatch.setattr(norm_quant, "FUSED", False)
+    monkeypatch.setattr(route_align, "FUSED", False)
+    unfused, unfused_names = kernel_names_of_one_step(model, 2048)
+    assert sum("_pair_layout_kernel" in n for n in fused_names) == 1
+    assert not any("RadixSort" in n or "Histogram" in n for n in fused_names)
+    assert any("RadixSort" in n for n in unfused_names) and not any("_pair_layout" in n for n in unfused_names)
+    assert len(unfused_names) - len(fused_names) >= 10
+    torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=2e-2)
+

@@ -2,7 +2,8 @@
 TRITON_INTERPRET=1 and the interpreter's packages (scripts/bootstrap.sh puts them in .kernel-interpreter), so CI,
 which has no GPU, still checks every kernel's logic (tiled and GEMV MoE, TMA weight tiles, routing and alignment,
 paged prefill and split decode attention, fused norms and rotary, FP8 quantisation, GEMM and MoE, norm +
-quantisation and route + align in one launch each) against its torch reference."""
+quantisation and route + align in one launch each, the grouped experts' pair layout) against its torch
+reference."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ scripts/bootstrap.sh puts in .kernel-interpreter): the Gluon vision attention ke
 cores' wgmma path (bf16) or FP8 wgmma and fit the registers that let two of their 256-thread programs share a
 multiprocessor (run94's choice); the text layer's fused norm and quantisation reads and writes whole 16-byte pieces;
 the FP8 quantisation divides a value without div_rn's range check, the MoE's silu kernel has no idle lanes, and the
-decode attention over an FP8 cache reaches its P @ V operand through 16-bit transposing loads."""
+decode attention over an FP8 cache reaches its P @ V operand through 16-bit transposing loads, and the grouped
+experts' pair layout builds without spilling."""
 
 from __future__ import annotations
 
@@ -96,3 +97,13 @@ def test_the_decode_attention_over_an_fp8_cache_widens_v_before_its_operand_layo
         "'registers': k.registers, 'spills': k.spill_instructions}))")
     assert built["byte_loads"] == 0 and built["transposing_loads"] > 0, built
     assert 3 * 128 * built["registers"] <= REGISTERS_PER_SM and built["spills"] == 0, built
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_pair_layout_scatter_builds_for_sm90_without_spills_at_an_8k_step():
+    """moe_routing._pair_layout_kernel at the 30B-A3B's 128 experts and top-8 (65,536 pairs a step of 8,192 tokens,
+    128 programs of 512): each 64-pair piece's one-hot ranks over 128 experts stay in registers."""
+    built = run_with_triton(
+        "import json; from lab.kernels.sm90_compile import compile_pair_layout; k = compile_pair_layout(8192); "
+        "print(json.dumps({'spills': k.spill_instructions, 'stack': k.stack_bytes}))")
+    assert built["spills"] == 0 and built["stack"] == 0, built

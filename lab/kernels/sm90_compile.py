@@ -119,6 +119,23 @@ def compile_silu_mul_quant(inter: int = 768, block_r: int = 2) -> CompiledKernel
                     dict(ROUND_TY=tl.bfloat16, WIDE=wide, NARROW=narrow, BLOCK_R=block_r, num_warps=4))
 
 
+def compile_pair_layout(tokens: int = 8192, experts: int = 128, k: int = 8) -> CompiledKernel:
+    """Compile the grouped FP8 experts' pair-layout scatter (moe_routing.pair_layout_triton's second launch) for
+    sm_90, as it launches for a step of `tokens` tokens at the 30B-A3B's 128 experts and top-8."""
+    import triton
+
+    from workers.model import moe_routing
+    pairs = tokens * k
+    chunk = max(moe_routing.ALIGN_SUB, triton.next_power_of_2(triton.cdiv(pairs, moe_routing.ALIGN_PROGRAMS)))
+    chunks, bins = triton.cdiv(pairs, chunk), triton.next_power_of_2(experts)
+    ids, counts = torch.empty(pairs, dtype=torch.int64), torch.empty(chunks, bins, dtype=torch.int32)
+    scales, offs = torch.empty(tokens), torch.empty(experts, dtype=torch.int32)
+    pos, source, row_scales = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64), torch.empty(pairs)
+    return _compile(moe_routing._pair_layout_kernel,
+                    (ids, counts, scales, offs, pos, source, row_scales, pairs, chunk, chunks, experts),
+                    dict(TOP_K=k, SUB=moe_routing.ALIGN_SUB, BINS=bins, CHUNK_TILE=32, num_warps=8))
+
+
 def compile_paged_decode(fp8: bool = True, tiles=None, batch: int = 256, heads: int = 32, kv_heads: int = 4,
                          head_dim: int = 128, block_size: int = 16) -> CompiledKernel:
     """Compile the text layer's paged decode attention (paged_decode) for sm_90, as decode_attention launches it

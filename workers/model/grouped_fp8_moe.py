@@ -11,7 +11,7 @@ grouped GEMM runs down, and a Triton kernel sums each token's k outputs times th
 Numbers: the reference is MoeExperts.grouped (activations rounded per token to e4m3, weights dequantised, float32
 products); this path also rounds the gate_up output to the activation dtype before silu (as the Triton path does),
 and accumulates with Hopper's fast FP8 accumulation (FAST_ACCUM says why). No host sync anywhere
-(moe_routing.sort_pairs), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
+(moe_routing's pair layout: sort_pairs, or two kernels with the fused launches on), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
 any capture.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model import fp8, fp8_gemm, moe_routing
+from workers.model import fp8, fp8_gemm, moe_routing, route_align
 from workers.model.fp8 import FP8_DTYPE
 from workers.model.fp8_gemm import quantize_tokens
 from workers.model.fused_moe import TL_DTYPES
@@ -165,22 +165,28 @@ def grouped_fp8_experts(
     """x [T, H]; top_w/top_i [T, k]; gate_up_proj [E, 2I, H] and down_proj [E, H, I] float8_e4m3fn with per-row
     scales gate_up_scale [E, 2I, 1], down_scale [E, H, 1] -> [T, H]. foreign: top_i may hold E (another rank's).
     x_fp8: x already quantised per token (the norm before the block did it in its launch: fp8_gemm.token_group)."""
-    tokens, k = top_i.shape
     num_experts = gate_up_proj.shape[0]
-    order, offs = moe_routing.sort_pairs(top_i, num_experts, foreign)
-    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     xq, xs = quantize_tokens(x) if x_fp8 is None else token_rows(x_fp8, x)
-    source = order // k
+    rows = pair_layout(top_i, num_experts, foreign, xs)
     h = torch._scaled_grouped_mm(
-        xq[source], gate_up_proj.transpose(1, 2), xs.view(-1)[source], gate_up_scale.view(num_experts, -1),
-        offs=offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM,
+        xq[rows.source], gate_up_proj.transpose(1, 2), rows.row_scales, gate_up_scale.view(num_experts, -1),
+        offs=rows.offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM,
     )
     act_q, act_s = silu_mul_quantize(h, x.dtype)
     ys = torch._scaled_grouped_mm(
-        act_q, down_proj.transpose(1, 2), act_s, down_scale.view(num_experts, -1), offs=offs, out_dtype=x.dtype,
+        act_q, down_proj.transpose(1, 2), act_s, down_scale.view(num_experts, -1), offs=rows.offs, out_dtype=x.dtype,
         use_fast_accum=FAST_ACCUM,
     )
-    return combine(ys, pos, top_w, top_i, num_experts)
+    return combine(ys, rows.pos, top_w, top_i, num_experts)
+
+
+def pair_layout(top_i: torch.Tensor, num_experts: int, foreign: bool, token_scales: torch.Tensor
+                ) -> moe_routing.PairLayout:
+    """The pairs' rows for the grouped GEMMs: moe_routing's two-launch kernels where the fused routing launches are
+    on (route_align.FUSED, bench_engine --layer-fusions), else its torch reference (sort_pairs and index ops)."""
+    if route_align.FUSED and moe_routing.on_triton(top_i):
+        return moe_routing.pair_layout_triton(top_i, num_experts, foreign, token_scales)
+    return moe_routing.pair_layout_reference(top_i, num_experts, foreign, token_scales)
 
 
 def token_rows(x_fp8: Fp8Rows, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

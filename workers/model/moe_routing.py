@@ -67,6 +67,54 @@ def sort_pairs(top_i: torch.Tensor, num_experts: int, foreign: bool = False) -> 
     return torch.argsort(sort_keys(flat, bins), stable=True), offs
 
 
+@dataclass(frozen=True)
+class PairLayout:
+    """The grouped GEMMs' rows of a step's token-expert pairs (sort_pairs' stable order): offs [E] int32 each local
+    expert's cumulative row count; pos [P] int64 each pair's row; source [P] int64 each row's token; row_scales [P]
+    float32 each row's token's activation scale."""
+
+    offs: torch.Tensor
+    pos: torch.Tensor
+    source: torch.Tensor
+    row_scales: torch.Tensor
+
+
+def pair_layout_reference(top_i: torch.Tensor, num_experts: int, foreign: bool, token_scales: torch.Tensor
+                          ) -> PairLayout:
+    """top_i [T, k], token_scales [T] (or [T, 1]) -> the PairLayout, in torch: sort_pairs, then its inverse and each
+    row's token and scale."""
+    order, offs = sort_pairs(top_i, num_experts, foreign)
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    source = order // top_i.shape[1]
+    return PairLayout(offs, pos, source, token_scales.reshape(-1)[source])
+
+
+def pair_layout_triton(top_i: torch.Tensor, num_experts: int, foreign: bool, token_scales: torch.Tensor
+                       ) -> PairLayout:
+    """pair_layout_reference in two launches (align_pairs_triton's count, then a stable scatter of each chunk's pairs
+    that also writes their rows' tokens and scales and the experts' offsets), where torch takes about a dozen (the
+    casts, histc, cumsum, a radix sort, arange, index_copy, the division and the gather). Same result."""
+    flat = top_i.reshape(-1)
+    num_pairs = flat.numel()
+    num_bins = num_experts + foreign
+    device = flat.device
+    pos = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    source = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    row_scales = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    offs = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    if num_pairs:
+        chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
+        num_chunks = triton.cdiv(num_pairs, chunk)
+        bins = triton.next_power_of_2(num_bins)
+        counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=device)
+        _align_count_kernel[(num_chunks,)](flat, counts, num_pairs, chunk, SUB=ALIGN_SUB, BINS=bins, num_warps=8)
+        _pair_layout_kernel[(num_chunks,)](
+            flat, counts, token_scales.reshape(-1), offs, pos, source, row_scales, num_pairs, chunk, num_chunks,
+            num_experts, TOP_K=top_i.shape[1], SUB=ALIGN_SUB, BINS=bins, CHUNK_TILE=32, num_warps=8,
+        )
+    return PairLayout(offs, pos, source, row_scales)
+
+
 def sort_keys(expert_ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     """Expert ids (0..num_bins-1) in the narrowest integer type that holds them: a radix sort (CUB's, under
     torch.argsort on CUDA) makes a pass per key byte, so uint8 keys sort in one pass where int64 ones take eight."""
@@ -175,6 +223,44 @@ if triton is not None:
             total += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
         tl.store(counts_ptr + pid * BINS + bins, total)
 
+    @triton.jit
+    def _chunk_starts(counts_ptr, pid, num_chunks, BINS: tl.constexpr, CHUNK_TILE: tl.constexpr):
+        """Every chunk's counts [num_chunks, BINS] -> (each expert's total, this chunk's start inside its group)."""
+        bins = tl.arange(0, BINS)
+        total = tl.zeros([BINS], dtype=tl.int32)
+        before = tl.zeros([BINS], dtype=tl.int32)
+        for c0 in range(0, num_chunks, CHUNK_TILE):
+            rows = c0 + tl.arange(0, CHUNK_TILE)
+            cnt = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=rows[:, None] < num_chunks, other=0)
+            total += tl.sum(cnt, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < pid, cnt, 0), axis=0)
+        return total, before
+
+    @triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks"])
+    def _pair_layout_kernel(
+        ids_ptr, counts_ptr, scales_ptr, offs_ptr, pos_ptr, source_ptr, row_scale_ptr, num_pairs, chunk, num_chunks,
+        num_experts, TOP_K: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNK_TILE: tl.constexpr,
+    ):
+        """This chunk's pairs, stably, to their rows: pos[pair] = row, source[row] = token, row_scale[row] = its
+        scale; the first program also writes the local experts' cumulative row counts."""
+        pid = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        total, before = _chunk_starts(counts_ptr, pid, num_chunks, BINS, CHUNK_TILE)
+        group_end = tl.cumsum(total, axis=0)
+        tl.store(offs_ptr + bins, group_end, mask=(bins < num_experts) & (pid == 0))
+        next_slot = group_end - total + before
+        for start in range(pid * chunk, pid * chunk + chunk, SUB):  # the last chunk is cut by the masks
+            pair = start + tl.arange(0, SUB)
+            in_range = pair < num_pairs
+            expert = tl.load(ids_ptr + pair, mask=in_range, other=-1).to(tl.int32)
+            onehot = (expert[:, None] == bins[None, :]).to(tl.int32)
+            row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - onehot + next_slot[None, :]), axis=1)
+            token = pair // TOP_K
+            tl.store(pos_ptr + pair, row.to(tl.int64), mask=in_range)
+            tl.store(source_ptr + row, token.to(tl.int64), mask=in_range)
+            tl.store(row_scale_ptr + row, tl.load(scales_ptr + token, mask=in_range, other=0.0), mask=in_range)
+            next_slot += tl.sum(onehot, axis=0)
+
     @triton.jit(do_not_specialize=["num_pairs", "chunk", "num_chunks", "num_blocks", "blocks_per_program"])
     def _align_scatter_kernel(
         ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
@@ -184,13 +270,7 @@ if triton is not None:
         pid = tl.program_id(0)
         bins = tl.arange(0, BINS)
         # Expert totals over all chunks, and this chunk's start inside each expert's group.
-        total = tl.zeros([BINS], dtype=tl.int32)
-        before = tl.zeros([BINS], dtype=tl.int32)
-        for c0 in range(0, num_chunks, CHUNK_TILE):
-            rows = c0 + tl.arange(0, CHUNK_TILE)
-            cnt = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=rows[:, None] < num_chunks, other=0)
-            total += tl.sum(cnt, axis=0)
-            before += tl.sum(tl.where(rows[:, None] < pid, cnt, 0), axis=0)
+        total, before = _chunk_starts(counts_ptr, pid, num_chunks, BINS, CHUNK_TILE)
         padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         group_end = tl.cumsum(padded, axis=0)
         group_start = group_end - padded

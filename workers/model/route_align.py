@@ -35,7 +35,8 @@ MAX_TOKENS = 512  # steps up to this many tokens route and align in one launch (
 PAIRS_PER_PROGRAM = 64  # token-expert pairs one program routes and ranks
 PAIR_TILE = 1024  # pairs the last program scatters a pass
 BLOCK_TILE = 64  # blocks the last program fills a pass
-# False: moe_routing's three launches, as before this kernel.
+# False: moe_routing's three launches, as before this kernel; and for long steps' grouped FP8 experts, the pairs'
+# rows laid out by torch's sort and index ops rather than moe_routing.pair_layout_triton's two launches.
 # Off: measured with route_align's and norm_quant's kernels together (benchmarks/README.md, run89-90, one H200), they
 # took 192 launches out of a batch-256 decode step and none of its GPU time, and an 8k-token prefill step went from
 # 92.8 to 94.9 ms. Small decode batches, where a launch's fixed cost weighs most, are not measured yet
