@@ -51,7 +51,9 @@ PRODUCT_PATH_FIT = REPO / "benchmarks" / "2026-12-01-run60-step-fit.json"
 # tiles (run63). Theory says FP8 halves both; measured, it does not (MeasuredFP8).
 FP8_STEPS_BENCH = REPO / "benchmarks" / "2026-12-02-run66-parts-committed-table.json"
 FP8_ATTENTION_BENCH = REPO / "benchmarks" / "2026-12-01-run63-attention-fp8-tiles.json"
-FP8_ATTENTION_KERNEL = "fp8_f16_n128_w4_s2_us"  # paged_decode.FP8_DECODE_TILES since run63
+# The tiles FP8_DECODE_TILES had at run63. Since run149-153 it reads V in pairs with three stages: on an H100 111 us
+# against the bf16 cache's 182 (0.61, where run63's H200 gave 0.96); not yet measured on the H200 that calibrates.
+FP8_ATTENTION_KERNEL = "fp8_f16_n128_w4_s2_us"
 
 Precision = Literal["bf16", "fp8", "fp4"]
 GIB = 1 << 30
