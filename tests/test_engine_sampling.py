@@ -37,6 +37,22 @@ def test_greedy_tokens_are_the_float32_argmax_whatever_the_logits_dtype_first_of
     assert got.tolist() == logits.float().argmax(dim=-1).tolist() and got[1] == 70000
 
 
+def test_a_draw_picks_what_torch_multinomial_picks_from_the_same_generator():
+    """sampler.draw is multinomial's exponential race without its checks (which wait for a GPU): the same draws
+    from the generator give the same tokens, a row at a time or in a batch."""
+    from workers.sampler import draw
+
+    probs = torch.rand(64, 20, generator=torch.Generator().manual_seed(1)) ** 4
+    probs[3, 1:] = 0.0  # a row with one candidate left (the top-p cut)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    ours, theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(20):
+        got, want = draw(probs, ours), torch.multinomial(probs, 1, generator=theirs)
+        assert torch.equal(got, want) and got[3, 0] == 0
+        assert torch.equal(draw(probs[5, :7], ours), torch.multinomial(probs[5, :7], 1, generator=theirs))
+    assert len({tuple(draw(probs, ours).flatten().tolist()) for _ in range(5)}) > 1  # it does draw
+
+
 def test_a_grammar_masks_only_its_own_row_and_advances_with_the_sampled_token():
     from contract.tokenizer import EOS_TOKEN_IDS, load_tokenizer
     from workers.grammar import GrammarState

@@ -2,6 +2,13 @@
 
 A request with a seed draws from its own torch.Generator, so its tokens do not depend on its batch mates.
 A request with a grammar (workers/grammar.py) has every token outside its grammar's mask removed first.
+
+On CUDA a step's sampling queues behind its forward without the host waiting for the GPU (but for grammar rows,
+whose masks need the tokens): the rows' parameters reach the device from page-locked memory (host_copy), and a
+draw is torch.multinomial's own exponential race (draw) without the validity checks that read two values back to
+the host before it (aten/src/ATen/native/Distributions.cpp, https://github.com/pytorch/pytorch). The released
+checkpoints' defaults sample (generation_config.json: temperature 0.7, top-p 0.8, top-k 20), and MLPerf asks for
+them: with a wait there, every step's launch blocked until its forward had run.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from contract.types import SamplingParams
+from workers.host_copy import to_device
 
 if TYPE_CHECKING:
     from workers.grammar import GrammarState
@@ -64,20 +72,28 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(torch.tensor(rows), logits.device)
             probs, candidates, top_k = _candidates(logits[idx], [params[i] for i in rows])
             # Rows without a seed share one generator and one draw; a seeded row draws over its own top-k
             # only, so its tokens do not depend on its batch mates.
             shared = [j for j, i in enumerate(rows) if params[i].seed is None]
             if shared:
-                pick = torch.tensor(shared, device=logits.device)
-                choice = torch.multinomial(probs[pick], 1, generator=self._shared)
+                pick = to_device(torch.tensor(shared), logits.device)
+                choice = draw(probs[pick], self._shared)
                 tokens[idx[pick]] = candidates[pick].gather(1, choice).squeeze(1)
             for j, i in enumerate(rows):
                 if params[i].seed is not None:
                     gen = self._generator(request_ids[i], params[i])
-                    tokens[i] = candidates[j, torch.multinomial(probs[j, : top_k[j]], 1, generator=gen)[0]]
+                    # gathered, not indexed with a 0-d tensor (which reads it back to the host)
+                    tokens[i] = candidates[j].gather(0, draw(probs[j, : top_k[j]], gen))[0]
         return tokens
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """torch.multinomial(probs, 1, generator=generator) for probabilities known to be valid (finite, >= 0, a positive
+    sum a row): the same exponential race on the same draws from the generator (argmax of p / q, q ~ Exp(1)), so
+    the same tokens, without multinomial's checks of probs, which wait for the GPU."""
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(dim=-1, keepdim=True)
 
 
 def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -90,11 +106,11 @@ def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[tor
         values, candidates = logits.topk(max(top_k), dim=-1)  # sorted; cheap when every row has a top-k
     else:
         values, candidates = logits.sort(dim=-1, descending=True)
-    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    temperature = to_device(torch.tensor([p.temperature for p in params]), dev).unsqueeze(1)
     values = values / temperature
     ranks = torch.arange(values.shape[1], device=dev).unsqueeze(0)
-    drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+    drop = ranks >= to_device(torch.tensor(top_k), dev).unsqueeze(1)
     probs = values.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    top_p = to_device(torch.tensor([p.top_p for p in params]), dev).unsqueeze(1)
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p
     return values.masked_fill(drop, float("-inf")).softmax(dim=-1), candidates, top_k

@@ -60,6 +60,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+from workers.host_copy import to_device
 from workers.model.vision_attention_fa4 import attention_fa4
 from workers.model.vision_attention_fa4 import require as require_fa4
 from workers.model import vision_attention_gluon_fp8 as fp8_gluon
@@ -145,7 +146,7 @@ def block_table(runs: list[tuple[int, int]], block_m: int, device: torch.device)
     rows = []
     for start, end in sorted(bounds, key=lambda b: b[0] - b[1]):
         rows.extend((q, start, end, key_starts[(start, end)]) for q in range(start, end, block_m))
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 4), device)
 
 
 class AttentionPlan:
@@ -173,14 +174,14 @@ class AttentionPlan:
         if device not in self._key_columns:
             shifts = torch.tensor([a - s for (s, _), a in zip(self._bounds, self._key_starts)], dtype=torch.int64)
             lengths = torch.tensor([e - s for s, e in self._bounds], dtype=torch.int64)
-            self._key_columns[device] = (torch.arange(self.patches) + shifts.repeat_interleave(lengths)).to(device)
+            self._key_columns[device] = to_device(torch.arange(self.patches) + shifts.repeat_interleave(lengths), device)
         return self._key_columns[device]
 
     def cu_lengths(self, device: torch.device) -> torch.Tensor:
         """int32 [frames + 1]: each frame's first row, then the patches (FlashAttention's cu_seqlens)."""
         if device not in self._cu_lengths:
             starts = [start for start, _ in self._bounds] + [self.patches]
-            self._cu_lengths[device] = torch.tensor(starts, dtype=torch.int32).to(device)
+            self._cu_lengths[device] = to_device(torch.tensor(starts, dtype=torch.int32), device)
         return self._cu_lengths[device]
 
     def useful_flops(self, num_heads: int, head_dim: int) -> float:
