@@ -61,6 +61,22 @@ def test_repeat_fixed_runs_the_fixed_catalogue_again_on_the_same_engine(capsys):
     assert ours["warm_up"] is None  # the engine warms itself up on CUDA only
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "model-defaults"])
+def test_the_requests_sample_as_asked_greedy_or_with_the_checkpoints_defaults(capsys, monkeypatch, sampling):
+    """--sampling model-defaults: every request of the parts and the catalogue picks tokens with generation_config's
+    temperature / top-p / top-k, as MLPerf's requests ask through the product path."""
+    from workers.sampler import Sampler
+
+    seen, sample = set(), Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, logits, ids, params, *a: (
+        seen.update((p.temperature, p.top_p, p.top_k) for p in params), sample(self, logits, ids, params, *a))[1])
+    result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--workloads", "fixed",
+                                "--decode-batches", "2", "--sampling", sampling])
+    capsys.readouterr()
+    assert result["ours"]["sampling"] == sampling and result["ours"]["catalogue"]["samples"] == 2
+    assert seen == ({(0.0, 1.0, 0)} if sampling == "greedy" else {(0.7, 0.8, 20)})
+
+
 def test_precisions_run_fp8_weights_beside_bf16_in_the_same_call(tmp_path, capsys):
     result = bench_engine.main(["--shape", "tiny", "--samples", "2", "--skip-baseline", "--precisions", "bf16,fp8",
                                 "--workloads", "fixed", "--catalogue-only"])

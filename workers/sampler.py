@@ -84,7 +84,7 @@ class Sampler:
             for j, i in enumerate(rows):
                 if params[i].seed is not None:
                     gen = self._generator(request_ids[i], params[i])
-                    # gathered, not indexed with a 0-d tensor (which reads it back to the host)
+                    # gathered: an index that is a 0-d tensor is read back to the host (aten/src/ATen/TensorIndexing.h)
                     tokens[i] = candidates[j].gather(0, draw(probs[j, : top_k[j]], gen))[0]
         return tokens
 

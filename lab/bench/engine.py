@@ -69,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-fusions", choices=["on", "off", "both"], default="on", help="the fused launches of a "
                    "text layer (residual add + RMSNorm + FP8 quantisation, the router's top-k + alignment); off: each "
                    "launched apart, as before them; both: each precision twice, off (keys ..._unfused) then on")
+    p.add_argument("--sampling", choices=["greedy", "model-defaults"], default="greedy", help="how our engine's "
+                   "requests pick tokens: greedy (the transformers baseline's), or the released checkpoints' "
+                   "generation_config.json defaults (temperature 0.7, top-p 0.8, top-k 20), which MLPerf's requests "
+                   "ask for through the product path")
     p.add_argument("--moe-configs", type=Path, default=None, help="a folder of tuned MoE tile tables to read "
                    "instead of workers/model/fused_moe_configs (scripts/tune_fp8.py --table-out writes one)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -37,15 +37,27 @@ def catalogues(args, w: Workload) -> dict[str, list]:
 PROFILE_AT = {"preparing": 2, "host": 20, "prepared": 40}
 
 
+def request_sampling(how: str, max_tokens: int):
+    """A bench request's SamplingParams: greedy, or ("model-defaults") the released checkpoints'
+    generation_config.json defaults, which the product path's requests ask for (use_model_defaults). The bench's
+    own checkpoint is greedy with no end token (engine_setup.write_config), so every request runs to max_tokens."""
+    from contract.types import SamplingParams
+    from workers.tiny_checkpoint import GENERATION_CONFIG as released
+
+    if how == "model-defaults":
+        return SamplingParams(temperature=released["temperature"], top_p=released["top_p"], top_k=released["top_k"],
+                              max_tokens=max_tokens)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
 def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, profile_out: Path | None = None,
-                  prepare_first: bool = False, prep_threads: int | None = None) -> dict:
+                  prepare_first: bool = False, prep_threads: int | None = None, sampling: str = "greedy") -> dict:
     """Offline: every request arrives at once. Preparation (image decode, resize, patches) runs on a thread pool
     and each request joins the engine when ready, as in the worker (AsyncEngine); samples/s is from the first
     preparation to the last token. prepare_first: every request is prepared before the first step (the A/B for
     what overlapping costs the engine's steps); engine_wall_s is then from the first step. prep_threads: the size of
-    the preparation pool (default: the engine's preprocess_threads, as the worker)."""
+    the preparation pool (default: the engine's preprocess_threads, as the worker). sampling: request_sampling's."""
     from lab.bench.catalogue_workload import describe
-    from contract.types import SamplingParams
 
     allocator_before = allocator_counts()
     kernels_before = triton_cache_kernels()
@@ -56,7 +68,7 @@ def run_catalogue(engine, requests: list, split: GpuTimeSplit | None, sync, prof
     profiles = {}
     with concurrent.futures.ThreadPoolExecutor(prep_threads or engine.config.preprocess_threads) as pool:
         pending = [pool.submit(engine.prepare_request, f"c{i}", r.prompt,
-                               SamplingParams(temperature=0.0, max_tokens=r.output_tokens))
+                               request_sampling(sampling, r.output_tokens))
                    for i, r in enumerate(requests)]
         if prepare_first:
             concurrent.futures.wait(pending)
@@ -123,7 +135,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
 
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from contract.types import PromptInput, SamplingParams
+    from contract.types import PromptInput
 
     from lab.bench.catalogue_workload import longest_request
 
@@ -153,13 +165,14 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
                     "mixed_step_graphs": engine.executor.step_graphs is not None,
                     "preprocess_threads": cfg.preprocess_threads, "warm_up": engine.warm_up_report,
                     "moe_configs": str(args.moe_configs or "workers/model/fused_moe_configs"),
-                    "overlap_decode_steps": cfg.overlap_decode_steps, "layer_fusions": args.layer_fusions != "off"}
+                    "overlap_decode_steps": cfg.overlap_decode_steps, "layer_fusions": args.layer_fusions != "off",
+                    "sampling": args.sampling}
     rng = np.random.default_rng(1)
-    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     counter = iter(range(10**9))
 
     def add_text(length: int, max_tokens: int) -> None:
-        engine.add_request(f"r{next(counter)}", PromptInput(rng.integers(1000, 100000, length).tolist()), greedy(max_tokens))
+        engine.add_request(f"r{next(counter)}", PromptInput(rng.integers(1000, 100000, length).tolist()),
+                           request_sampling(args.sampling, max_tokens))
 
     # warm-up: one short prefill + decodes (compiles Triton kernels, cuBLAS handles)
     for _ in range(2):
@@ -172,7 +185,8 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
     split = GpuTimeSplit(engine)
     for kind, requests in workloads.items():
         split.reset()
-        result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync, args.profile_out if kind == "fixed" else None)
+        result[CATALOGUE_KEYS[kind]] = run_catalogue(engine, requests, split, sync,
+                                                     args.profile_out if kind == "fixed" else None, sampling=args.sampling)
         log.info("catalogue %s: %s", kind, result[CATALOGUE_KEYS[kind]])
     if "fixed" in workloads:  # the same requests again: what the overlap costs the steps, on a warm engine
         variants = {} if args.catalogue_only else {"catalogue_prepared_first": dict(prepare_first=True)}
@@ -181,7 +195,7 @@ def bench_ours(args, w: Workload, checkpoint: Path) -> dict:
         variants.update({f"catalogue_run{n}": {} for n in range(2, args.repeat_fixed + 1)})
         for key, kwargs in variants.items():
             split.reset()
-            result[key] = run_catalogue(engine, workloads["fixed"], split, sync, **kwargs)
+            result[key] = run_catalogue(engine, workloads["fixed"], split, sync, sampling=args.sampling, **kwargs)
             log.info("%s: %s", key, result[key])
     if args.device.startswith("cuda"):
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

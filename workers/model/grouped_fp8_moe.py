@@ -10,9 +10,9 @@ grouped GEMM runs down, and a Triton kernel sums each token's k outputs times th
 
 Numbers: the reference is MoeExperts.grouped (activations rounded per token to e4m3, weights dequantised, float32
 products); this path also rounds the gate_up output to the activation dtype before silu (as the Triton path does),
-and accumulates with Hopper's fast FP8 accumulation (FAST_ACCUM says why). No host sync anywhere
-(moe_routing's pair layout: sort_pairs, or two kernels with the fused launches on), so it runs inside CUDA graphs; `available` probes torch and the GPU once, before
-any capture.
+and accumulates with Hopper's fast FP8 accumulation (FAST_ACCUM says why). No host sync anywhere (moe_routing's
+pair layout: sort_pairs, or two kernels with the fused launches on), so it runs inside CUDA graphs; `available`
+probes torch and the GPU once, before any capture.
 """
 
 from __future__ import annotations
