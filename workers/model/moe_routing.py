@@ -1,5 +1,6 @@
-"""MoE routing kernels: top-k expert choice from router logits, and the alignment of token-expert pairs into
-expert-sorted blocks for the grouped GEMMs; Triton on CUDA, with the torch references used on CPU.
+"""MoE routing kernels: top-k expert choice from router logits, the alignment of token-expert pairs into
+expert-sorted blocks for the tiled experts, and the pairs' rows for torch's grouped GEMMs (pair_layout); Triton on
+CUDA, with the torch references used on CPU.
 
 Both are graph-safe: output sizes depend only on the token count, and nothing is read back to the host.
 """
