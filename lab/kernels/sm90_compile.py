@@ -126,8 +126,7 @@ def compile_pair_layout(tokens: int = 8192, experts: int = 128, k: int = 8) -> C
 
     from workers.model import moe_routing
     pairs = tokens * k
-    chunk = max(moe_routing.ALIGN_SUB, triton.next_power_of_2(triton.cdiv(pairs, moe_routing.ALIGN_PROGRAMS)))
-    chunks, bins = triton.cdiv(pairs, chunk), triton.next_power_of_2(experts)
+    (chunk, chunks), bins = moe_routing.pair_chunks(pairs), triton.next_power_of_2(experts)
     ids, counts = torch.empty(pairs, dtype=torch.int64), torch.empty(chunks, bins, dtype=torch.int32)
     scales, offs = torch.empty(tokens), torch.empty(experts, dtype=torch.int32)
     pos, source, row_scales = torch.empty(pairs, dtype=torch.int64), torch.empty(pairs, dtype=torch.int64), torch.empty(pairs)

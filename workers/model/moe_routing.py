@@ -104,11 +104,7 @@ def pair_layout_triton(top_i: torch.Tensor, num_experts: int, foreign: bool, tok
     row_scales = torch.empty(num_pairs, dtype=torch.float32, device=device)
     offs = torch.zeros(num_experts, dtype=torch.int32, device=device)
     if num_pairs:
-        chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
-        num_chunks = triton.cdiv(num_pairs, chunk)
-        bins = triton.next_power_of_2(num_bins)
-        counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=device)
-        _align_count_kernel[(num_chunks,)](flat, counts, num_pairs, chunk, SUB=ALIGN_SUB, BINS=bins, num_warps=8)
+        chunk, num_chunks, bins, counts = _count_chunks(flat, num_bins)
         _pair_layout_kernel[(num_chunks,)](
             flat, counts, token_scales.reshape(-1), offs, pos, source, row_scales, num_pairs, chunk, num_chunks,
             num_experts, TOP_K=top_i.shape[1], SUB=ALIGN_SUB, BINS=bins, CHUNK_TILE=32, num_warps=8,
@@ -167,6 +163,23 @@ def align_pairs_reference(top_i: torch.Tensor, num_bins: int, block_m: int) -> t
     return sorted_ids, block_expert
 
 
+def pair_chunks(num_pairs: int) -> tuple[int, int]:
+    """(pairs a chunk, chunks): how the align and pair-layout kernels split a step's pairs, into about ALIGN_PROGRAMS
+    chunks of a power of two pairs (ALIGN_SUB at least), one chunk at least."""
+    chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
+    return chunk, max(1, triton.cdiv(num_pairs, chunk))
+
+
+def _count_chunks(flat: torch.Tensor, num_bins: int) -> tuple[int, int, int, torch.Tensor]:
+    """(pairs a chunk, chunks, the bins rounded up to a power of two, counts [chunks, bins]: each chunk's pairs in
+    each bin), the counts by one launch of _align_count_kernel."""
+    chunk, num_chunks = pair_chunks(flat.numel())
+    bins = triton.next_power_of_2(num_bins)
+    counts = torch.empty(num_chunks, bins, dtype=torch.int32, device=flat.device)
+    _align_count_kernel[(num_chunks,)](flat, counts, flat.numel(), chunk, SUB=ALIGN_SUB, BINS=bins, num_warps=8)
+    return chunk, num_chunks, bins, counts
+
+
 def align_pairs_triton(top_i: torch.Tensor, num_bins: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two kernels over chunks of pairs: per-chunk expert counts, then (each chunk again) the padded expert
     offsets from all counts, a stable scatter of the chunk's pairs, and its share of the padding rows and of
@@ -174,13 +187,9 @@ def align_pairs_triton(top_i: torch.Tensor, num_bins: int, block_m: int) -> tupl
     flat = top_i.reshape(-1)
     num_pairs = flat.numel()
     num_blocks = num_align_blocks(num_pairs, num_bins, block_m)
-    chunk = max(ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, ALIGN_PROGRAMS)))
-    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
-    bins_pow2 = triton.next_power_of_2(num_bins)
-    counts = torch.empty(num_chunks, bins_pow2, dtype=torch.int32, device=flat.device)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
-    _align_count_kernel[(num_chunks,)](flat, counts, num_pairs, chunk, SUB=ALIGN_SUB, BINS=bins_pow2, num_warps=8)
+    chunk, num_chunks, bins_pow2, counts = _count_chunks(flat, num_bins)
     _align_scatter_kernel[(num_chunks,)](
         flat, counts, sorted_ids, block_expert, num_pairs, chunk, num_chunks, num_bins, num_blocks,
         triton.cdiv(num_blocks, num_chunks), BLOCK_M=block_m, SUB=ALIGN_SUB, BINS=bins_pow2, CHUNK_TILE=32, num_warps=8,
