@@ -11,6 +11,11 @@ strided view of the fused qkv), at each --patches count as one frame:
   quantisation; `gluon_fp8_quantize_ms` its share);
 - FlashAttention-4 (--flash-attn4; the optional flash-attn-4 package, workers/model/vision_attention_fa4.py);
 - `varlen`: one step's mix of images in one call (SDPA: one call per run of equal sizes; ours: one launch).
+- `*_queued`: the same calls back to back, timed around the loop (the host queues each call while the one before runs,
+  as it does in a tower pass of 27 layers): at small frames a single call's events also time the host's launch work,
+  which the tower hides.
+- `mixes` (--mixes): a step's images of the realistic catalogue's sizes (each S x S patches; the catalogue's median
+  image is 62 x 62), per mix one attention call over all its frames and one tower pass, with each attention.
 - `tower` (--tower-side S): the whole 235B tower (random weights) on one S x S-patch image with each attention, ms
   (median), and the outputs' error against transformers' float32 module on --accuracy-side A.
 - `tower_shards` (--tower-shards 2,4,8): one rank's part of the tower split n ways (engine.vision_tensor_parallel:
@@ -34,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lab.bench.gpu_timing import median_us
+from lab.bench.gpu_timing import median_us, time_us
 from workers.model import vision_attention as va
 from workers.model.vision_attention_fa4 import PACKAGE as FA4_PACKAGE
 from workers.model.vision_attention_fa4 import installed as installed_fa4
@@ -51,6 +56,9 @@ SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBack
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 REFERENCE_ROWS = 1024
 VARLEN_MIX = [(62500, 1), (16384, 1), (4096, 2), (1024, 8)]  # (patches per frame, frames): one busy step
+# Server steps of the realistic catalogue (run142's trace): 4,096-16,383 of the tower's patches in most, in a few
+# images; the catalogue's median image is 961 visual tokens (62 x 62 patches), its mean 5,288 patches.
+DEFAULT_MIXES = "62,62,48;88,62,48,32;124,88,62,48,32"
 
 
 def parse_configs(text: str) -> list[va.KernelConfig]:
@@ -68,6 +76,19 @@ def parse_configs(text: str) -> list[va.KernelConfig]:
 def median_ms(fn, reps: int) -> float:
     """Median of `reps` event-timed calls, in ms, after a warm-up call."""
     return median_us(fn, reps) / 1e3
+
+
+def queued_ms(fn, reps: int) -> float:
+    """ms a call of `reps` calls queued back to back (one pair of events around the loop), after a warm-up call."""
+    return time_us(fn, reps) / 1e3
+
+
+def parse_mixes(text: str) -> list[list[int]]:
+    """'S,S,...;S,...' -> per mix, its images' sides in patches (each image S x S patches, one frame)."""
+    mixes = [[int(x) for x in item.split(",")] for item in filter(None, text.split(";"))]
+    if any(side < 2 or side % 2 for mix in mixes for side in mix):
+        raise ValueError(f"--mixes {text!r}: image sides are even patch counts (the tower merges 2 x 2 patches)")
+    return mixes
 
 
 def tower_inputs(patches: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,11 +159,12 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
     def record(name: str, fn) -> None:
         try:
             got = fn()
-            ms = median_ms(fn, reps)
+            ms, queued = median_ms(fn, reps), queued_ms(fn, reps)
         except Exception as exc:  # a backend or tile shape that does not run here: say why, go on
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             return
         out[name] = {"ms": round(ms, 3), "attention_tflops": round(flops / ms / 1e9, 1),
+                     "ms_queued": round(queued, 3), "attention_tflops_queued": round(flops / queued / 1e9, 1),
                      "error_vs_fp32": relative_error(got[:rows], want)}
 
     for name, backend in SDPA_BACKENDS.items():
@@ -173,23 +195,53 @@ def bench_kernels(patches: int, configs, fp8_configs, reps: int, device: str, sd
     return out
 
 
-def bench_varlen(configs: dict, reps: int, device: str) -> dict:
-    """One call over VARLEN_MIX's frames: SDPA per run of equal sizes against one launch of ours."""
-    patches = sum(n * c for n, c in VARLEN_MIX)
+def bench_varlen(configs: dict, reps: int, device: str, frames: list[tuple[int, int]] = VARLEN_MIX) -> dict:
+    """One call over the frames (runs of (patches, frames), VARLEN_MIX's by default): SDPA per run of equal sizes
+    against one launch of ours; ms a call alone and queued back to back."""
+    patches = sum(n * c for n, c in frames)
     q, k, v = tower_inputs(patches, device, seed=1)
-    plan = va.AttentionPlan(VARLEN_MIX)
+    plan = va.AttentionPlan(frames)
     flops = plan.useful_flops(HEADS, HEAD_DIM)
     scale = HEAD_DIM**-0.5
     want = va.attention_reference(q, k, v, plan.runs, scale)
-    out: dict = {"frames": [list(r) for r in VARLEN_MIX], "useful_tflop": round(flops / 1e12, 3)}
+    out: dict = {"frames": [list(r) for r in frames], "useful_tflop": round(flops / 1e12, 3)}
     fns = {"sdpa": lambda: va.attention_reference(q, k, v, plan.runs, scale)}
     for impl, c in configs.items():
         fns[name_of(impl, c)] = lambda impl=impl, c=c: va.vision_attention(q, k, v, plan, scale, impl, c)
     for name, fn in fns.items():
         got = fn()
-        ms = median_ms(fn, reps)
+        ms, queued = median_ms(fn, reps), queued_ms(fn, reps)
         out[name] = {"ms": round(ms, 3), "attention_tflops": round(flops / ms / 1e9, 1),
+                     "ms_queued": round(queued, 3), "attention_tflops_queued": round(flops / queued / 1e9, 1),
                      "difference_vs_sdpa": relative_error(got, want.float())}
+    return out
+
+
+def mix_runs(sides: list[int]) -> list[tuple[int, int]]:
+    """Images of sides x sides patches, in order -> runs of (patches per frame, consecutive frames of that size),
+    as the tower's plan holds them."""
+    runs: list[tuple[int, int]] = []
+    for side in sides:
+        if runs and runs[-1][0] == side * side:
+            runs[-1] = (side * side, runs[-1][1] + 1)
+        else:
+            runs.append((side * side, 1))
+    return runs
+
+
+def bench_mix(module, sides: list[int], configs: dict, reps: int, device: str) -> dict:
+    """A step's images of these sides: one attention call over their frames (bench_varlen), and one tower pass with
+    each attention ("sdpa", "auto": the product's, and each of configs' with its chosen tiles), ms alone and queued."""
+    runs = mix_runs(sides)
+    out: dict = {"sides": sides, "patches": sum(n * c for n, c in runs),
+                 "attention": bench_varlen(configs, reps, device, runs)}
+    in_features = module.patch_embed.proj.weight[0].numel()
+    grid = torch.tensor([[1, side, side] for side in sides])
+    x = torch.randn(out["patches"], in_features, device=device).to(torch.bfloat16)
+    for impl in ("sdpa", "auto", *configs):
+        tower = VisionTower(module, gelu_epilogue=True, attention=impl)
+        out[f"tower_{impl}_ms"] = round(median_ms(lambda t=tower: t(x, grid), reps), 2)
+        out[f"tower_{impl}_ms_queued"] = round(queued_ms(lambda t=tower: t(x, grid), reps), 2)
     return out
 
 
@@ -272,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tower-shards", default="", help="n,...: one rank's part of the tower split n ways (no "
                    "all-reduces), on the --tower-side image with the chosen attention")
     p.add_argument("--accuracy-side", type=int, default=128)
+    p.add_argument("--mixes", default="", help=f"'S,S,...;...': steps of images S x S patches each, one attention "
+                   f"call and one tower pass a step with each attention (realistic: {DEFAULT_MIXES!r})")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or va.triton is None:
@@ -280,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"bench_vision_attention --flash-attn4: the {FA4_PACKAGE} package is not installed here")
     device = "cuda"
     configs, fp8_configs = parse_configs(args.configs), parse_configs(args.fp8_configs)
+    mixes = parse_mixes(args.mixes)
     result: dict = {
         "bench": "vision_attention",
         "device": torch.cuda.get_device_name(device),
@@ -306,8 +361,10 @@ def main(argv: list[str] | None = None) -> dict:
             best["flash_attn4"] = None
         result["varlen"] = bench_varlen(best, args.reps, device)
         va.DEFAULT_CONFIGS.update({impl: c for impl, c in best.items() if c is not None})  # the towers: chosen tiles
+        module = tower_module(device, torch.bfloat16) if args.tower_side or mixes else None
+        if mixes:
+            result["mixes"] = [bench_mix(module, sides, best, args.reps, device) for sides in mixes]
         if args.tower_side:
-            module = tower_module(device, torch.bfloat16)
             result["tower"] = bench_tower(module, args.tower_side, args.accuracy_side, best, max(3, args.reps // 2),
                                           device)
             if args.tower_shards:
