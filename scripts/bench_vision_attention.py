@@ -2,7 +2,7 @@
 JSON object.
 Usage: python -m scripts.bench_vision_attention [--patches 4096,16384,35344,62500] [--reps N] [--configs ...]
                                                 [--fp8-configs ...] [--tower-side 250] [--tower-shards 2,4,8]
-                                                [--accuracy-side 128] [--out FILE]
+                                                [--accuracy-side 128] [--mixes 'S,S;S,...'] [--out FILE]
 """
 
 import sys
