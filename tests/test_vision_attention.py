@@ -189,6 +189,21 @@ def test_auto_runs_our_kernel_for_a_call_with_a_large_frame_and_sdpa_otherwise(m
     assert torch.equal(va.vision_attention(q, k, v, plan, 0.1, "auto"), theirs)
 
 
+def test_auto_takes_our_kernel_for_a_large_frame_or_a_large_call_over_frames_of_several_sizes(monkeypatch):
+    """SDPA takes a call a run of equal frames and a concatenation, our kernel one launch over every frame: a call
+    over several runs goes to ours once it is large enough and has a frame long enough for our tiles."""
+    monkeypatch.setattr(va, "AUTO_KERNEL_FROM_PATCHES", 1000)
+    monkeypatch.setattr(va, "AUTO_MIXED_FROM_PATCHES", 99)
+    monkeypatch.setattr(va, "AUTO_MIXED_LARGEST_FROM", 37)
+    assert va.call_kernel("auto", va.AttentionPlan(RUNS)) == "gluon"  # 99 patches in three runs, the largest 37
+    assert va.call_kernel("auto", va.AttentionPlan([(37, 2), (20, 1)])) == "sdpa"  # 94 patches in all
+    assert va.call_kernel("auto", va.AttentionPlan([(33, 3)])) == "sdpa"  # 99 patches, one run: one SDPA call
+    monkeypatch.setattr(va, "AUTO_MIXED_LARGEST_FROM", 38)
+    assert va.call_kernel("auto", va.AttentionPlan(RUNS)) == "sdpa"  # no frame long enough
+    monkeypatch.setattr(va, "AUTO_KERNEL_FROM_PATCHES", 33)
+    assert va.call_kernel("auto", va.AttentionPlan([(33, 3)])) == "gluon"  # one run of large frames
+
+
 def test_fp8_descriptor_operands_are_padded_and_transposed_for_aligned_tiles():
     q, k, v = draw([(5, 1), (20, 1)], 2, 72, "cpu", torch.float32, seed=5)
     q8, k8, vt, qk_scale, v_scale = va.quantize_for_descriptors(q, k, v, va.AttentionPlan([(5, 1), (20, 1)]), 96)

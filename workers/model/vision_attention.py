@@ -29,7 +29,8 @@ Six implementations, and a rule among them, chosen by EngineConfig.vision_attent
   flash-attn-4 package is installed, for a call whose largest frame has FA4_FROM_PATCHES or more, else "sdpa";
   named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
 - "auto": "gluon" (on sm_90; "triton" on other GPUs) for a call whose largest frame has AUTO_KERNEL_FROM_PATCHES or
-  more, else "sdpa".
+  more, or whose frames come in several sizes (SDPA: a call a size, then a concatenation) with AUTO_MIXED_FROM_PATCHES
+  in all and a frame of AUTO_MIXED_LARGEST_FROM or more; else "sdpa" (call_kernel).
 
 On the H200 (benchmarks/README.md, runs 79-84), 16 heads, useful TFLOP/s: "triton" 386 at 62,500 patches against
 cuDNN's 331 (1.17x), 340-368 against 371-383 at 16,384, 168-263 against 250-296 at 4,096; the 235B tower on a
@@ -71,10 +72,18 @@ from workers.model.vision_attention_gluon import (
 from workers.model.vision_attention_gluon_fp8 import DEFAULT_GLUON_FP8_CONFIG, GluonFp8Config
 
 IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "gluon_fp8", "flash_attn4")
-# "auto": our kernel for a call whose largest frame has at least this many patches, cuDNN's below. On the H200
-# (run94) the Gluon kernel ran 0.71x cuDNN at 4,096 patches, 1.02x at 16,384 and 1.26x at 62,500, and 1.27x on one
-# launch over a step's mix of sizes with a 62,500-patch frame in it (Triton's, run80: 0.75-0.89x, 0.96x, 1.15x).
-AUTO_KERNEL_FROM_PATCHES = 24_000
+# "auto": our kernel for a call whose largest frame has at least AUTO_KERNEL_FROM_PATCHES patches, or whose frames
+# come in more than one size with AUTO_MIXED_FROM_PATCHES in all and one of AUTO_MIXED_LARGEST_FROM or more; cuDNN's
+# for the rest. On an H100 (run156, benchmarks/README.md, the forty-fifth pass; calls queued back to back, as a tower
+# pass queues them) one frame of 4,096 patches ran 354 useful TFLOP/s on cuDNN against 279 on the Gluon kernel, one
+# of 16,384 389 against 418. Over a step's images of the realistic catalogue's sizes, where SDPA takes a call a size
+# and a concatenation and the Gluon kernel one launch, the tower pass took 33.5 -> 32.9 ms (62, 62 and 48 patches a
+# side: 9,992 patches), 62.1 -> 56.7 ms (88, 62, 48, 32: 14,916) and 179.2 -> 156.6 ms (124, 88, 62, 48, 32). Until
+# then (run94, an H200: 0.71x cuDNN at 4,096, 1.02x at 16,384, single calls whose events also timed the host's
+# launch work) the kernel took only calls with a frame of 24,000 patches.
+AUTO_KERNEL_FROM_PATCHES = 12_000
+AUTO_MIXED_FROM_PATCHES = 8_192
+AUTO_MIXED_LARGEST_FROM = 3_600  # frames of ~1,024 patches: cuDNN 48.7 against 22.7 TFLOP/s (run156), ~2x
 # "flash_attn4": FlashAttention-4 for a call whose largest frame has at least this many patches, cuDNN's below. On an
 # H100 (run136) it ran 0.83x cuDNN at 4,096 patches, 1.25x at 16,384 and 1.30x at 35,344 and 62,500 (between 4,096
 # and 16,384 not measured).
@@ -229,13 +238,22 @@ def gluon_fp8_runs(q: torch.Tensor) -> bool:
 
 
 def call_kernel(impl: str, plan: AttentionPlan) -> str:
-    """The implementation a call over plan's frames runs under `impl`: "auto" and "flash_attn4" take SDPA for a call
-    whose largest frame is under their sizes (AUTO_KERNEL_FROM_PATCHES, FA4_FROM_PATCHES)."""
+    """The implementation a call over plan's frames runs under `impl`: "auto" takes SDPA unless auto_takes_ours(plan),
+    "flash_attn4" for a call whose largest frame is under FA4_FROM_PATCHES."""
     if impl == "auto":
-        return large_frame_kernel(impl) if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES else "sdpa"
+        return large_frame_kernel(impl) if auto_takes_ours(plan) else "sdpa"
     if impl == "flash_attn4" and plan.largest_frame < FA4_FROM_PATCHES:
         return "sdpa"
     return impl
+
+
+def auto_takes_ours(plan: AttentionPlan) -> bool:
+    """Whether "auto" runs our kernel over plan's frames: a frame of AUTO_KERNEL_FROM_PATCHES or more, or frames of
+    more than one run (SDPA's calls: one a run of equal frames) with AUTO_MIXED_FROM_PATCHES in all and one of
+    AUTO_MIXED_LARGEST_FROM."""
+    if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES:
+        return True
+    return len(plan.runs) > 1 and plan.patches >= AUTO_MIXED_FROM_PATCHES and plan.largest_frame >= AUTO_MIXED_LARGEST_FROM
 
 
 def large_frame_kernel(impl: str) -> str:
