@@ -80,10 +80,12 @@ IMPLEMENTATIONS = ("auto", "sdpa", "triton", "triton_fp8", "gluon", "gluon_fp8",
 # and a concatenation and the Gluon kernel one launch, the tower pass took 33.5 -> 32.9 ms (62, 62 and 48 patches a
 # side: 9,992 patches), 62.1 -> 56.7 ms (88, 62, 48, 32: 14,916) and 179.2 -> 156.6 ms (124, 88, 62, 48, 32). Until
 # then (run94, an H200: 0.71x cuDNN at 4,096, 1.02x at 16,384, single calls whose events also timed the host's
-# launch work) the kernel took only calls with a frame of 24,000 patches.
+# launch work) the kernel took only calls with a frame of 24,000 patches. One frame between 4,096 and 16,384 patches
+# is not measured: 12,000 is a guess at where the two cross. The smallest mix measured had 9,992 patches and a
+# largest frame of 3,844; a frame of 1,024 ran 48.7 useful TFLOP/s on cuDNN against 22.7 on ours.
 AUTO_KERNEL_FROM_PATCHES = 12_000
 AUTO_MIXED_FROM_PATCHES = 8_192
-AUTO_MIXED_LARGEST_FROM = 3_600  # frames of ~1,024 patches: cuDNN 48.7 against 22.7 TFLOP/s (run156), ~2x
+AUTO_MIXED_LARGEST_FROM = 3_600
 # "flash_attn4": FlashAttention-4 for a call whose largest frame has at least this many patches, cuDNN's below. On an
 # H100 (run136) it ran 0.83x cuDNN at 4,096 patches, 1.25x at 16,384 and 1.30x at 35,344 and 62,500 (between 4,096
 # and 16,384 not measured).
@@ -239,7 +241,7 @@ def gluon_fp8_runs(q: torch.Tensor) -> bool:
 
 def call_kernel(impl: str, plan: AttentionPlan) -> str:
     """The implementation a call over plan's frames runs under `impl`: "auto" takes SDPA unless auto_takes_ours(plan),
-    "flash_attn4" for a call whose largest frame is under FA4_FROM_PATCHES."""
+    "flash_attn4" takes it for a call whose largest frame is under FA4_FROM_PATCHES."""
     if impl == "auto":
         return large_frame_kernel(impl) if auto_takes_ours(plan) else "sdpa"
     if impl == "flash_attn4" and plan.largest_frame < FA4_FROM_PATCHES:
