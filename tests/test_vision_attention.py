@@ -196,6 +196,7 @@ def test_auto_takes_our_kernel_for_a_large_frame_or_a_large_call_over_frames_of_
     monkeypatch.setattr(va, "AUTO_MIXED_FROM_PATCHES", 99)
     monkeypatch.setattr(va, "AUTO_MIXED_LARGEST_FROM", 37)
     assert va.call_kernel("auto", va.AttentionPlan(RUNS)) == "gluon"  # 99 patches in three runs, the largest 37
+    assert va.call_kernel("auto", va.AttentionPlan(RUNS), gluon=False) == "sdpa"  # measured with the Gluon kernel
     assert va.call_kernel("auto", va.AttentionPlan([(37, 2), (20, 1)])) == "sdpa"  # 94 patches in all
     assert va.call_kernel("auto", va.AttentionPlan([(33, 3)])) == "sdpa"  # 99 patches, one run: one SDPA call
     monkeypatch.setattr(va, "AUTO_MIXED_LARGEST_FROM", 38)

@@ -29,8 +29,8 @@ Six implementations, and a rule among them, chosen by EngineConfig.vision_attent
   flash-attn-4 package is installed, for a call whose largest frame has FA4_FROM_PATCHES or more, else "sdpa";
   named only, never chosen by "auto" (not in the GPU image; thirty-ninth pass);
 - "auto": "gluon" (on sm_90; "triton" on other GPUs) for a call whose largest frame has AUTO_KERNEL_FROM_PATCHES or
-  more, or whose frames come in several sizes (SDPA: a call a size, then a concatenation) with AUTO_MIXED_FROM_PATCHES
-  in all and a frame of AUTO_MIXED_LARGEST_FROM or more; else "sdpa" (call_kernel).
+  more, or (on Hopper) whose frames come in several sizes (SDPA: a call a size, then a concatenation) with
+  AUTO_MIXED_FROM_PATCHES in all and a frame of AUTO_MIXED_LARGEST_FROM or more; else "sdpa" (call_kernel).
 
 On the H200 (benchmarks/README.md, runs 79-84), 16 heads, useful TFLOP/s: "triton" 386 at 62,500 patches against
 cuDNN's 331 (1.17x), 340-368 against 371-383 at 16,384, 168-263 against 250-296 at 4,096; the 235B tower on a
@@ -209,7 +209,7 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: At
         raise ValueError(f"vision attention {impl!r}: expected one of {IMPLEMENTATIONS}")
     if q.shape[0] != plan.patches:
         raise RuntimeError(f"vision attention planned for {plan.patches} patches, got {q.shape[0]}")
-    impl = call_kernel(impl, plan)
+    impl = call_kernel(impl, plan, gluon=supports_gluon(q))
     if impl == "flash_attn4" and q.is_cuda:
         return attention_fa4(q, k, v, plan.cu_lengths(q.device), plan.largest_frame, scale)
     if impl in ("sdpa", "flash_attn4") or not supports_triton(q):
@@ -239,23 +239,26 @@ def gluon_fp8_runs(q: torch.Tensor) -> bool:
     return supports_gluon(q) and fp8_gluon.QK_PART < q.shape[2] < fp8_gluon.V_ROWS
 
 
-def call_kernel(impl: str, plan: AttentionPlan) -> str:
-    """The implementation a call over plan's frames runs under `impl`: "auto" takes SDPA unless auto_takes_ours(plan),
-    "flash_attn4" takes it for a call whose largest frame is under FA4_FROM_PATCHES."""
+def call_kernel(impl: str, plan: AttentionPlan, gluon: bool = True) -> str:
+    """The implementation a call over plan's frames runs under `impl`: "auto" takes SDPA unless auto_takes_ours(plan,
+    gluon), "flash_attn4" takes it for a call whose largest frame is under FA4_FROM_PATCHES. gluon: whether the Gluon
+    kernel runs where the call does (Hopper)."""
     if impl == "auto":
-        return large_frame_kernel(impl) if auto_takes_ours(plan) else "sdpa"
+        return large_frame_kernel(impl) if auto_takes_ours(plan, gluon) else "sdpa"
     if impl == "flash_attn4" and plan.largest_frame < FA4_FROM_PATCHES:
         return "sdpa"
     return impl
 
 
-def auto_takes_ours(plan: AttentionPlan) -> bool:
-    """Whether "auto" runs our kernel over plan's frames: a frame of AUTO_KERNEL_FROM_PATCHES or more, or frames of
-    more than one run (SDPA's calls: one a run of equal frames) with AUTO_MIXED_FROM_PATCHES in all and one of
-    AUTO_MIXED_LARGEST_FROM."""
+def auto_takes_ours(plan: AttentionPlan, gluon: bool = True) -> bool:
+    """Whether "auto" runs our kernel over plan's frames: a frame of AUTO_KERNEL_FROM_PATCHES or more, or, where the
+    Gluon kernel runs (gluon), frames of more than one run (SDPA's calls: one a run of equal frames) with
+    AUTO_MIXED_FROM_PATCHES in all and one of AUTO_MIXED_LARGEST_FROM (the Triton kernel, which runs elsewhere, was
+    0.94x SDPA on the smallest mix measured, run156)."""
     if plan.largest_frame >= AUTO_KERNEL_FROM_PATCHES:
         return True
-    return len(plan.runs) > 1 and plan.patches >= AUTO_MIXED_FROM_PATCHES and plan.largest_frame >= AUTO_MIXED_LARGEST_FROM
+    return (gluon and len(plan.runs) > 1 and plan.patches >= AUTO_MIXED_FROM_PATCHES
+            and plan.largest_frame >= AUTO_MIXED_LARGEST_FROM)
 
 
 def large_frame_kernel(impl: str) -> str:
