@@ -54,8 +54,8 @@ class EngineConfig(BaseModel):
         "whose largest image has 16,384 patches or more, else 'sdpa': needs the optional flash-attn-4 package, which "
         "the engine's warm-up checks), or 'auto': 'gluon' for a tower call whose largest image has 12,000 patches "
         "or more, or, on Hopper, whose images come in several sizes with 8,192 patches in all and one of 3,600 "
-        "or more (SDPA takes a call a size), else 'sdpa' (vision_attention.auto_takes_ours; measured on an H100, run156). The CPU "
-        "runs SDPA whichever is named."
+        "or more (SDPA takes a call a size), else 'sdpa' (vision_attention.auto_takes_ours; measured on an H100, "
+        "run156). The CPU runs SDPA whichever is named."
     )
     image_decode: Literal["pil", "nvjpeg"] = Field(
         "pil", description="How requests' images become the tower's pixels: 'pil' decodes (libjpeg for JPEG) and "
