@@ -107,3 +107,15 @@ def test_the_pair_layout_scatter_builds_for_sm90_without_spills_at_an_8k_step():
         "import json; from lab.kernels.sm90_compile import compile_pair_layout; k = compile_pair_layout(8192); "
         "print(json.dumps({'spills': k.spill_instructions, 'stack': k.stack_bytes}))")
     assert built["spills"] == 0 and built["stack"] == 0, built
+
+
+@pytest.mark.skipif(not (SITE / ".installed").is_file(), reason="no Triton packages: run scripts/bootstrap.sh")
+def test_the_towers_values_with_ones_read_and_write_whole_16_byte_pieces_on_sm90():
+    """vision_attention._values_with_ones_kernel: V's 72 bf16 columns (144 bytes of a qkv row) in and 80 fp16 columns
+    out, each in 16-byte pieces (head_dim and width are compile-time constants for that), without spills."""
+    built = run_with_triton(
+        "import re, json; from lab.kernels.sm90_compile import compile_values_with_ones; k = compile_values_with_ones(); "
+        "ops = re.findall(r'\\b(LDG|STG)(\\.[A-Z0-9._]*)', k.sass); "
+        "print(json.dumps({'wide': sum(w.endswith('.128') for _, w in ops), "
+        "'narrow': [o + w for o, w in ops if not w.endswith('.128') and w != '.E'], 'spills': k.spill_instructions}))")
+    assert built["narrow"] == [] and built["wide"] >= 2 and built["spills"] == 0, built

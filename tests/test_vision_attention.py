@@ -131,6 +131,27 @@ def test_half_exp_values_carry_a_ones_column_for_the_row_sums():
         va.values_with_ones(v, 3)
 
 
+def test_the_values_with_ones_of_cpu_tensors_are_the_torch_references():
+    v = draw([(9, 1)], 2, 5, "cpu", torch.bfloat16, seed=2)[2]
+    assert torch.equal(va.values_with_ones(v, 8), va.values_with_ones_reference(v, 8))
+
+
+@ON_INTERPRETER
+@pytest.mark.parametrize("dim, width", [(5, 8), (72, 80)])
+def test_the_values_with_ones_kernel_writes_the_torch_references_bits(dim, width):
+    """One launch in place of four torch ops, bit for bit: v read through the fused projection's strides, clamped
+    into fp16's range, rounded to nearest even, the ones column and the zeros after it."""
+    _, _, v = draw([(37, 1), (20, 1)], 3, dim, "cpu", torch.bfloat16, seed=4)
+    v.mul_(torch.tensor(10.0, dtype=torch.bfloat16) ** torch.randint(-9, 6, v.shape))  # fp16's subnormals to past its range
+    v[0, 0, 0], v[1, 2, 1] = float("nan"), float("-inf")
+    got = va.values_with_ones(v, width)
+    want = va.values_with_ones_reference(v, width)
+    assert v.stride(0) == 3 * 3 * dim and got.is_contiguous()  # v: a view of the fused projection's rows
+    nan = want.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)  # a NaN stays one (its sign and payload are the converter's)
+    assert torch.equal(got.masked_fill(nan, 0).view(torch.int16), want.masked_fill(nan, 0).view(torch.int16))
+
+
 @ON_INTERPRETER
 @pytest.mark.parametrize("config", [SMALL_FP8, SMALL_FP8_DESCRIPTORS, SMALL_FP8_LAZY],
                          ids=["pointers", "descriptors", "lazy"])

@@ -1,7 +1,8 @@
 """Kernels compiled for sm_90 on any machine, GPU or not (the Gluon vision attention kernels, bf16 and FP8, from the
 command line; the text layer's fused norm and quantisation from compile_add_norm_quant, the FP8 MoE's silu and
-quantisation from compile_silu_mul_quant, the paged decode attention from compile_paged_decode): their registers,
-spills and the machine code's counts, read off the cubin with the tools Triton ships (cuobjdump).
+quantisation from compile_silu_mul_quant, the paged decode attention from compile_paged_decode, the tower's V with
+its ones column from compile_values_with_ones): their registers, spills and the machine code's counts, read off the
+cubin with the tools Triton ships (cuobjdump).
 
 Triton compiles for the target it is given; only launching needs a device. A stand-in driver names sm_90 as the
 current target, so `warmup` compiles the kernel for tensors of the tower's shapes on the CPU.
@@ -133,6 +134,17 @@ def compile_pair_layout(tokens: int = 8192, experts: int = 128, k: int = 8) -> C
     return _compile(moe_routing._pair_layout_kernel,
                     (ids, counts, scales, offs, pos, source, row_scales, pairs, chunk, chunks, experts),
                     dict(TOP_K=k, SUB=moe_routing.ALIGN_SUB, BINS=bins, CHUNK_TILE=32, num_warps=8))
+
+
+def compile_values_with_ones(patches: int = 16384) -> CompiledKernel:
+    """Compile the tower's fp16 V with its ones column (vision_attention.values_with_ones) for sm_90, as the Gluon
+    kernel's call launches it: V a view of the fused qkv projection's rows, 16 heads of 72, out rows of 80."""
+    from workers.model import vision_attention as va
+    qkv = torch.empty(patches, 3, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    v = qkv[:, 2]
+    out = torch.empty(patches, HEADS, V_COLS, dtype=torch.float16)
+    return _compile(va._values_with_ones_kernel, (v, out, patches * HEADS, HEADS, v.stride(0), va.F16_SAFE_MAX),
+                    dict(DIM=HEAD_DIM, WIDTH=V_COLS, BLOCK_R=32, COLS=128, num_warps=4))
 
 
 def compile_paged_decode(fp8: bool = True, tiles=None, batch: int = 256, heads: int = 32, kv_heads: int = 4,

@@ -392,15 +392,53 @@ F16_SAFE_MAX = 65280.0
 def values_with_ones(v: torch.Tensor, width: int) -> torch.Tensor:
     """v [N, heads, dim] as fp16 [N, heads, width] for the half_exp kernel: v's columns (clamped to fp16's range,
     exact for bf16 values within it), then a column of ones, so that P @ V's tail accumulates each row's sum of P in
-    the tensor cores' float32 (the kernel then adds no row sums of its own), then zeros. Needs width > dim."""
+    the tensor cores' float32 (the kernel then adds no row sums of its own), then zeros. Needs width > dim. One
+    Triton launch where Triton runs (values_with_ones_reference's four torch ops wrote and read a clamped copy of v
+    and crossed every row twice more for the ones and the zeros; each tower block makes this once)."""
     seq, heads, dim = v.shape
     if width <= dim:
         raise ValueError(f"values_with_ones: no column for the row sums past head_dim {dim} in width {width}")
+    if not supports_triton(v) or v.stride(2) != 1 or v.stride(1) != dim:
+        return values_with_ones_reference(v, width)
+    out = v.new_empty(seq, heads, width, dtype=torch.float16)
+    rows = seq * heads
+    if rows:
+        block_r = 32
+        _values_with_ones_kernel[(triton.cdiv(rows, block_r),)](
+            v, out, rows, heads, v.stride(0), F16_SAFE_MAX,
+            DIM=dim, WIDTH=width, BLOCK_R=block_r, COLS=triton.next_power_of_2(width), num_warps=4,
+        )
+    return out
+
+
+def values_with_ones_reference(v: torch.Tensor, width: int) -> torch.Tensor:
+    """values_with_ones in torch."""
+    seq, heads, dim = v.shape
     out = v.new_empty(seq, heads, width, dtype=torch.float16)
     out[:, :, :dim] = v.clamp(-F16_SAFE_MAX, F16_SAFE_MAX)
     out[:, :, dim] = 1.0
     out[:, :, dim + 1:] = 0.0
     return out
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _values_with_ones_kernel(v_ptr, out_ptr, rows, heads, stride_n, safe_max, DIM: tl.constexpr,
+                                 WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, COLS: tl.constexpr):
+        """BLOCK_R rows (token, head) of v (a token's heads DIM apart) -> their fp16 rows of WIDTH: v's DIM columns
+        clamped to +-safe_max (NaN kept), a one at column DIM, zeros after; rounded once, float32 to fp16 to nearest
+        even, as torch's copy rounds. DIM and WIDTH known at compile time, so that rows of 72 and 80 go in 16-byte
+        pieces (a head's stride as an argument, 72 is no multiple of 16, and Triton read every element alone)."""
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        col = tl.arange(0, COLS)
+        live = row < rows
+        src = v_ptr + (row // heads)[:, None] * stride_n + (row % heads)[:, None] * DIM + col[None, :]
+        x = tl.load(src, mask=live[:, None] & (col < DIM)[None, :], other=0.0).to(tl.float32)
+        x = tl.clamp(x, -safe_max, safe_max, propagate_nan=tl.PropagateNan.ALL)
+        x = tl.where((col == DIM)[None, :], 1.0, x)
+        tl.store(out_ptr + row[:, None] * WIDTH + col[None, :], x.to(tl.float16),
+                 mask=live[:, None] & (col < WIDTH)[None, :])
 
 
 def _launch_descriptors(q, k, v, out, plan: AttentionPlan, scale: float, config: KernelConfig, d0: int, d1: int):
