@@ -41,9 +41,8 @@ BLOCK_TILE = 64  # blocks the last program fills a pass
 # took 192 launches out of a batch-256 decode step and none of its GPU time, and an 8k-token prefill step went from
 # 92.8 to 94.9 ms. Small decode batches, where a launch's fixed cost weighs most, are not measured yet
 # (bench_engine --layer-fusions both --decode-batches ...). bench_engine --layer-fusions on|both sets it.
-# Since then the fused norm's kernel reads and writes 16-byte pieces: in run151's 8k-token prefill step (one H100,
-# the forty-fourth pass) it took 36 us a call, where the norm (41 us) and the quantisation (24 us) it replaces took
-# 65. On or off is for --layer-fusions both to decide, on a GPU, before the default changes.
+# Since then norm_quant's kernel has changed (its FUSED says how); on or off is for --layer-fusions both to decide,
+# on a GPU, before the default changes.
 FUSED = False
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # the ticket counter of each device, 0 between launches

@@ -262,7 +262,7 @@ def auto_takes_ours(plan: AttentionPlan, gluon: bool = True) -> bool:
 
 
 def large_frame_kernel(impl: str) -> str:
-    """The implementation `impl` runs for a frame of AUTO_KERNEL_FROM_PATCHES patches or more."""
+    """The implementation `impl` runs where it takes our kernel (for "auto": where auto_takes_ours says so)."""
     return "gluon" if impl == "auto" else impl
 
 
